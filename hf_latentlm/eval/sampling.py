@@ -1,0 +1,54 @@
+"""The one interface the evaluation harness needs from a model: draw continuations.
+
+`sample_continuations(model, contexts, num_tokens, seed)` works for any model with a
+`generate()` that follows the transformers contract (`do_sample`, `max_new_tokens`,
+`attention_mask`). Pure ancestral sampling (temperature 1, no top-k/top-p) and no early stop at
+the end-of-document token, so every row yields exactly `num_tokens` draws from the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def unbiased_sampling_kwargs(num_tokens: int) -> dict:
+    """generate() options for plain draws from the model's distribution, exactly `num_tokens` long.
+    `eos_token_id=None` keeps EOS as an ordinary token instead of a stop signal."""
+    return dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=num_tokens,
+                eos_token_id=None)
+
+
+@torch.no_grad()
+def sample_continuations(model, contexts: torch.Tensor, num_tokens: int, seed: int,
+                         attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Return [B, num_tokens] sampled ids continuing each row of `contexts` [B, T]."""
+    if contexts.dim() != 2 or contexts.shape[0] == 0:
+        raise ValueError(f"contexts must be a non-empty [batch, length] tensor, got shape {tuple(contexts.shape)}")
+    device = next(model.parameters()).device
+    contexts = contexts.to(device)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(contexts)
+    torch.manual_seed(seed)
+    out = model.generate(contexts, attention_mask=attention_mask.to(device), **unbiased_sampling_kwargs(num_tokens))
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    new = sequences[:, contexts.shape[1]:]
+    if new.shape[1] != num_tokens:
+        raise RuntimeError(f"model generated {new.shape[1]} tokens, expected {num_tokens}")
+    return new.cpu()
+
+
+def evaluation_windows(stream: torch.Tensor, num_positions: int, context_len: int, target_len: int):
+    """Evenly spaced (context, target) windows over a 1-D token stream.
+
+    Returns contexts [P, context_len] and targets [P, target_len] with P = min(num_positions,
+    available positions). Every window has the same context length, so batches need no padding
+    and every family sees exactly the same prompts.
+    """
+    available = stream.numel() - context_len - target_len + 1
+    if available < 1:
+        raise ValueError(f"text of {stream.numel()} tokens is too short for context {context_len} + target {target_len}")
+    count = min(num_positions, available)
+    starts = torch.linspace(0, available - 1, count).round().long().unique()
+    offsets_ctx = torch.arange(context_len)
+    offsets_tgt = torch.arange(target_len) + context_len
+    return stream[starts[:, None] + offsets_ctx], stream[starts[:, None] + offsets_tgt]

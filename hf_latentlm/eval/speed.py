@@ -1,0 +1,78 @@
+"""Generation speed: wall-clock tokens/s including prefill, and model calls per generated token.
+
+Model calls are counted with a forward hook on the model itself, so the count is honest for any
+decoding scheme (one call per token for AR, fewer for multi-token families). A warm-up run is
+discarded; the reported figure is the median of `repeats` timed runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .sampling import unbiased_sampling_kwargs
+
+
+class CallCounter:
+    """Counts calls of `module.forward` while active (context manager)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.calls, self._handle = module, 0, None
+
+    def _hook(self, *_):
+        self.calls += 1
+
+    def __enter__(self):
+        self.calls = 0
+        self._handle = self.module.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        self._handle.remove()
+
+
+@torch.no_grad()
+def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int = 64, repeats: int = 3,
+                             seed: int = 0, generate_kwargs: dict | None = None) -> dict:
+    """Time `model.generate` on a batch of equal-length prompts [B, T] (B rows generate in parallel).
+
+    Returns tokens_per_s (new tokens over all rows / median wall time), model_calls_per_token
+    (forward calls / new tokens per row), the per-run times and the batch size.
+    """
+    if prompts.dim() != 2 or prompts.shape[0] == 0:
+        raise ValueError(f"prompts must be a non-empty [batch, length] tensor, got {tuple(prompts.shape)}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    device = next(model.parameters()).device
+    prompts = prompts.to(device)
+    kwargs = unbiased_sampling_kwargs(max_new_tokens)
+    kwargs.update(generate_kwargs or {})
+    was_training = model.training
+    model.eval()
+
+    def run():
+        torch.manual_seed(seed)
+        with CallCounter(model) as counter:
+            start = time.perf_counter()
+            out = model.generate(prompts, attention_mask=torch.ones_like(prompts), **kwargs)
+            elapsed = time.perf_counter() - start
+        sequences = out.sequences if hasattr(out, "sequences") else out
+        return elapsed, counter.calls, sequences.shape[1] - prompts.shape[1]
+
+    run()  # warm-up: allocator, kernels, lazy initialisation
+    runs = [run() for _ in range(repeats)]
+    model.train(was_training)
+    times = [r[0] for r in runs]
+    calls, new_tokens = runs[-1][1], runs[-1][2]
+    median = statistics.median(times)
+    return {
+        "batch_size": prompts.shape[0],
+        "prompt_len": prompts.shape[1],
+        "new_tokens_per_row": new_tokens,
+        "tokens_per_s": prompts.shape[0] * new_tokens / median,
+        "model_calls_per_token": calls / max(new_tokens, 1),
+        "median_s": median,
+        "times_s": times,
+    }

@@ -1,0 +1,49 @@
+"""Family registry: how `hf-latentlm train --family NAME --preset P` builds a fresh model.
+
+Each entry turns a preset plus a tokenizer into an untrained `PreTrainedModel` whose forward
+returns `loss` (and, optionally, named 0-dim loss parts) for `input_ids`/`labels` batches, which
+is all the shared training loop needs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from .presets import Preset, get_preset
+
+
+def build_ar_baseline(preset: Preset, tokenizer, **overrides) -> LlamaForCausalLM:
+    """The matched autoregressive baseline: transformers' own `LlamaForCausalLM` with the
+    preset's dimensions (RMSNorm, SwiGLU, RoPE, GQA — the same core as our families)."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_layers,
+        num_attention_heads=preset.num_heads,
+        num_key_value_heads=preset.num_kv_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        rope_theta=preset.rope_theta,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        **overrides,
+    )
+    return LlamaForCausalLM(config)
+
+
+FAMILIES: dict[str, Callable[[Preset, object], PreTrainedModel]] = {
+    "ar": build_ar_baseline,
+}
+
+
+def build_model(family: str, preset: str | Preset, tokenizer, **overrides) -> PreTrainedModel:
+    """A fresh model of `family` at `preset`; `overrides` go to the family's config."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
+    if isinstance(preset, str):
+        preset = get_preset(preset)
+    return FAMILIES[family](preset, tokenizer, **overrides)

@@ -1,0 +1,176 @@
+"""Atomic, pickle-free training checkpoints.
+
+A checkpoint folder `checkpoint-<step>` holds:
+- the model (`save_pretrained`: config + safetensors weights) and the tokenizer files, so the
+  folder alone is enough for `generate`, `eval` and a Hub upload;
+- `optimizer.safetensors`: every optimizer state tensor, keyed `state.<param index>.<name>`;
+- `rng_rank<r>.safetensors`: torch (CPU, and CUDA when present) RNG state of each process;
+- `trainer_state.json`: step, data position, optimizer param groups, scheduler state, Python
+  and NumPy RNG state, the training config.
+Everything is written into a temporary sibling folder and renamed into place, so a crash
+never leaves a half-written `checkpoint-<step>`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+STATE_FILE = "trainer_state.json"
+
+
+def optimizer_state_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
+    state = optimizer.state_dict()
+    tensors = {}
+    for index, per_param in state["state"].items():
+        for name, value in per_param.items():
+            tensors[f"state.{index}.{name}"] = torch.as_tensor(value).contiguous().cpu()
+    return tensors, state["param_groups"]
+
+
+def optimizer_state_from_flat(tensors: dict, param_groups: list) -> dict:
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        _, index, name = key.split(".", 2)
+        state.setdefault(int(index), {})[name] = value
+    return {"state": state, "param_groups": param_groups}
+
+
+def capture_rng_state() -> tuple[dict, dict]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = s
+    np_state = np.random.get_state()
+    tensors["numpy_keys"] = torch.from_numpy(np.asarray(np_state[1], dtype=np.int64))
+    py_version, py_internal, py_gauss = random.getstate()
+    meta = {
+        "python": [py_version, list(py_internal), py_gauss],
+        "numpy": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+    return tensors, meta
+
+
+def restore_rng_state(tensors: dict, meta: dict) -> None:
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda."))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    name, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((name, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = meta["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints in `output_dir`, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := CHECKPOINT_PATTERN.match(p.name)) and (p / STATE_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    checkpoints = list_checkpoints(output_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def atomic_directory_write(target: Path, write) -> None:
+    """Call `write(tmp_dir)` then move `tmp_dir` to `target`, replacing an older `target`."""
+    target = Path(target)
+    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    if target.exists():
+        old = target.parent / f".old-{target.name}-{os.getpid()}"
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, target)
+
+
+def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, scheduler, state: dict,
+                    keep_last: int | None = 2) -> Path:
+    """Write `checkpoint-<step>` atomically (main process only) and prune older ones."""
+    target = Path(output_dir) / f"checkpoint-{step:07d}"
+
+    def write(folder: Path):
+        model.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        tensors, param_groups = optimizer_state_to_flat(optimizer)
+        save_file(tensors, folder / "optimizer.safetensors")
+        rng_tensors, rng_meta = capture_rng_state()
+        save_file(rng_tensors, folder / "rng_rank0.safetensors")
+        full_state = dict(state, step=step, param_groups=param_groups,
+                          scheduler=scheduler.state_dict(), rng={"0": rng_meta})
+        (folder / STATE_FILE).write_text(json.dumps(full_state, indent=1, default=_json_default))
+
+    atomic_directory_write(target, write)
+    if keep_last:
+        for old in list_checkpoints(output_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def save_rank_rng(checkpoint: Path, rank: int) -> None:
+    """Non-main ranks add their own RNG state next to the main process's checkpoint."""
+    tensors, meta = capture_rng_state()
+    tmp = checkpoint / f".tmp-rng_rank{rank}.safetensors"
+    save_file(tensors, tmp)
+    os.replace(tmp, checkpoint / f"rng_rank{rank}.safetensors")
+    meta_tmp = checkpoint / f".tmp-rng_rank{rank}.json"
+    meta_tmp.write_text(json.dumps(meta))
+    os.replace(meta_tmp, checkpoint / f"rng_rank{rank}.json")
+
+
+def load_checkpoint(checkpoint: Path, model, optimizer, scheduler, rank: int = 0) -> dict:
+    """Restore weights, optimizer, scheduler and this rank's RNG; return the trainer state."""
+    checkpoint = Path(checkpoint)
+    state = json.loads((checkpoint / STATE_FILE).read_text())
+    weights = {}
+    for shard in sorted(checkpoint.glob("model*.safetensors")):
+        weights.update(load_file(shard))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    # Tied weights are stored once; anything else missing means a different architecture.
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    really_missing = [k for k in missing if k not in tied]
+    if really_missing or unexpected:
+        raise ValueError(f"checkpoint {checkpoint} does not match the model: missing {really_missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    if "lm_head.weight" in missing and getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    optimizer.load_state_dict(optimizer_state_from_flat(load_file(checkpoint / "optimizer.safetensors"),
+                                                        state["param_groups"]))
+    scheduler.load_state_dict(state["scheduler"])
+    rng_file = checkpoint / f"rng_rank{rank}.safetensors"
+    if rng_file.is_file():
+        meta = state["rng"]["0"] if rank == 0 else json.loads((checkpoint / f"rng_rank{rank}.json").read_text())
+        restore_rng_state(load_file(rng_file), meta)
+    return state
+
+
+def _json_default(value):
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    raise TypeError(f"cannot store {type(value).__name__} in trainer_state.json")

@@ -1,0 +1,88 @@
+"""Offline default corpus and tokenizer shipped inside the package.
+
+The corpus is the Project Gutenberg Shakespeare (42 works: 37 plays and 5
+poems, public domain), cleaned and split by whole work:
+
+* ``validation``: hamlet, tempest, twelfth_night
+* ``test``: macbeth, much_ado_about_nothing
+* ``train``: the other 37 works
+
+It is stored as ``hf_latentlm/data/shakespeare.jsonl.xz`` (one JSON object
+``{"name", "split", "text"}`` per work). The default tokenizer is a byte-level
+BPE (vocab 4096; ``<|endoftext|>`` = id 0 is bos/eos, ``<|pad|>`` = id 1)
+trained on the train split, stored in ``hf_latentlm/data/tokenizer/``.
+Both are rebuilt by ``scripts/build_corpus.py`` (see ``docs/corpus.md``).
+Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+from pathlib import Path
+
+CORPUS_SPLITS = ("train", "validation", "test")
+
+_CORPUS_FILE = ("data", "shakespeare.jsonl.xz")
+_TOKENIZER_DIR = ("data", "tokenizer")
+
+
+def _data_path(*parts: str) -> Path:
+    """Filesystem path of a file shipped under ``hf_latentlm/``."""
+    # The package is installed as plain files (editable or wheel), so the data
+    # folder sits next to this module's parent package.
+    return Path(__file__).resolve().parent.parent.joinpath(*parts)
+
+
+def load_corpus_records() -> list[dict[str, str]]:
+    """All works of the packaged corpus as ``{"name", "split", "text"}`` dicts, in file order."""
+    raw = _data_path(*_CORPUS_FILE).read_bytes()
+    lines = lzma.decompress(raw).decode("utf-8").splitlines()
+    return [json.loads(line) for line in lines if line]
+
+
+def load_corpus_documents(split: str) -> list[str]:
+    """One string per work of ``split`` ("train", "validation" or "test"), in file order.
+
+    Raises:
+        ValueError: if ``split`` is not one of :data:`CORPUS_SPLITS`.
+    """
+    if split not in CORPUS_SPLITS:
+        raise ValueError(f"unknown corpus split {split!r}; expected one of {CORPUS_SPLITS}")
+    return [r["text"] for r in load_corpus_records() if r["split"] == split]
+
+
+def default_tokenizer_path() -> str:
+    """Folder of the packaged default tokenizer (loadable with ``AutoTokenizer``)."""
+    return str(_data_path(*_TOKENIZER_DIR))
+
+
+def load_default_tokenizer():
+    """The packaged byte-level BPE tokenizer, loaded offline with ``AutoTokenizer``."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_tokenizer_path())
+
+
+def load_text_documents(paths: list[str]) -> list[str]:
+    """Read users' own UTF-8 text files, one document per file, in the given order.
+
+    A leading byte-order mark is dropped and line endings are normalised to
+    ``\\n``; the text is otherwise unchanged.
+
+    Raises:
+        ValueError: if a path does not exist, is not a file, or holds only whitespace.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    documents = []
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            what = "is not a file" if p.exists() else "does not exist"
+            raise ValueError(f"text file {str(path)!r} {what}")
+        text = p.read_text(encoding="utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
+        if not text.strip():
+            raise ValueError(f"text file {str(path)!r} is empty")
+        documents.append(text)
+    return documents

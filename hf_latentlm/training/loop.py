@@ -1,0 +1,314 @@
+"""One training loop for every family, on Accelerate.
+
+Any model whose forward takes `input_ids`/`labels` and returns `loss` trains here; every other
+0-dim tensor in its output (e.g. `encoder_nll`, `decoder_nll`, `alignment_loss`) is logged as a
+named loss part. Data order is a pure function of (seed, step, rank), so training resumes
+exactly where it stopped, on one process or many (`torchrun --nproc_per_node N` or
+`accelerate launch --multi_gpu --num_processes N`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from ..families import build_model
+from ..presets import get_preset
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_rank_rng
+from .corpus import load_default_tokenizer
+from .data import documents_to_dataset, load_split_documents, pack_dataset
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a training run. `None` means "take the preset's default".
+
+    family / preset: what to build (`hf_latentlm.families`, `hf_latentlm.presets`).
+    output_dir: checkpoints (`checkpoint-<step>`), `metrics.jsonl` and the final model.
+    max_steps: optimizer steps; the learning-rate schedule spans exactly this many.
+    stop_at_step: stop early after this step (checkpoint written) as if interrupted;
+        continue later with `resume=True`. The schedule still spans `max_steps`.
+    batch_size: sequences per device per micro-step; grad_accum: micro-steps per optimizer
+        step; the global batch is batch_size × grad_accum × number of processes.
+    seq_len: packed sequence length in tokens.
+    learning_rate, schedule ("cosine" | "wsd"), warmup_steps (default: the preset's, capped at
+        a tenth of max_steps), min_lr_ratio (floor of the decay
+        as a fraction of the peak), decay_fraction (WSD: share of steps spent decaying).
+    weight_decay, adam_beta1, adam_beta2, adam_eps, grad_clip: AdamW settings (decay is not
+        applied to norms, biases or other 1-D parameters).
+    eval_every / eval_batches: validation loss every N steps over the first N batches of the
+        validation split (0 disables). save_every: checkpoint period (the last step always
+        saves); keep_checkpoints: how many to keep. log_every: metrics period.
+    train_files / validation_files: the user's own text files instead of the embedded corpus;
+        tokenizer: a tokenizer folder or hub id instead of the embedded one.
+    mixed_precision: passed to Accelerate ("no", "bf16", "fp16").
+    """
+
+    family: str = "ar"
+    preset: str = "small"
+    output_dir: str = "runs/ar-small"
+    max_steps: int | None = None
+    stop_at_step: int | None = None
+    batch_size: int | None = None
+    grad_accum: int = 1
+    seq_len: int | None = None
+    learning_rate: float | None = None
+    schedule: str = "cosine"
+    warmup_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 20
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    resume: bool = False
+    train_files: list[str] | None = None
+    validation_files: list[str] | None = None
+    tokenizer: str | None = None
+    mixed_precision: str = "no"
+    progress_bar: bool = True
+    model_kwargs: dict = field(default_factory=dict)
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with every `None` filled from the preset, checked for bad values."""
+        preset = get_preset(self.preset)
+        values = asdict(self)
+        for name in ("max_steps", "batch_size", "seq_len", "learning_rate"):
+            if values[name] is None:
+                values[name] = getattr(preset, name)
+        if values["warmup_steps"] is None:
+            # A shortened run (--max-steps) keeps warmup to at most a tenth of its steps.
+            values["warmup_steps"] = min(preset.warmup_steps, values["max_steps"] // 10)
+        cfg = TrainConfig(**values)
+        for name in ("max_steps", "batch_size", "grad_accum", "seq_len"):
+            if getattr(cfg, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+        if cfg.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be positive, got {cfg.learning_rate}")
+        if cfg.schedule not in ("cosine", "wsd"):
+            raise ValueError(f"schedule must be 'cosine' or 'wsd', got {cfg.schedule!r}")
+        if not 0 <= cfg.warmup_steps <= cfg.max_steps:
+            raise ValueError(f"warmup_steps must be in [0, max_steps={cfg.max_steps}], got {cfg.warmup_steps}")
+        if cfg.stop_at_step is not None and not 1 <= cfg.stop_at_step <= cfg.max_steps:
+            raise ValueError(f"stop_at_step must be in [1, max_steps={cfg.max_steps}], got {cfg.stop_at_step}")
+        if cfg.seq_len > preset.max_position_embeddings:
+            raise ValueError(f"seq_len {cfg.seq_len} exceeds the preset's max_position_embeddings "
+                             f"{preset.max_position_embeddings}")
+        return cfg
+
+
+def lr_multiplier(step: int, cfg: TrainConfig) -> float:
+    """Learning-rate factor for optimizer step `step` (0-based): linear warmup, then cosine
+    decay to `min_lr_ratio`, or warmup-stable-decay with a linear decay over the last
+    `decay_fraction` of the steps."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "cosine":
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    decay_steps = max(1, int(cfg.decay_fraction * cfg.max_steps))
+    decay_start = cfg.max_steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    return 1.0 - (1 - cfg.min_lr_ratio) * min(1.0, (step - decay_start + 1) / decay_steps)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_eps)
+
+
+def sample_indices(step: int, micro: int, rank: int, world: int, cfg: TrainConfig, num_rows: int) -> torch.Tensor:
+    """Rows of the packed training set for one micro-batch: a fresh seeded permutation per epoch,
+    consumed in order by (step, micro-step, rank). Pure function, hence exact resume."""
+    global_batch = cfg.batch_size * cfg.grad_accum * world
+    start = step * global_batch + (micro * world + rank) * cfg.batch_size
+    positions = torch.arange(start, start + cfg.batch_size)
+    epochs = positions // num_rows
+    out = torch.empty_like(positions)
+    for epoch in epochs.unique().tolist():
+        perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
+        sel = epochs == epoch
+        out[sel] = perm[positions[sel] % num_rows]
+    return out
+
+
+def loss_parts(output) -> dict[str, float]:
+    """Every 0-dim tensor of a model output other than `loss`: the named parts to log."""
+    parts = {}
+    for key, value in output.items():
+        if key != "loss" and isinstance(value, torch.Tensor) and value.dim() == 0:
+            parts[key] = value.detach().float().item()
+    return parts
+
+
+@torch.no_grad()
+def evaluate_loss(model, rows: torch.Tensor, batch_size: int, accelerator: Accelerator) -> float:
+    """Mean loss over validation rows, split across processes and averaged over batches."""
+    model.eval()
+    shard = rows[accelerator.process_index::accelerator.num_processes]
+    total = torch.zeros(2, device=accelerator.device)
+    for start in range(0, len(shard), batch_size):
+        batch = shard[start:start + batch_size].to(accelerator.device)
+        total += torch.stack([model(input_ids=batch, labels=batch).loss.float(), torch.ones((), device=accelerator.device)])
+    total = accelerator.reduce(total, reduction="sum")
+    model.train()
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor | None = None,
+          val_rows: torch.Tensor | None = None, on_step: Callable[[int, dict], None] | None = None) -> dict:
+    """Train `cfg.family` at `cfg.preset` (or the given model) and return the last metrics.
+
+    `train_rows` / `val_rows` ([N, seq_len] id tensors) override the data pipeline, e.g. for a
+    `datasets.Dataset` packed with `pack_dataset(...)["input_ids"]`.
+    """
+    cfg = cfg.resolved()
+    # Without cpu=True, Accelerate under torchrun on a CPU-only machine silently runs every
+    # process as an independent single-process job (DistributedType.NO).
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
+    set_seed(cfg.seed)
+    output_dir = Path(cfg.output_dir)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+
+    if tokenizer is None:
+        if cfg.tokenizer:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+        else:
+            tokenizer = load_default_tokenizer()
+    if train_rows is None:
+        docs = load_split_documents("train", cfg.train_files, cfg.validation_files)
+        train_rows = pack_dataset(documents_to_dataset(docs), tokenizer, cfg.seq_len)["input_ids"]
+    if val_rows is None and cfg.eval_every > 0:
+        docs = load_split_documents("validation", cfg.train_files, cfg.validation_files)
+        val_rows = pack_dataset(documents_to_dataset(docs), tokenizer, cfg.seq_len)["input_ids"]
+    if val_rows is not None:
+        val_rows = val_rows[: cfg.eval_batches * cfg.batch_size]
+
+    if model is None:
+        model = build_model(cfg.family, cfg.preset, tokenizer, **cfg.model_kwargs)
+    optimizer = make_optimizer(model, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+
+    start_step = 0
+    if cfg.resume:
+        checkpoint = latest_checkpoint(output_dir)
+        if checkpoint is None:
+            raise FileNotFoundError(f"--resume: no checkpoint-* folder in {output_dir}")
+        state = load_checkpoint(checkpoint, model, optimizer, scheduler, rank=accelerator.process_index)
+        start_step = state["step"]
+        if accelerator.is_main_process:
+            print(f"resumed from {checkpoint} at step {start_step}")
+    # The scheduler is stepped by us once per optimizer step, so it is not prepared.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
+    end_step = cfg.stop_at_step if cfg.stop_at_step is not None else cfg.max_steps
+    metrics_path = output_dir / "metrics.jsonl"
+    bar = tqdm(total=end_step, initial=start_step, disable=not (cfg.progress_bar and accelerator.is_main_process),
+               desc=f"{cfg.family}-{cfg.preset}", dynamic_ncols=True)
+    last: dict = {}
+    window_start, window_tokens = time.perf_counter(), 0
+
+    for step in range(start_step, end_step):
+        step_loss, parts_sum = 0.0, {}
+        for micro in range(cfg.grad_accum):
+            rows = train_rows[sample_indices(step, micro, rank, world, cfg, len(train_rows))].to(accelerator.device)
+            sync = nullcontext() if micro == cfg.grad_accum - 1 else accelerator.no_sync(model)
+            with sync, accelerator.autocast():
+                output = model(input_ids=rows, labels=rows)
+                accelerator.backward(output.loss / cfg.grad_accum)
+            step_loss += output.loss.detach().float().item() / cfg.grad_accum
+            for key, value in loss_parts(output).items():
+                parts_sum[key] = parts_sum.get(key, 0.0) + value / cfg.grad_accum
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        window_tokens += tokens_per_step
+        done = step + 1
+
+        last = {"step": done, "loss": step_loss, **parts_sum, "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(grad_norm)}
+        if done % cfg.log_every == 0 or done == end_step:
+            elapsed = time.perf_counter() - window_start
+            last["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
+            window_start, window_tokens = time.perf_counter(), 0
+            _append_jsonl(metrics_path, last, accelerator)
+            bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+        if val_rows is not None and cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == end_step):
+            last["val_loss"] = evaluate_loss(model, val_rows, cfg.batch_size, accelerator)
+            _append_jsonl(metrics_path, {"step": done, "val_loss": last["val_loss"]}, accelerator)
+            if accelerator.is_main_process:
+                bar.write(f"step {done}: val_loss {last['val_loss']:.4f}")
+        if done % cfg.save_every == 0 or done == end_step:
+            _save(accelerator, output_dir, done, model, tokenizer, optimizer, scheduler, cfg)
+        if on_step is not None:
+            on_step(done, last)
+        bar.update(1)
+    bar.close()
+
+    if accelerator.is_main_process and end_step == cfg.max_steps:
+        _save_final(output_dir, accelerator.unwrap_model(model), tokenizer)
+    accelerator.wait_for_everyone()
+    return last
+
+
+def _save(accelerator, output_dir, step, model, tokenizer, optimizer, scheduler, cfg):
+    state = {"data_position": step * cfg.batch_size * cfg.grad_accum * accelerator.num_processes,
+             "num_processes": accelerator.num_processes, "config": asdict(cfg)}
+    checkpoint = None
+    if accelerator.is_main_process:
+        checkpoint = save_checkpoint(output_dir, step, accelerator.unwrap_model(model), tokenizer,
+                                     optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer,
+                                     scheduler, state, keep_last=cfg.keep_checkpoints)
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        save_rank_rng(Path(output_dir) / f"checkpoint-{step:07d}", accelerator.process_index)
+    accelerator.wait_for_everyone()
+    return checkpoint
+
+
+def _save_final(output_dir: Path, model, tokenizer):
+    """The finished model and tokenizer at the top of `output_dir`, each file replaced atomically."""
+    tmp = output_dir / f".tmp-final-{os.getpid()}"
+    model.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    for item in tmp.iterdir():
+        os.replace(item, output_dir / item.name)
+    tmp.rmdir()
+
+
+def _append_jsonl(path: Path, record: dict, accelerator: Accelerator):
+    if accelerator.is_main_process:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
