@@ -1,0 +1,204 @@
+"""`hf-latentlm` command line: train, generate, eval, bench.
+
+Every user mistake (bad argument, missing folder, empty prompt, unknown preset or family)
+ends with ONE line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .families import FAMILIES
+from .presets import PRESETS
+
+DEFAULT_SAMPLE_PROMPT = "ROMEO.\n"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="hf-latentlm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+
+    t = sub.add_parser("train", help="train a model on the embedded corpus (or your text files)")
+    t.add_argument("--family", default="ar", help=f"model family: {', '.join(sorted(FAMILIES))}")
+    t.add_argument("--preset", default="small", help=f"model size: {', '.join(PRESETS)}")
+    t.add_argument("--output-dir", required=True)
+    t.add_argument("--max-steps", type=int, help="optimizer steps (default: the preset's)")
+    t.add_argument("--stop-at-step", type=int, help="stop early after this step; continue later with --resume")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    t.add_argument("--batch-size", type=int)
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--seq-len", type=int)
+    t.add_argument("--learning-rate", type=float)
+    t.add_argument("--schedule", choices=["cosine", "wsd"], default="cosine")
+    t.add_argument("--warmup-steps", type=int)
+    t.add_argument("--eval-every", type=int, default=100)
+    t.add_argument("--save-every", type=int, default=100)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--train-file", action="append", help="your own text file (repeatable; one document each)")
+    t.add_argument("--validation-file", action="append")
+    t.add_argument("--tokenizer", help="tokenizer folder or hub id (default: the embedded BPE)")
+    t.add_argument("--sample-prompt", default=DEFAULT_SAMPLE_PROMPT, help="prompt for the sample printed at the end")
+    t.add_argument("--no-sample", action="store_true", help="do not print a sample after training")
+
+    g = sub.add_parser("generate", help="continue a prompt with a trained model")
+    g.add_argument("--model", required=True, help="model folder written by train")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=100)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--greedy", action="store_true")
+
+    e = sub.add_parser("eval", help="Brier-n / BrierLM / BrierLM-2 (+ NLL, MAUVE) as JSON")
+    e.add_argument("--model", required=True)
+    e.add_argument("--split", default="validation", choices=["validation", "test"])
+    e.add_argument("--num-positions", type=int, default=20000)
+    e.add_argument("--context-len", type=int, default=128)
+    e.add_argument("--batch-size", type=int, default=64)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--mauve", action="store_true", help="also MAUVE (needs `pip install hf-latentlm[eval]`)")
+
+    b = sub.add_parser("bench", help="several models side by side in one run, ratios to a baseline")
+    b.add_argument("--model", action="append", required=True, metavar="NAME=DIR",
+                   help="a model to measure (repeatable)")
+    b.add_argument("--baseline", help="NAME of the baseline (default: the first model)")
+    b.add_argument("--num-positions", type=int, default=20000)
+    b.add_argument("--context-len", type=int, default=128)
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--mauve", action="store_true")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--output", default="docs/benchmarks.json")
+    b.add_argument("--markdown", default="docs/benchmarks_table.md")
+    return parser
+
+
+def cmd_train(args) -> int:
+    from .training.loop import TrainConfig, train
+
+    cfg = TrainConfig(
+        family=args.family, preset=args.preset, output_dir=args.output_dir, max_steps=args.max_steps,
+        stop_at_step=args.stop_at_step, resume=args.resume, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        seq_len=args.seq_len, learning_rate=args.learning_rate, schedule=args.schedule,
+        warmup_steps=args.warmup_steps, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
+        train_files=args.train_file, validation_files=args.validation_file, tokenizer=args.tokenizer,
+    )
+    if cfg.family not in FAMILIES:
+        raise ValueError(f"unknown family {cfg.family!r}; choose one of {sorted(FAMILIES)}")
+    cfg.resolved()  # fail on bad values before loading any data
+    metrics = train(cfg)
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
+    finished = cfg.stop_at_step is None or cfg.stop_at_step == cfg.resolved().max_steps
+    if finished and not args.no_sample and int(os.environ.get("RANK", "0")) == 0:
+        from .eval.speed import measure_generation_speed
+        from .loading import load_model_and_tokenizer
+
+        model, tokenizer = load_model_and_tokenizer(args.output_dir)
+        text, _ = generate_text(model, tokenizer, args.sample_prompt, max_new_tokens=100, seed=args.seed)
+        ids = tokenizer(args.sample_prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        speed = measure_generation_speed(model, ids, max_new_tokens=64, repeats=1)
+        print(f"\n--- sample ({speed['tokens_per_s']:.0f} tokens/s, {speed['model_calls_per_token']:.2f} "
+              f"model calls per token) ---\n{args.sample_prompt}{text}\n---")
+    return 0
+
+
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, seed: int = 0, **sampling) -> tuple[str, int]:
+    import torch
+
+    if not prompt or not prompt.strip():
+        raise ValueError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                         f"position limit {limit}")
+    torch.manual_seed(seed)
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    kwargs.update(sampling)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kwargs)
+    new = out[0, ids.shape[1]:]
+    return tokenizer.decode(new, skip_special_tokens=True), new.numel()
+
+
+def cmd_generate(args) -> int:
+    from .loading import load_model_and_tokenizer
+
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty")
+    if args.temperature <= 0:
+        raise ValueError(f"--temperature must be positive, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    sampling = {"do_sample": False} if args.greedy else dict(temperature=args.temperature, top_k=args.top_k,
+                                                             top_p=args.top_p)
+    text, _ = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.seed, **sampling)
+    print(args.prompt + text)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .eval.harness import evaluate_model
+    from .loading import load_model_and_tokenizer
+
+    if args.num_positions < 1:
+        raise ValueError(f"--num-positions must be at least 1, got {args.num_positions}")
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    result = evaluate_model(model, tokenizer, args.split, args.num_positions, args.context_len, args.batch_size,
+                            args.seed, mauve=args.mauve, progress=True)
+    result["model"] = args.model
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .eval.bench import benchmark_models, write_report
+
+    models = {}
+    for item in args.model:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--model expects NAME=DIR, got {item!r}")
+        if name in models:
+            raise ValueError(f"model name {name!r} given twice")
+        models[name] = path
+    baseline = args.baseline or next(iter(models))
+    report = benchmark_models(models, baseline, args.num_positions, args.context_len,
+                              max_new_tokens=args.max_new_tokens, repeats=args.repeats, mauve=args.mauve,
+                              seed=args.seed)
+    print(write_report(report, args.output, args.markdown))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        from datasets.utils.logging import disable_progress_bar
+        from transformers.utils import logging as hf_logging
+
+        # The CLI shows its own progress; per-map and weight-loading bars are noise here.
+        disable_progress_bar()
+        hf_logging.disable_progress_bar()
+        return COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f"hf-latentlm {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

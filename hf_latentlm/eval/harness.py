@@ -1,0 +1,54 @@
+"""Evaluate one model on a split of the embedded corpus: Brier-n/BrierLM(-2), NLL, MAUVE.
+
+Every family is measured through the same sampling interface (`sampling.sample_continuations`),
+on the same evenly spaced windows of the split, so numbers are comparable across families.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..training.corpus import load_corpus_documents
+from ..training.data import token_stream
+from .brier import evaluate_brier
+from .nll import evaluate_nll, has_likelihood
+from .sampling import evaluation_windows, sample_continuations
+
+
+def split_stream(tokenizer, split: str = "validation") -> torch.Tensor:
+    return token_stream(load_corpus_documents(split), tokenizer)
+
+
+def nll_rows(stream: torch.Tensor, seq_len: int = 256) -> torch.Tensor:
+    n = stream.numel() // seq_len
+    if n == 0:
+        raise ValueError(f"stream of {stream.numel()} tokens is shorter than seq_len {seq_len}")
+    return stream[: n * seq_len].view(n, seq_len)
+
+
+def generate_mauve_texts(model, tokenizer, stream: torch.Tensor, num_samples: int = 400, prompt_len: int = 64,
+                         continuation_len: int = 128, batch_size: int = 16, seed: int = 0) -> tuple[list[str], list[str]]:
+    """Model continuations of held-out prompts and the human continuations of the same prompts."""
+    prompts, human = evaluation_windows(stream, num_samples, prompt_len, continuation_len)
+    model_texts = []
+    for i, start in enumerate(range(0, len(prompts), batch_size)):
+        draws = sample_continuations(model, prompts[start:start + batch_size], continuation_len, seed=seed * 7919 + i)
+        model_texts += tokenizer.batch_decode(draws, skip_special_tokens=True)
+    return model_texts, tokenizer.batch_decode(human, skip_special_tokens=True)
+
+
+def evaluate_model(model, tokenizer, split: str = "validation", num_positions: int = 20000, context_len: int = 128,
+                   batch_size: int = 64, seed: int = 0, mauve: bool = False, mauve_samples: int = 400,
+                   progress: bool = False) -> dict:
+    """Brier-1..4, BrierLM, BrierLM-2 (with intervals); NLL/perplexity when the model has a
+    likelihood; MAUVE when asked (needs the `eval` extra)."""
+    stream = split_stream(tokenizer, split)
+    result = {"split": split, "brier": evaluate_brier(model, stream, num_positions, context_len, batch_size, seed,
+                                                      progress=progress)}
+    if has_likelihood(model):
+        result["nll"] = evaluate_nll(model, nll_rows(stream), batch_size=16)
+    if mauve:
+        from .mauve import mauve_score
+        model_texts, human_texts = generate_mauve_texts(model, tokenizer, stream, num_samples=mauve_samples, seed=seed)
+        result["mauve"] = mauve_score(model_texts, human_texts, seed=seed)
+    return result

@@ -1,0 +1,31 @@
+"""Load a trained model folder (a `train` output or a checkpoint) with its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load_model_and_tokenizer(path: str, device: str | None = None):
+    """`AutoModelForCausalLM` + `AutoTokenizer` from a local folder, offline-friendly.
+
+    Our own families register their Auto classes when `hf_latentlm.modeling` is imported, so the
+    installed classes are used; `trust_remote_code=True` lets a folder's own modeling files load
+    where the package is not installed.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_latentlm.modeling  # noqa: F401  (registers the families' Auto classes)
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {path!r} does not exist")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{path!r} has no config.json: not a saved model folder")
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"{path!r} has no tokenizer files; models saved by `hf-latentlm train` include them")
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if device:
+        model.to(device)
+    model.eval()
+    return model, tokenizer

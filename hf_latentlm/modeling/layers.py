@@ -1,0 +1,401 @@
+# Copyright 2025 The hf-latentlm authors. Licensed under the Apache License, Version 2.0.
+"""Shared transformer core: RMSNorm, SwiGLU, rotary embeddings, GQA attention, a pre-norm decoder block
+and boolean attention-mask builders.
+
+This file is copied into Hub checkpoints by `save_pretrained`, so it imports only `torch` and `transformers`.
+
+Mask convention used everywhere in this file: a BOOLEAN tensor, `True` = the query row may attend to the key
+column, of shape `[B, 1 or H, Tq, Tk]` (any shape broadcastable to it works in `Attention`). `Tk` counts cached keys
+first, then the keys of the current call, in the order `Cache.update` concatenates them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import is_torch_greater_or_equal
+
+
+# `enable_gqa` appeared in torch 2.5; the package allows torch>=2.4, so keep a fallback.
+_SDPA_HAS_GQA = is_torch_greater_or_equal("2.5")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale; computed in float32, result cast back to the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x).to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), no biases (as in Llama)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Rotary position embeddings
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary embedding tables for explicit integer positions.
+
+    `forward(position_ids)` takes `position_ids` of shape [B, T] (or [T]); positions may be any integers, in any
+    order, repeated or with gaps (PLM decoder rows reuse the position of the token they predict).
+    Returns `cos, sin` of shape [B, T, head_dim] ([T, head_dim] for 1-D input), float32 unless `dtype` is given.
+
+    `inv_freq` is a non-persistent buffer (not saved). Note: `from_pretrained` builds the model on the meta device
+    and refills non-persistent buffers with `torch.empty`; the owning `PreTrainedModel._init_weights` must therefore
+    restore it, e.g. `init.copy_(module.inv_freq, module.compute_inv_freq())`.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        if head_dim % 2 != 0:
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}")
+        self.head_dim = head_dim
+        self.base = float(base)
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+
+    def compute_inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
+        """base^(-2i/head_dim) for i in [0, head_dim/2), float32, shape [head_dim/2]."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        return 1.0 / (self.base**exponents)
+
+    @torch.no_grad()
+    def forward(
+        self, position_ids: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Angles in float32 even under autocast/bf16: positions times frequencies lose precision otherwise.
+        with torch.autocast(device_type=position_ids.device.type, enabled=False):
+            freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device, torch.float32)
+            emb = torch.cat((freqs, freqs), dim=-1)  # rotate-half layout: the two halves share frequencies
+            cos, sin = emb.cos(), emb.sin()
+        if dtype is not None:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base}"
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [B, Hq, T, D] and k [B, Hk, T, D] by cos/sin [B, T, D] (rotate-half convention).
+
+    `unsqueeze_dim` is where the head axis is inserted into cos/sin (1 for the [B, H, T, D] layout).
+    """
+    cos = cos.unsqueeze(unsqueeze_dim).to(q.dtype)
+    sin = sin.unsqueeze(unsqueeze_dim).to(q.dtype)
+    q_rot = q * cos + rotate_half(q) * sin
+    k_rot = k * cos.to(k.dtype) + rotate_half(k) * sin.to(k.dtype)
+    return q_rot, k_rot
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Attention and decoder block
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention on `F.scaled_dot_product_attention` with an arbitrary boolean mask.
+
+    forward(hidden_states [B, T, hidden], cos, sin [B, T, head_dim], attention_mask, cache=None) -> [B, T, hidden]
+
+    - `attention_mask`: bool, True = may attend, broadcastable to [B, H, T, Tk] where Tk = cached + T keys.
+      `None` means every query sees every key (no causality!).
+    - `cache`: a `transformers.cache_utils.Cache` (e.g. `DynamicCache`); the new keys/values are appended with
+      `cache.update(k, v, layer_idx)` and attention runs over all cached keys. Keys are cached AFTER rotary, so the
+      cos/sin passed in must be those of the current call's positions only.
+    - Fully masked query rows (no visible key) return exactly ZERO attention output (before `o_proj`, so the
+      layer output is o_proj's bias-free projection of 0 = 0). SDPA alone would give NaN there, which would also
+      poison gradients; we let such rows see every key and zero their output afterwards.
+    - `qk_norm=True` applies a per-head RMSNorm over head_dim to q and k before rotary.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
+        rms_norm_eps: float = 1e-6,
+        attention_dropout: float = 0.0,
+        layer_idx: int | None = None,
+    ):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.num_kv_groups = num_heads // num_kv_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_heads
+        self.attention_dropout = attention_dropout
+        self.layer_idx = layer_idx
+
+        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        bsz, q_len, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(bsz, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(bsz, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, cos, sin)
+
+        if cache is not None:
+            if self.layer_idx is None:
+                raise ValueError("Attention needs a layer_idx to use a cache")
+            k, v = cache.update(k, v, self.layer_idx)
+
+        row_has_key = None
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise TypeError(f"attention_mask must be bool (True = may attend), got {attention_mask.dtype}")
+            # Rows with no visible key: let them see everything (finite softmax, finite grads), zero them below.
+            # Done unconditionally, without a data-dependent branch, to avoid a host sync per layer.
+            row_has_key = attention_mask.any(dim=-1, keepdim=True)
+            attention_mask = attention_mask | ~row_has_key
+
+        # SDPA's `enable_gqa` is only served by the flash and math kernels; flash takes no mask, so with a mask it
+        # would fall back to the slow math kernel on GPU. With a mask we repeat the kv heads explicitly instead.
+        use_gqa_flag = self.num_kv_groups > 1 and attention_mask is None and _SDPA_HAS_GQA
+        if self.num_kv_groups > 1 and not use_gqa_flag:
+            k = k.repeat_interleave(self.num_kv_groups, dim=1)
+            v = v.repeat_interleave(self.num_kv_groups, dim=1)
+        sdpa_kwargs = {"enable_gqa": True} if use_gqa_flag else {}
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            **sdpa_kwargs,
+        )
+        if row_has_key is not None:
+            out = out.masked_fill(~row_has_key, 0.0)
+
+        out = out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class DecoderBlock(GradientCheckpointingLayer):
+    """Pre-norm transformer block: h = x + attn(norm(x)); out = h + mlp(norm(h)).
+
+    forward(hidden_states, cos, sin, attention_mask, cache=None, return_mid=False) returns `out`, or `(out, mid)`
+    with `return_mid=True`, where `mid = h` is the residual stream between attention and MLP (used by PLM's
+    representation alignment).
+
+    Gradient checkpointing (set by `PreTrainedModel.gradient_checkpointing_enable`) recomputes `forward`; pass
+    `hidden_states` positionally (required by reentrant checkpointing). While checkpointing in training mode,
+    transformers drops a `cache=` keyword argument (set to None) so the cache is not written twice.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int | None,
+        intermediate_size: int,
+        head_dim: int | None = None,
+        rms_norm_eps: float = 1e-6,
+        qk_norm: bool = False,
+        attention_dropout: float = 0.0,
+        layer_idx: int | None = None,
+    ):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(hidden_size, eps=rms_norm_eps)
+        self.self_attn = Attention(
+            hidden_size,
+            num_heads,
+            num_kv_heads,
+            head_dim=head_dim,
+            qk_norm=qk_norm,
+            rms_norm_eps=rms_norm_eps,
+            attention_dropout=attention_dropout,
+            layer_idx=layer_idx,
+        )
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps=rms_norm_eps)
+        self.mlp = SwiGLUMLP(hidden_size, intermediate_size)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        return_mid: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        attn_out = self.self_attn(self.input_layernorm(hidden_states), cos, sin, attention_mask, cache=cache)
+        mid = hidden_states + attn_out
+        out = mid + self.mlp(self.post_attention_layernorm(mid))
+        if return_mid:
+            return out, mid
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Mask builders (bool, True = may attend)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def causal_mask(
+    q_len: int,
+    kv_len: int,
+    device: torch.device | str | None = None,
+    past_len: int | None = None,
+    padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal mask for `q_len` new queries over `kv_len` keys (cached keys first).
+
+    Query i sits at key column `past_len + i` (`past_len` defaults to `kv_len - q_len`, i.e. the queries are the last
+    `q_len` keys) and sees key columns `<= past_len + i`.
+    `padding_mask` [B, kv_len] (1/True = real token) additionally hides padded keys; a padded query row still sees its
+    own column, so no row is empty (its output is garbage-but-finite and must be ignored by the caller).
+    Returns [1, 1, q_len, kv_len], or [B, 1, q_len, kv_len] with `padding_mask`.
+    """
+    if past_len is None:
+        past_len = kv_len - q_len
+    if device is None and padding_mask is not None:
+        device = padding_mask.device
+    q_col = torch.arange(q_len, device=device)[:, None] + past_len  # key column of each query
+    k_col = torch.arange(kv_len, device=device)[None, :]
+    mask = k_col <= q_col  # [Tq, Tk]
+    if padding_mask is None:
+        return mask[None, None]
+    key_real = padding_mask.to(device=device).bool()[:, None, :]  # [B, 1, Tk]
+    own_column = k_col == q_col  # [Tq, Tk]
+    return ((mask[None] & key_real) | own_column[None])[:, None]
+
+
+def block_causal_mask(
+    seq_len: int,
+    block_size: int,
+    padding_mask: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Bidirectional inside consecutive blocks of `block_size` columns, causal across blocks.
+
+    Query i sees key j iff `j // block_size <= i // block_size`. Blocks are counted on column index from 0, so with
+    LEFT padding the block boundaries do not line up with real tokens: use right padding (or no padding).
+    `padding_mask` [B, T] (1/True = real token) hides padded keys; every row (padded ones too) also sees its own
+    column, so no row is empty. Padded rows' outputs are meaningless and must be ignored.
+    Returns [1, 1, T, T], or [B, 1, T, T] with `padding_mask`. `block_size=1` gives the plain causal mask.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if device is None and padding_mask is not None:
+        device = padding_mask.device
+    block = torch.arange(seq_len, device=device) // block_size
+    mask = block[None, :] <= block[:, None]  # [T, T]
+    if padding_mask is None:
+        return mask[None, None]
+    key_real = padding_mask.to(device=device).bool()[:, None, :]  # [B, 1, T]
+    own_column = torch.eye(seq_len, dtype=torch.bool, device=device)
+    return ((mask[None] & key_real) | own_column[None])[:, None]
+
+
+def _as_batched(x: torch.Tensor) -> torch.Tensor:
+    # Promote a per-row descriptor [T] to [1, T] so it broadcasts against batched ones.
+    return x[None] if x.dim() == 1 else x
+
+
+def visibility_mask(
+    query_pos: torch.Tensor,
+    query_limit: torch.Tensor,
+    query_group: torch.Tensor,
+    key_pos: torch.Tensor,
+    key_group: torch.Tensor,
+    key_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """General mask from per-row and per-column descriptors ("clean prefix + own group").
+
+    Every key column is either CLEAN (`key_group < 0`, e.g. ordinary/encoder tokens, cached or not) or belongs to a
+    GROUP (`key_group >= 0`, e.g. the decoder rows of one PLM block). Query row r may see key column c iff
+    `key_valid[c]` and
+        - c is clean   and key_pos[c] <  query_limit[r]                                   (clean prefix), or
+        - c is grouped and key_group[c] == query_group[r] and key_pos[c] <= query_pos[r]  (causal inside own group).
+    Query rows with `query_group < 0` never see grouped keys.
+
+    Args (LongTensor unless noted; each [B, T] or [T], batch dims broadcast):
+        query_pos   [B, Tq]: position of each query row (its rotary position).
+        query_limit [B, Tq]: exclusive upper bound on the positions of clean keys the row sees.
+        query_group [B, Tq]: group id of the row, -1 for none.
+        key_pos     [B, Tk]: position of each key column (cached keys first, in cache order).
+        key_group   [B, Tk]: group id of the key, -1 for clean keys.
+        key_valid   [B, Tk] bool, optional: False hides the key (padding).
+    Returns bool [B, 1, Tq, Tk].
+
+    PLM usage: encoder row at position p: (pos=p, limit=p+1, group=-1) -> plain causal over clean tokens. Decoder row
+    predicting position j of block z starting at i_z: (pos=j, limit=i_z, group=z) -> clean keys at positions < i_z
+    plus its own block's decoder keys at positions <= j. Quadratic decoding: proposal block for acceptance length m
+    gets limit = (first pending position) + m.
+    A row can end up with no visible key (e.g. a padded row); `Attention` returns zeros for such rows.
+    """
+    query_pos, query_limit, query_group = map(_as_batched, (query_pos, query_limit, query_group))
+    key_pos, key_group = _as_batched(key_pos), _as_batched(key_group)
+    q_pos, q_limit, q_group = query_pos[..., :, None], query_limit[..., :, None], query_group[..., :, None]
+    k_pos, k_group = key_pos[..., None, :], key_group[..., None, :]
+
+    clean_visible = (k_group < 0) & (k_pos < q_limit)
+    group_visible = (k_group >= 0) & (k_group == q_group) & (k_pos <= q_pos)
+    mask = clean_visible | group_visible  # [B, Tq, Tk]
+    if key_valid is not None:
+        mask = mask & _as_batched(key_valid.bool())[..., None, :]
+    return mask[:, None]
+
+
+def make_padding_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only real tokens: cumsum(mask) - 1, clamped at 0 (padded slots before the first real
+    token get 0). attention_mask [B, T] of 0/1 -> LongTensor [B, T]. Right padding: trailing pads repeat the last
+    real position, which is harmless since they are masked out as keys."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
