@@ -1,0 +1,58 @@
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_latentlm.eval.nll import evaluate_nll
+from hf_latentlm.eval.sampling import evaluation_windows, sample_continuations
+from hf_latentlm.eval.speed import measure_generation_speed
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, eos_token_id=0, pad_token_id=1, bos_token_id=0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_samples_have_exact_length_and_eos_does_not_stop(small_vocab_model):
+    contexts = torch.randint(2, 8, (6, 5))
+    draws = sample_continuations(small_vocab_model, contexts, 40, seed=0)
+    assert draws.shape == (6, 40)
+    assert (draws == 0).any(), "EOS must be sampled as an ordinary token, not end the row"
+    assert torch.equal(draws, sample_continuations(small_vocab_model, contexts, 40, seed=0))
+    assert not torch.equal(draws, sample_continuations(small_vocab_model, contexts, 40, seed=1))
+    with pytest.raises(ValueError, match="non-empty"):
+        sample_continuations(small_vocab_model, torch.zeros(0, 5, dtype=torch.long), 4, seed=0)
+
+
+def test_evaluation_windows_are_contiguous_slices():
+    stream = torch.arange(100)
+    ctx, tgt = evaluation_windows(stream, 10, 8, 4)
+    assert ctx.shape == (10, 8) and tgt.shape == (10, 4)
+    assert torch.equal(tgt[:, 0], ctx[:, -1] + 1) and ctx[0, 0] == 0 and tgt[-1, -1] == 99
+    with pytest.raises(ValueError, match="too short"):
+        evaluation_windows(torch.arange(5), 1, 8, 4)
+
+
+def test_speed_counts_one_call_per_token_for_ar(small_vocab_model):
+    prompts = torch.randint(2, 8, (3, 6))
+    result = measure_generation_speed(small_vocab_model, prompts, max_new_tokens=12, repeats=2)
+    assert result["new_tokens_per_row"] == 12 and result["batch_size"] == 3
+    assert result["model_calls_per_token"] == pytest.approx(1.0)
+    assert result["tokens_per_s"] == pytest.approx(3 * 12 / result["median_s"])
+    assert len(result["times_s"]) == 2
+    with pytest.raises(ValueError, match="repeats"):
+        measure_generation_speed(small_vocab_model, prompts, repeats=0)
+
+
+def test_nll_matches_the_models_own_loss(small_vocab_model):
+    rows = torch.randint(0, 8, (5, 16))
+    result = evaluate_nll(small_vocab_model, rows, batch_size=2)
+    with torch.no_grad():
+        expected = small_vocab_model(input_ids=rows, labels=rows).loss.item()
+    assert result["nll"] == pytest.approx(expected, rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)
+    assert result["num_tokens"] == 5 * 15

@@ -1,0 +1,85 @@
+import json
+
+import pytest
+
+from hf_latentlm.cli import main
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train", "--preset", "gigantic", "--output-dir", "x"], "unknown preset 'gigantic'"),
+    (["train", "--family", "rnn", "--output-dir", "x"], "unknown family 'rnn'"),
+    (["train", "--output-dir", "x", "--max-steps", "0"], "max_steps"),
+    (["generate", "--model", "/nonexistent/folder", "--prompt", "hi"], "does not exist"),
+    (["eval", "--model", "/nonexistent/folder"], "does not exist"),
+    (["bench", "--model", "no-equals-sign"], "NAME=DIR"),
+])
+def test_bad_input_is_one_line_and_nonzero(capsys, argv, needle):
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_argparse_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--max-steps", "many", "--output-dir", "x"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid int value" in err and len(err.strip().splitlines()) == 1
+
+
+def test_train_generate_eval_round_trip(tmp_path, capsys):
+    out = tmp_path / "ar-tiny"
+    code, stdout, _ = run_cli(capsys, "train", "--family", "ar", "--preset", "tiny", "--output-dir", str(out),
+                              "--max-steps", "4", "--eval-every", "2", "--save-every", "2", "--batch-size", "4")
+    assert code == 0
+    assert "--- sample" in stdout and "model calls per token" in stdout
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+
+    code, stdout, _ = run_cli(capsys, "generate", "--model", str(out), "--prompt", "HAMLET.\n",
+                              "--max-new-tokens", "12", "--seed", "5")
+    again = run_cli(capsys, "generate", "--model", str(out), "--prompt", "HAMLET.\n", "--max-new-tokens", "12",
+                    "--seed", "5")[1]
+    assert code == 0 and stdout.startswith("HAMLET.\n") and stdout == again
+    code, _, err = run_cli(capsys, "generate", "--model", str(out), "--prompt", "   ")
+    assert code == 2 and "prompt is empty" in err
+    code, _, err = run_cli(capsys, "generate", "--model", str(out), "--prompt", "x", "--max-new-tokens", "5000")
+    assert code == 2 and "position limit" in err
+
+    code, stdout, _ = run_cli(capsys, "eval", "--model", str(out), "--num-positions", "64", "--batch-size", "32")
+    assert code == 0
+    result = json.loads(stdout)
+    for key in ("brier_1", "brier_2", "brier_3", "brier_4", "brierlm", "brierlm_2"):
+        entry = result["brier"][key]
+        assert entry["ci_low"] <= entry["value"] <= entry["ci_high"]
+    assert result["brier"]["num_positions"] == 64
+    assert 0 < result["nll"]["nll"] < 10 and result["nll"]["perplexity"] > 1
+
+
+def test_bench_writes_json_and_table_with_ratios(tmp_path, capsys, tokenizer):
+    import torch
+
+    from hf_latentlm.families import build_model
+
+    paths = {}
+    for name, seed in (("ar", 0), ("ar2", 1)):
+        torch.manual_seed(seed)
+        model = build_model("ar", "tiny", tokenizer)
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+        paths[name] = tmp_path / name
+    code, stdout, _ = run_cli(capsys, "bench", "--model", f"ar={paths['ar']}", "--model", f"ar2={paths['ar2']}",
+                              "--num-positions", "32", "--repeats", "1", "--max-new-tokens", "8",
+                              "--output", str(tmp_path / "b.json"), "--markdown", str(tmp_path / "b.md"))
+    assert code == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["baseline"] == "ar" and set(report["models"]) == {"ar", "ar2"}
+    assert report["models"]["ar"]["ratio_to_baseline"]["tokens_per_s_batch_1"] == pytest.approx(1.0)
+    assert report["models"]["ar2"]["speed"]["batch_8"]["model_calls_per_token"] == pytest.approx(1.0)
+    table = (tmp_path / "b.md").read_text()
+    assert table.count("\n| ar") == 2 and "BrierLM-2" in table and table in stdout
