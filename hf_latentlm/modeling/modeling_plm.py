@@ -1,0 +1,563 @@
+"""Parallel Language Model (PLM, paper 002; method-specs §1) on the shared transformer core.
+
+One set of weights, two modes:
+- encoder  q(x_j | x_<j): a plain causal LM over token embeddings (`forward` without labels);
+- decoder  p(x_j | x_<i_z, u_{i_z..j}): rows fed with auxiliary embeddings e_u, at the rotary position
+  of the token they predict, reading the encoder's keys of the clean prefix and, causally, the rows of
+  their own block.
+Training runs [encoder rows; decoder rows] through one forward with one visibility mask. Generation is
+quadratic decoding (paper Algorithm 1): one call scores K_pred verify rows and K_pred proposal blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.utils import ModelOutput
+
+from .auxiliaries import (
+    decode_auxiliary,
+    draw_auxiliary_in_cell,
+    quantile_owners,
+    sample_auxiliary_bank,
+    voronoi_owners,
+)
+from .configuration_plm import ACCEPTANCE_RULES, PLMConfig
+from .layers import DecoderBlock, RMSNorm, RotaryEmbedding, causal_mask, make_padding_position_ids, visibility_mask
+
+
+@dataclass
+class PLMOutput(ModelOutput):
+    """`loss` is the normalised PLM objective (Eq. 8/9 + λ·alignment, divided by the number of scored
+    encoder + decoder positions); the other scalars are its parts, logged by the training loop."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: DynamicCache | None = None
+    encoder_nll: torch.Tensor | None = None
+    decoder_nll: torch.Tensor | None = None
+    alignment_loss: torch.Tensor | None = None
+    reconstructed_tokens: torch.Tensor | None = None
+    auxiliary_tv: torch.Tensor | None = None
+    mask_auxiliary_fraction: torch.Tensor | None = None
+
+
+@dataclass
+class PLMGenerateOutput(ModelOutput):
+    """`sequences` [B, T + new]; `model_calls` [B]: forward calls made while the row was unfinished;
+    `num_new_tokens` [B]: tokens generated per row (up to and including EOS)."""
+
+    sequences: torch.LongTensor | None = None
+    model_calls: torch.LongTensor | None = None
+    num_new_tokens: torch.LongTensor | None = None
+
+
+class PLMPreTrainedModel(PreTrainedModel):
+    config_class = PLMConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DecoderBlock"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, RotaryEmbedding):
+            # Non-persistent buffer: from_pretrained refills it with empty memory, so recompute it.
+            module.inv_freq.copy_(module.compute_inv_freq(module.inv_freq.device))
+        elif isinstance(module, PLMModel):
+            module.mask_auxiliary.normal_(0.0, std)
+            # The bank is a pure function of its seed, so re-deriving it equals loading it.
+            module.auxiliary_bank.copy_(sample_auxiliary_bank(self.config.num_auxiliaries, self.config.hidden_size,
+                                                              self.config.auxiliary_seed))
+
+
+class PLMModel(PLMPreTrainedModel):
+    """The shared backbone: embeddings for both modes, decoder blocks, final norm."""
+
+    def __init__(self, config: PLMConfig):
+        super().__init__(config)
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        # Fixed random unit vectors e_u (never trained, saved with the weights) and a learned read-in map:
+        # tokens and auxiliaries are embedded differently, everything above the embeddings is shared.
+        self.register_buffer("auxiliary_bank", sample_auxiliary_bank(config.num_auxiliaries, d, config.auxiliary_seed))
+        self.auxiliary_proj = nn.Linear(d, d, bias=False)
+        self.mask_auxiliary = nn.Parameter(torch.zeros(d))
+        self.layers = nn.ModuleList(
+            DecoderBlock(d, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,
+                         head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, layer_idx=i)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, base=config.rope_theta)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def embed_auxiliaries(self, aux_index: torch.Tensor) -> torch.Tensor:
+        """Decoder input for auxiliary indices [...]; index −1 reads the learned mask auxiliary."""
+        e_u = self.auxiliary_bank[aux_index.clamp(min=0)]
+        embedded = self.auxiliary_proj(e_u.to(self.auxiliary_proj.weight.dtype))
+        return torch.where((aux_index >= 0)[..., None], embedded, self.mask_auxiliary.to(embedded.dtype))
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                cache: DynamicCache | None = None, capture_layers: tuple[int, ...] = ()) -> BaseModelOutputWithPast:
+        """Run the blocks on given input embeddings, explicit positions and a boolean [B, 1, Tq, Tk] mask.
+        `capture_layers`: blocks whose mid residual (between attention and MLP) is returned in
+        `hidden_states` as a tuple in the same order."""
+        cos, sin = self.rotary(position_ids, dtype=inputs_embeds.dtype)
+        hidden = inputs_embeds
+        captured = {}
+        for index, layer in enumerate(self.layers):
+            if index in capture_layers:
+                hidden, captured[index] = layer(hidden, cos, sin, attention_mask, cache=cache, return_mid=True)
+            else:
+                hidden = layer(hidden, cos, sin, attention_mask, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden),
+                                       hidden_states=tuple(captured[i] for i in capture_layers) or None)
+
+
+class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
+    """PLM with an LM head. `forward(input_ids)` is the encoder (an ordinary causal LM, so NLL,
+    PEFT and TRL work unchanged); `forward(input_ids, labels=...)` is the PLM training objective;
+    `generate()` is quadratic decoding (or one-token-per-call Voronoi sampling with
+    `decoding="voronoi"`)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: PLMConfig):
+        super().__init__(config)
+        self.model = PLMModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # g_ψ of the alignment loss; trained, saved, unused at inference.
+        self.alignment_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
+        self.post_init()
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # Each class records only its own Auto class; write the full map so every Auto class loads it.
+        self.config.auto_map = {"AutoConfig": "configuration_plm.PLMConfig",
+                                "AutoModel": "modeling_plm.PLMForCausalLM",
+                                "AutoModelForCausalLM": "modeling_plm.PLMForCausalLM"}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    # ------------------------------------------------------------------------------------------------
+    # forward
+    # ------------------------------------------------------------------------------------------------
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, logits_to_keep: int = 0, use_cache=None, output_attentions=None,
+                output_hidden_states=None, return_dict=None, **kwargs) -> PLMOutput:
+        if kwargs.get("past_key_values") is not None:
+            raise ValueError("PLM takes its KV cache as `cache=`, not `past_key_values=`")
+        if labels is not None:
+            if cache is not None or inputs_embeds is not None:
+                raise ValueError("the PLM training objective takes input_ids and labels only (no cache/inputs_embeds)")
+            return self.plm_loss(input_ids, labels, attention_mask)
+        return self.encode(input_ids, attention_mask, position_ids, cache, inputs_embeds, logits_to_keep, use_cache)
+
+    def encode(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+               logits_to_keep: int = 0, use_cache=None) -> PLMOutput:
+        """Causal encoder pass. `attention_mask` is either a 2-D padding mask over cached + new tokens or a
+        ready boolean [B, 1, Tq, Tk] mask (used by quadratic decoding with explicit `position_ids`)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch, length = embeds.shape[:2]
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is not None and attention_mask.dim() == 4:
+            mask = attention_mask.bool()
+            if position_ids is None:
+                raise ValueError("a 4-D attention_mask needs explicit position_ids")
+        else:
+            if attention_mask is not None and attention_mask.shape[-1] != past + length:
+                raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens, expected cached + new = "
+                                 f"{past + length}")
+            mask = causal_mask(length, past + length, device=embeds.device, padding_mask=attention_mask)
+            if position_ids is None:
+                if attention_mask is not None:
+                    position_ids = make_padding_position_ids(attention_mask)[:, past:]
+                else:
+                    position_ids = torch.arange(past, past + length, device=embeds.device)[None].expand(batch, -1)
+        out = self.model(embeds, position_ids, mask, cache=cache)
+        hidden = out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return PLMOutput(logits=self.lm_head(hidden), cache=cache)
+
+    def auxiliary_owners(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Owner token of every auxiliary for each row of encoder logits [P, V] -> ([P, N_aux], TV [P]).
+        `none` auxiliaries: (None, None) — the decoder reads the mask auxiliary everywhere."""
+        cfg = self.config
+        logits = logits.detach().float()
+        if cfg.auxiliary_type == "voronoi":
+            fit = voronoi_owners(logits, self.lm_head.weight.detach().float(), self.model.auxiliary_bank.float(),
+                                 cfg.auxiliary_top_m, rounds=cfg.sinkhorn_rounds, sweeps=cfg.sinkhorn_sweeps,
+                                 shortlist=cfg.sinkhorn_shortlist)
+            return fit.owners, fit.total_variation
+        if cfg.auxiliary_type == "quantile":
+            return quantile_owners(logits, cfg.num_auxiliaries), None
+        return None, None
+
+    def block_layout(self, length: int, phase: int):
+        """Decoder rows of one sequence: target position, block id and block start of each row.
+        Block z starts at 1 + z·s − phase; blocks are truncated to targets in [1, length)."""
+        K, s = self.config.block_size, self.config.block_stride
+        pos, block, start = [], [], []
+        z, first = 0, 1 - phase
+        while first < length:
+            lo, hi = max(first, 1), min(first + K, length)
+            if hi > lo:
+                pos += range(lo, hi)
+                block += [z] * (hi - lo)
+                start += [lo] * (hi - lo)
+            z, first = z + 1, first + s
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        return as_long(pos), as_long(block), as_long(start)
+
+    def plm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask=None) -> PLMOutput:
+        cfg, device = self.config, input_ids.device
+        batch, length = input_ids.shape
+        if length < 2:
+            raise ValueError("PLM training needs sequences of at least 2 tokens")
+        # A fresh block phase per training step; phase 0 in eval mode so validation loss is deterministic.
+        phase = int(torch.randint(cfg.block_stride, ())) if self.training else 0
+        dec_pos, dec_block, dec_start = (t.to(device) for t in self.block_layout(length, phase))
+        num_dec = dec_pos.numel()
+        targets = labels[:, dec_pos]  # [B, D]
+
+        # 1) Encoder distribution for the auxiliaries, without gradient (u ~ sg[q]).
+        with torch.no_grad():
+            q_logits = self.encode(input_ids, attention_mask).logits[:, :-1]  # row j-1 predicts x_j
+        owners, tv = self.auxiliary_owners(q_logits.reshape(-1, q_logits.shape[-1]))
+        if owners is None:
+            aux = torch.full((batch, num_dec), -1, dtype=torch.long, device=device)
+        else:
+            owners = owners.view(batch, length - 1, -1)[:, dec_pos - 1]  # [B, D, N_aux]
+            aux = draw_auxiliary_in_cell(owners.reshape(batch * num_dec, -1), targets.clamp(min=0).reshape(-1))
+            aux = aux.view(batch, num_dec)
+
+        # 2) Encoder + decoder rows in one differentiable forward.
+        enc_pos = torch.arange(length, device=device)
+        embeds = torch.cat([self.model.embed_tokens(input_ids), self.model.embed_auxiliaries(aux)], dim=1)
+        positions = torch.cat([enc_pos, dec_pos])
+        mask = visibility_mask(
+            query_pos=positions, query_limit=torch.cat([enc_pos + 1, dec_start]),
+            query_group=torch.cat([torch.full_like(enc_pos, -1), dec_block]),
+            key_pos=positions, key_group=torch.cat([torch.full_like(enc_pos, -1), dec_block]),
+            key_valid=None if attention_mask is None else torch.cat(
+                [attention_mask.bool(), torch.ones(batch, num_dec, dtype=torch.bool, device=device)], dim=1),
+        )
+        capture = (cfg.alignment_decoder_layer, cfg.alignment_encoder_layer)
+        out = self.model(embeds, positions[None].expand(batch, -1), mask, capture_layers=capture)
+        logits = self.lm_head(out.last_hidden_state)
+        enc_logits, dec_logits = logits[:, :length - 1], logits[:, length:]
+
+        # 3) Losses. Encoder: every labelled target. Decoder: labelled targets of a block up to and including
+        # its first end-of-document target.
+        enc_valid = labels[:, 1:] != -100
+        enc_nll = F.cross_entropy(enc_logits.float().transpose(1, 2), labels[:, 1:].clamp(min=0), reduction="none")
+        eos = cfg.eos_token_id if cfg.eos_token_id is not None else -1
+        eos_cum = F.pad((input_ids == eos).long().cumsum(1), (1, 0))  # eos_cum[:, p] = #EOS among x_<p
+        eos_inside = (eos_cum[:, dec_pos] - eos_cum[:, dec_start]) > 0
+        dec_valid = (targets != -100) & ~eos_inside
+        dec_nll = F.cross_entropy(dec_logits.float().transpose(1, 2), targets.clamp(min=0), reduction="none")
+
+        dec_mid, enc_mid = out.hidden_states
+        aligned = self.alignment_proj(dec_mid[:, length:])
+        reference = enc_mid[:, dec_pos - 1].detach()  # encoder row that predicts the same target
+        align = 1.0 - F.cosine_similarity(aligned.float(), reference.float(), dim=-1)
+
+        n_enc, n_dec = enc_valid.sum(), dec_valid.sum()
+        enc_sum, dec_sum = (enc_nll * enc_valid).sum(), (dec_nll * dec_valid).sum()
+        align_sum = (align * dec_valid).sum()
+        loss = (enc_sum + dec_sum + cfg.alignment_weight * align_sum) / (n_enc + n_dec).clamp(min=1)
+
+        with torch.no_grad():
+            first = dec_pos == dec_start
+            correct = ((dec_logits.argmax(-1) == targets) | first) & dec_valid
+            reconstructed = self.reconstructed_tokens(correct, dec_block, dec_pos - dec_start, first)
+            uses_mask = ((aux < 0) & dec_valid).sum() / n_dec.clamp(min=1)
+        return PLMOutput(
+            loss=loss, logits=enc_logits,
+            encoder_nll=enc_sum.detach() / n_enc.clamp(min=1), decoder_nll=dec_sum.detach() / n_dec.clamp(min=1),
+            alignment_loss=align_sum.detach() / n_dec.clamp(min=1), reconstructed_tokens=reconstructed,
+            auxiliary_tv=tv.mean() if tv is not None else None, mask_auxiliary_fraction=uses_mask,
+        )
+
+    @staticmethod
+    def reconstructed_tokens(correct: torch.Tensor, block: torch.Tensor, offset: torch.Tensor,
+                             first: torch.Tensor) -> torch.Tensor:
+        """R (App. 17): mean over blocks of the length of the correctly decoded prefix, the first token
+        counted as correct. correct [B, D] (False on unscored rows; first rows True when scored),
+        block / offset / first [D]: block id, offset inside the block, first row of its block."""
+        batch = correct.shape[0]
+        grid = correct.new_zeros(batch, int(block.max()) + 1, int(offset.max()) + 1, dtype=torch.long)
+        grid[:, block, offset] = correct.long()
+        per_block = grid.cumprod(-1).sum(-1)  # [B, Z]
+        scored = torch.zeros_like(per_block, dtype=torch.bool)
+        scored[:, block[first]] = correct[:, first]  # a block counts when its first row is scored
+        return per_block[scored].float().mean() if scored.any() else per_block.new_zeros((), dtype=torch.float)
+
+    # ------------------------------------------------------------------------------------------------
+    # generation
+    # ------------------------------------------------------------------------------------------------
+
+    _SAMPLING_DEFAULTS = {"temperature": (None, 1.0), "top_k": (None, 0), "top_p": (None, 1.0)}
+    _ACCEPTED_HF_OPTIONS = {"do_sample", "use_cache", "output_scores", "output_logits", "min_new_tokens",
+                            "max_length", "bos_token_id"}
+
+    def _generation_settings(self, input_ids, generation_config, kwargs) -> dict:
+        """Merge GenerationConfig + kwargs; reject what quadratic decoding cannot honour, by name."""
+        gen = generation_config if generation_config is not None else self.generation_config
+        cfg = self.config
+        if kwargs.get("num_beams", getattr(gen, "num_beams", 1) or 1) > 1:
+            raise ValueError("num_beams > 1 is not supported by PLM: decoding samples through auxiliaries")
+        kwargs.pop("num_beams", None)
+        if kwargs.pop("do_sample", True) is False:
+            raise ValueError("do_sample=False is not supported by PLM: tokens are drawn through Voronoi auxiliaries")
+        for name, allowed in self._SAMPLING_DEFAULTS.items():
+            if name in kwargs and kwargs.pop(name) not in allowed:
+                raise ValueError(f"{name} is not supported by PLM generate (Voronoi sampling is at temperature 1 "
+                                 f"over the top-{cfg.auxiliary_top_m} tokens)")
+        for name in list(kwargs):
+            if name in self._ACCEPTED_HF_OPTIONS:
+                kwargs.pop(name)
+        if kwargs:
+            raise ValueError(f"unsupported generation option(s) for PLM: {sorted(kwargs)}")
+        return {"gen": gen}
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                 generation_config=None, streamer=None, max_new_tokens: int | None = None,
+                 decoding: str = "quadratic", k_pred: int | None = None, acceptance: str | None = None,
+                 acceptance_epsilon: float | None = None, acceptance_nucleus: float | None = None,
+                 auxiliary_seeds: list[int] | None = None, return_dict_in_generate: bool | None = None,
+                 **kwargs):
+        """Sample continuations.
+
+        decoding: "quadratic" (paper Algorithm 1: K_pred verify rows + K_pred proposal blocks per call)
+            or "voronoi" (one token per call through the same Voronoi sampler; the lossless reference).
+        k_pred / acceptance ("exact" | "epsilon" | "nucleus") / acceptance_epsilon / acceptance_nucleus:
+            default to the config's values. "exact" yields exactly the tokens of "voronoi" decoding for
+            the same auxiliary draws.
+        auxiliary_seeds: one int per row; row b draws its auxiliary u_t (t = generated index) from a
+            generator seeded with it, so a row gives the same tokens alone or in any batch. Default: seeds
+            drawn from the global torch RNG (`torch.manual_seed` makes runs repeatable).
+        Also honours `max_new_tokens`, `eos_token_id` (None: never stop), `pad_token_id`,
+        `attention_mask` (left padding), `streamer` (batch 1), `return_dict_in_generate` (returns
+        `PLMGenerateOutput` with model calls per row).
+        """
+        cfg = self.config
+        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError("input_ids must be a non-empty [batch, length] tensor (empty batch or empty prompt)")
+        eos_given = "eos_token_id" in kwargs
+        eos_token_id = kwargs.pop("eos_token_id", None)
+        pad_token_id = kwargs.pop("pad_token_id", None)
+        gen = self._generation_settings(input_ids, generation_config, kwargs)["gen"]
+        if not eos_given:
+            eos_token_id = gen.eos_token_id
+        eos_ids = torch.tensor([] if eos_token_id is None else
+                               ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)),
+                               dtype=torch.long, device=input_ids.device)
+        pad_token_id = pad_token_id if pad_token_id is not None else (
+            gen.pad_token_id if gen.pad_token_id is not None else (cfg.pad_token_id or 0))
+        batch, prompt_len = input_ids.shape
+        if max_new_tokens is None:
+            max_new_tokens = gen.max_new_tokens if gen.max_new_tokens is not None else max(gen.max_length - prompt_len, 0)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        if not bool(attention_mask[:, -1].all()):
+            raise ValueError("PLM generate needs left padding: the last column of attention_mask must be all ones")
+        real_len = attention_mask.long().sum(1)
+        if int(real_len.max()) + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(f"prompt ({int(real_len.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"max_position_embeddings ({cfg.max_position_embeddings})")
+        if decoding not in ("quadratic", "voronoi"):
+            raise ValueError(f"decoding must be 'quadratic' or 'voronoi', got {decoding!r}")
+        k_pred = cfg.k_pred if k_pred is None else k_pred
+        if not 1 <= k_pred <= cfg.block_size:
+            raise ValueError(f"k_pred must be between 1 and block_size={cfg.block_size}, got {k_pred}")
+        acceptance = cfg.acceptance if acceptance is None else acceptance
+        if acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
+        epsilon = cfg.acceptance_epsilon if acceptance_epsilon is None else acceptance_epsilon
+        rho = cfg.acceptance_nucleus if acceptance_nucleus is None else acceptance_nucleus
+        if not 0 < epsilon < 1:
+            raise ValueError(f"acceptance_epsilon must be in (0, 1), got {epsilon}")
+        if not 0 < rho < 1:
+            raise ValueError(f"acceptance_nucleus must be in (0, 1), got {rho}")
+        if cfg.auxiliary_type == "none":
+            raise ValueError("a PLM trained with auxiliary_type='none' has no auxiliary sampler to decode with")
+        if streamer is not None and batch != 1:
+            raise ValueError("streamer supports batch size 1 only")
+        if auxiliary_seeds is None:
+            auxiliary_seeds = torch.randint(0, 2**62, (batch,)).tolist()
+        if len(auxiliary_seeds) != batch:
+            raise ValueError(f"auxiliary_seeds has {len(auxiliary_seeds)} entries for a batch of {batch}")
+
+        width = k_pred if decoding == "quadratic" else 1
+        device = input_ids.device
+        # u_t for every generated index t of every row, drawn up front (Algorithm 1, first line).
+        aux_table = torch.stack([
+            torch.randint(cfg.num_auxiliaries, (max_new_tokens + 2 * width,), generator=torch.Generator().manual_seed(int(s)))
+            for s in auxiliary_seeds]).to(device)
+
+        state = self._prefill(input_ids, attention_mask)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        out_tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        num_new = torch.zeros(batch, dtype=torch.long, device=device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        calls = torch.zeros(batch, dtype=torch.long, device=device)
+        pending = torch.zeros(batch, max(width - 1, 0), dtype=torch.long, device=device)
+        pending_ok = torch.zeros(batch, dtype=torch.bool, device=device)  # False forces m = 0 (first round)
+        while not bool(finished.all()):
+            calls += (~finished).long()
+            committed, count, pending, pending_ok = self._decoding_round(
+                state, pending, pending_ok, aux_table, num_new, width, decoding == "quadratic",
+                acceptance, epsilon, rho)
+            for b in range(batch):  # bookkeeping on a handful of ints per row
+                if finished[b]:
+                    continue
+                new = committed[b, : int(count[b])]
+                room = max_new_tokens - int(num_new[b])
+                new = new[:room]
+                hits = torch.isin(new, eos_ids).nonzero()
+                if hits.numel():
+                    new = new[: int(hits[0]) + 1]
+                out_tokens[b, int(num_new[b]): int(num_new[b]) + new.numel()] = new
+                num_new[b] += new.numel()
+                if hits.numel() or int(num_new[b]) >= max_new_tokens:
+                    finished[b] = True
+                if streamer is not None and new.numel():
+                    streamer.put(new.cpu())
+        if streamer is not None:
+            streamer.end()
+        sequences = torch.cat([input_ids, out_tokens[:, : int(num_new.max())]], dim=1)
+        if return_dict_in_generate if return_dict_in_generate is not None else gen.return_dict_in_generate:
+            return PLMGenerateOutput(sequences=sequences, model_calls=calls, num_new_tokens=num_new)
+        return sequences
+
+    def _prefill(self, input_ids, attention_mask) -> dict:
+        """Encode all prompt tokens but the last into a fresh cache; the last one opens the first round."""
+        batch = input_ids.shape[0]
+        cache = DynamicCache(config=self.config)
+        positions = make_padding_position_ids(attention_mask)
+        state = {"cache": cache, "key_pos": positions[:, :-1], "key_valid": attention_mask[:, :-1].bool(),
+                 "last_token": input_ids[:, -1], "next_pos": attention_mask.long().sum(1)}
+        if input_ids.shape[1] > 1:
+            self(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], position_ids=positions[:, :-1],
+                 cache=cache)
+        else:
+            state["key_pos"] = positions[:, :0]
+            state["key_valid"] = attention_mask[:, :0].bool()
+        del batch
+        return state
+
+    def _decoding_round(self, state, pending, pending_ok, aux_table, num_new, width, propose, acceptance,
+                        epsilon, rho):
+        """One model call. Verify rows r = 0..width-1 read [last token, pending tokens] and give q_{i+r};
+        proposal block m (if `propose`) decodes positions i+m .. i+m+width-1 from prefix x_<i+m and
+        u_{i+m..}. Returns the committed tokens [B, width], how many of them count [B], the next pending
+        hypothesis and its validity."""
+        cache, device = state["cache"], pending.device
+        batch = pending.shape[0]
+        i = state["next_pos"]  # [B] position of the first token to commit
+        r = torch.arange(width, device=device)
+        verify_tokens = torch.cat([state["last_token"][:, None], pending], dim=1)  # [B, width]
+        verify_pos = i[:, None] - 1 + r  # input token x_{i-1+r} sits at position i-1+r
+        embeds = [self.model.embed_tokens(verify_tokens)]
+        q_pos, q_limit, q_group = [verify_pos], [verify_pos + 1], [torch.full_like(verify_pos, -1)]
+        if propose:
+            m, k = torch.meshgrid(r, r, indexing="ij")  # proposal row (m, k) predicts position i+m+k
+            m, k = m.reshape(-1), k.reshape(-1)
+            aux = aux_table.gather(1, num_new[:, None] + m + k)  # [B, width²]
+            embeds.append(self.model.embed_auxiliaries(aux))
+            q_pos.append(i[:, None] + m + k)
+            q_limit.append(i[:, None] + m)
+            q_group.append(m.expand(batch, -1))
+        q_pos, q_limit, q_group = (torch.cat(t, dim=1) for t in (q_pos, q_limit, q_group))
+        mask = visibility_mask(
+            query_pos=q_pos, query_limit=q_limit, query_group=q_group,
+            key_pos=torch.cat([state["key_pos"], q_pos], dim=1),
+            key_group=torch.cat([torch.full_like(state["key_pos"], -1), q_group], dim=1),
+            key_valid=torch.cat([state["key_valid"], torch.ones_like(q_pos, dtype=torch.bool)], dim=1))
+        logits = self(inputs_embeds=torch.cat(embeds, dim=1), attention_mask=mask, position_ids=q_pos,
+                      cache=cache).logits.float()
+        if propose:
+            cache.crop(-width * width)  # keep the verify rows' keys; proposal keys are never reused
+
+        q = logits[:, :width]  # [B, width, V]
+        owners, _ = self.auxiliary_owners(q.reshape(batch * width, -1))
+        sampled = decode_auxiliary(owners, aux_table.gather(1, num_new[:, None] + r).reshape(-1)).view(batch, width)
+
+        accept = torch.zeros(batch, max(width - 1, 0), dtype=torch.bool, device=device)
+        if width > 1:
+            accept = pending == sampled[:, :-1]
+            if acceptance != "exact":
+                probs = q[:, :-1].softmax(-1)
+                p_pending = probs.gather(-1, pending[..., None]).squeeze(-1)
+                if acceptance == "epsilon":
+                    accept |= p_pending > epsilon
+                else:
+                    above = (probs * (probs > p_pending[..., None])).sum(-1)
+                    accept |= above < rho
+            accept &= pending_ok[:, None]
+        # m = number of accepted pending tokens before the first rejection.
+        m_acc = accept.long().cumprod(1).sum(1) if width > 1 else torch.zeros(batch, dtype=torch.long, device=device)
+        committed = torch.cat([pending, pending.new_zeros(batch, 1)], dim=1)
+        committed.scatter_(1, m_acc[:, None], sampled.gather(1, m_acc[:, None]))
+        count = m_acc + 1
+
+        state["key_pos"] = torch.cat([state["key_pos"], verify_pos], dim=1)
+        state["key_valid"] = torch.cat([state["key_valid"], r[None] <= m_acc[:, None]], dim=1)
+        state["last_token"] = committed.gather(1, m_acc[:, None]).squeeze(1)
+        state["next_pos"] = i + count
+        if propose and width > 1:
+            proposals = logits[:, width:].argmax(-1).view(batch, width, width)  # [B, m, k]
+            new_pending = proposals.gather(1, m_acc[:, None, None].expand(-1, 1, width)).squeeze(1)[:, 1:]
+            new_ok = torch.ones(batch, dtype=torch.bool, device=device)
+        else:
+            new_pending, new_ok = pending, torch.zeros(batch, dtype=torch.bool, device=device)
+        return committed, count, new_pending, new_ok
+
+
+__all__ = ["PLMForCausalLM", "PLMModel", "PLMPreTrainedModel", "PLMOutput", "PLMGenerateOutput"]
