@@ -35,8 +35,30 @@ def build_ar_baseline(preset: Preset, tokenizer, **overrides) -> LlamaForCausalL
     return LlamaForCausalLM(config)
 
 
-FAMILIES: dict[str, Callable[[Preset, object], PreTrainedModel]] = {
+def build_plm(preset: Preset, tokenizer, **overrides) -> PreTrainedModel:
+    """Parallel Language Model on the same backbone dimensions as the AR baseline."""
+    from .modeling import PLMConfig, PLMForCausalLM
+
+    config = PLMConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_layers,
+        num_attention_heads=preset.num_heads,
+        num_key_value_heads=preset.num_kv_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        rope_theta=preset.rope_theta,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **overrides,
+    )
+    return PLMForCausalLM(config)
+
+
+FAMILIES: dict[str, Callable[..., PreTrainedModel]] = {
     "ar": build_ar_baseline,
+    "plm": build_plm,
 }
 
 

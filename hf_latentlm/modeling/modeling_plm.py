@@ -39,6 +39,7 @@ class PLMOutput(ModelOutput):
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    decoder_logits: torch.Tensor | None = None
     cache: DynamicCache | None = None
     encoder_nll: torch.Tensor | None = None
     decoder_nll: torch.Tensor | None = None
@@ -290,10 +291,7 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
         # its first end-of-document target.
         enc_valid = labels[:, 1:] != -100
         enc_nll = F.cross_entropy(enc_logits.float().transpose(1, 2), labels[:, 1:].clamp(min=0), reduction="none")
-        eos = cfg.eos_token_id if cfg.eos_token_id is not None else -1
-        eos_cum = F.pad((input_ids == eos).long().cumsum(1), (1, 0))  # eos_cum[:, p] = #EOS among x_<p
-        eos_inside = (eos_cum[:, dec_pos] - eos_cum[:, dec_start]) > 0
-        dec_valid = (targets != -100) & ~eos_inside
+        dec_valid = self.decoder_row_valid(input_ids, labels, dec_pos, dec_start)
         dec_nll = F.cross_entropy(dec_logits.float().transpose(1, 2), targets.clamp(min=0), reduction="none")
 
         dec_mid, enc_mid = out.hidden_states
@@ -312,11 +310,19 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
             reconstructed = self.reconstructed_tokens(correct, dec_block, dec_pos - dec_start, first)
             uses_mask = ((aux < 0) & dec_valid).sum() / n_dec.clamp(min=1)
         return PLMOutput(
-            loss=loss, logits=enc_logits,
+            loss=loss, logits=enc_logits, decoder_logits=dec_logits,
             encoder_nll=enc_sum.detach() / n_enc.clamp(min=1), decoder_nll=dec_sum.detach() / n_dec.clamp(min=1),
             alignment_loss=align_sum.detach() / n_dec.clamp(min=1), reconstructed_tokens=reconstructed,
             auxiliary_tv=tv.mean() if tv is not None else None, mask_auxiliary_fraction=uses_mask,
         )
+
+    def decoder_row_valid(self, input_ids, labels, dec_pos, dec_start) -> torch.Tensor:
+        """[B, D] bool: the row's target is labelled and no end-of-document target precedes it inside its
+        block (a block stops at its first EOS target, which is itself still scored)."""
+        eos = self.config.eos_token_id if self.config.eos_token_id is not None else -1
+        eos_cum = F.pad((input_ids == eos).long().cumsum(1), (1, 0))  # eos_cum[:, p] = #EOS among x_<p
+        eos_inside = (eos_cum[:, dec_pos] - eos_cum[:, dec_start]) > 0
+        return (labels[:, dec_pos] != -100) & ~eos_inside
 
     @staticmethod
     def reconstructed_tokens(correct: torch.Tensor, block: torch.Tensor, offset: torch.Tensor,

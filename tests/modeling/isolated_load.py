@@ -1,0 +1,30 @@
+"""Run with `python -S`: load a checkpoint through an Auto class with `hf_latentlm` NOT importable,
+generate, and print {"module": ..., "tokens": [...]} as JSON.
+
+argv: purelib platlib checkpoint auto_class prompt_json max_new_tokens auxiliary_seed
+"""
+
+import importlib.abc
+import json
+import sys
+
+purelib, platlib, checkpoint, auto_class, prompt, max_new, seed = sys.argv[1:8]
+
+
+class BlockPackage(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "hf_latentlm" or name.startswith("hf_latentlm."):
+            raise ImportError("hf_latentlm is deliberately not importable here")
+
+
+sys.meta_path.insert(0, BlockPackage())
+sys.path += [p for p in (purelib, platlib) if p not in sys.path]  # no .pth processing: no editable finder
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+model = getattr(transformers, auto_class).from_pretrained(checkpoint, trust_remote_code=True).eval()
+assert not [m for m in sys.modules if m.startswith("hf_latentlm")]
+tokens = model.generate(torch.tensor(json.loads(prompt)), max_new_tokens=int(max_new), auxiliary_seeds=[int(seed)],
+                        eos_token_id=None)
+print(json.dumps({"module": type(model).__module__, "tokens": tokens[0, len(json.loads(prompt)[0]):].tolist()}))

@@ -1,0 +1,264 @@
+"""PLM: objective, masks, Voronoi decoding, quadratic decoding (lossless), batching, Hub contract."""
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_latentlm.families import build_model
+from hf_latentlm.modeling import PLMConfig, PLMForCausalLM
+from hf_latentlm.training.loop import TrainConfig, train
+
+ISOLATED_LOADER = Path(__file__).with_name("isolated_load.py")
+TINY_PLM = dict(block_size=4, k_pred=4, num_auxiliaries=128, auxiliary_top_m=32)
+
+
+def tiny_plm(tokenizer, seed=0, **overrides) -> PLMForCausalLM:
+    torch.manual_seed(seed)
+    return build_model("plm", "tiny", tokenizer, **{**TINY_PLM, **overrides})
+
+
+@pytest.fixture(scope="module")
+def trained_plm(tokenizer, tiny_rows, tmp_path_factory):
+    """A tiny PLM trained briefly on Shakespeare, so proposals are sometimes accepted."""
+    model = tiny_plm(tokenizer)
+    cfg = TrainConfig(family="plm", preset="tiny", output_dir=str(tmp_path_factory.mktemp("plm")), max_steps=120,
+                      batch_size=8, seq_len=64, eval_every=0, save_every=120, progress_bar=False, seed=0)
+    train(cfg, model=model, tokenizer=tokenizer, train_rows=tiny_rows[:1500])
+    return model.eval()
+
+
+def prompts_from(rows, lengths):
+    return [rows[1600 + i, :n] for i, n in enumerate(lengths)]
+
+
+def left_pad(prompts, pad_id):
+    width = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.numel():] = p
+        mask[b, width - p.numel():] = 1
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------- config / errors
+
+@pytest.mark.parametrize("field,value", [("k_pred", 9), ("k_pred", 0), ("block_stride", 0), ("auxiliary_top_m", 5000),
+                                         ("auxiliary_type", "gumbel"), ("acceptance", "greedy"),
+                                         ("acceptance_epsilon", 1.5), ("acceptance_nucleus", 0.0)])
+def test_bad_config_values_are_named(field, value):
+    values = dict(vocab_size=4096, block_size=8)
+    values[field] = value
+    with pytest.raises(ValueError, match=field):
+        PLMConfig(**values)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(num_beams=2), "num_beams"), (dict(k_pred=5), "k_pred"), (dict(k_pred=0), "k_pred"),
+    (dict(acceptance="epsilon", acceptance_epsilon=0.0), "acceptance_epsilon"),
+    (dict(acceptance="nucleus", acceptance_nucleus=1.0), "acceptance_nucleus"),
+    (dict(temperature=0.7), "temperature"), (dict(do_sample=False), "do_sample"),
+    (dict(max_new_tokens=600), "max_position_embeddings"), (dict(frobnicate=True), "frobnicate"),
+])
+def test_bad_generation_options_are_named(tokenizer, kwargs, needle):
+    model = tiny_plm(tokenizer).eval()
+    with pytest.raises(ValueError, match=needle):
+        model.generate(torch.tensor([[5, 6, 7]]), **{"max_new_tokens": 4, **kwargs})
+
+
+def test_empty_batch_or_prompt_is_an_error(tokenizer):
+    model = tiny_plm(tokenizer).eval()
+    for bad in (torch.zeros(0, 3, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match="empty"):
+            model.generate(bad, max_new_tokens=3)
+
+
+# ---------------------------------------------------------------------------------------------- training objective
+
+def test_block_layout_covers_targets_and_truncates(tokenizer):
+    model = tiny_plm(tokenizer, block_size=4, block_stride=4)
+    pos, block, start = model.block_layout(11, phase=2)
+    assert pos.tolist() == list(range(1, 11)), "stride = K decodes every target once"
+    assert start.tolist() == [1, 1, 3, 3, 3, 3, 7, 7, 7, 7]  # phase 2: first block [-1, 3) truncated to [1, 3)
+    assert block.unique().numel() == 3
+    overlap = tiny_plm(tokenizer, block_size=4, block_stride=2)
+    pos, _, _ = overlap.block_layout(11, phase=0)
+    assert pos.numel() > 10 and set(pos.tolist()) == set(range(1, 11))
+
+
+def test_decoder_rows_stop_after_end_of_document(tokenizer):
+    model = tiny_plm(tokenizer)
+    eos = tokenizer.eos_token_id
+    ids = torch.tensor([[5, 6, eos, 7, 8, 9, 10, 11, 12]])
+    pos, _, start = model.block_layout(ids.shape[1], phase=0)  # blocks [1..4], [5..8]
+    valid = model.decoder_row_valid(ids, ids, pos, start)[0]
+    assert valid.tolist() == [True, True, False, False, True, True, True, True]
+
+
+def test_loss_is_normalised_sum_of_parts(tokenizer, tiny_rows):
+    model = tiny_plm(tokenizer, alignment_weight=0.0).eval()
+    x = tiny_rows[:3]
+    out = model(input_ids=x, labels=x)
+    n_enc = x.shape[0] * (x.shape[1] - 1)
+    n_dec = n_enc  # stride = K: each target decoded once; no EOS in these rows
+    assert not (x == tokenizer.eos_token_id).any()
+    expected = (out.encoder_nll * n_enc + out.decoder_nll * n_dec) / (n_enc + n_dec)
+    torch.testing.assert_close(out.loss, expected)
+    # The encoder logits are the model's plain causal forward.
+    torch.testing.assert_close(out.logits, model(input_ids=x).logits[:, :-1], atol=1e-5, rtol=0)
+    assert 0.0 <= out.mask_auxiliary_fraction <= 1.0 and out.reconstructed_tokens >= 1.0
+
+
+def test_decoder_rows_never_see_their_own_targets(tokenizer, tiny_rows):
+    """With the auxiliaries fixed (mask auxiliary everywhere), a decoder row whose block starts at or before
+    position t must not change when token x_t changes; rows of later blocks may."""
+    model = tiny_plm(tokenizer, auxiliary_type="none").eval()
+    x = tiny_rows[:1, :20].clone()
+    pos, _, start = model.block_layout(20, phase=0)
+    t = 9
+    y = x.clone()
+    y[0, t] = (y[0, t] + 1) % 4096
+    a = model(input_ids=x, labels=x).decoder_logits[0]
+    b = model(input_ids=y, labels=y).decoder_logits[0]
+    blind = start <= t
+    torch.testing.assert_close(a[blind], b[blind], atol=1e-5, rtol=0)
+    assert (a[~blind] - b[~blind]).abs().max() > 1e-4
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, tiny_rows):
+    x = tiny_rows[:2, :32]
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_plm(tokenizer)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        torch.manual_seed(5)  # same block phase and auxiliary draws
+        model(input_ids=x, labels=x).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+
+def test_exact_quadratic_decoding_is_lossless(trained_plm, tiny_rows):
+    """Same auxiliary draws -> exact quadratic decoding emits exactly the tokens of one-token-per-call
+    Voronoi sampling, with fewer model calls."""
+    total_tokens, total_calls = 0, 0
+    for i, n in enumerate((5, 12, 30)):
+        prompt = tiny_rows[1600 + i, :n][None]
+        kwargs = dict(max_new_tokens=40, auxiliary_seeds=[100 + i], eos_token_id=None, return_dict_in_generate=True)
+        reference = trained_plm.generate(prompt, decoding="voronoi", **kwargs)
+        fast = trained_plm.generate(prompt, decoding="quadratic", acceptance="exact", **kwargs)
+        assert fast.sequences.tolist() == reference.sequences.tolist()
+        assert reference.model_calls.item() == 40
+        total_tokens += 40
+        total_calls += fast.model_calls.item()
+    assert total_calls < total_tokens, "exact decoding must accept some proposals after training"
+
+
+def test_batched_rows_match_running_each_alone(trained_plm, tiny_rows, tokenizer):
+    prompts = prompts_from(tiny_rows, (3, 17, 9))
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    seeds = [7, 8, 9]
+    for decoding in ("quadratic", "voronoi"):
+        batched = trained_plm.generate(ids, attention_mask=mask, max_new_tokens=24, auxiliary_seeds=seeds,
+                                       eos_token_id=None, decoding=decoding)
+        for b, p in enumerate(prompts):
+            alone = trained_plm.generate(p[None], max_new_tokens=24, auxiliary_seeds=[seeds[b]], eos_token_id=None,
+                                         decoding=decoding)
+            assert batched[b, ids.shape[1]:].tolist() == alone[0, p.numel():].tolist(), (decoding, b)
+
+
+def test_relaxed_acceptance_takes_several_tokens_per_call(trained_plm, tiny_rows):
+    prompt = tiny_rows[1600, :10][None]
+    out = trained_plm.generate(prompt, max_new_tokens=41, acceptance="epsilon", acceptance_epsilon=1e-12,
+                               auxiliary_seeds=[3], eos_token_id=None, return_dict_in_generate=True)
+    # Nearly every pending token clears q > 1e-12: the first round commits 1 token, later ones K_pred.
+    assert out.num_new_tokens.item() == 41
+    assert out.model_calls.item() <= 1 + 10 + 2
+
+
+def test_eos_stops_a_row_and_pads_it(trained_plm, tiny_rows, tokenizer):
+    prompt = tiny_rows[1600:1602, :8]
+    free = trained_plm.generate(prompt, max_new_tokens=20, auxiliary_seeds=[1, 2], eos_token_id=None)
+    stop_token = free[0, 8 + 5].item()  # row 0's 6th new token becomes its end-of-sequence
+    out = trained_plm.generate(prompt, max_new_tokens=20, auxiliary_seeds=[1, 2], eos_token_id=stop_token,
+                               pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True)
+    first = free[0, 8:].tolist().index(stop_token)
+    assert out.num_new_tokens[0].item() == first + 1
+    assert out.sequences[0, 8:8 + first + 1].tolist() == free[0, 8:8 + first + 1].tolist()
+    assert (out.sequences[0, 8 + first + 1:] == tokenizer.pad_token_id).all()
+
+
+def test_streamer_receives_prompt_then_every_new_token(trained_plm, tiny_rows):
+    class Collect:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    prompt = tiny_rows[1600, :6][None]
+    out = trained_plm.generate(prompt, max_new_tokens=15, auxiliary_seeds=[4], eos_token_id=None, streamer=streamer)
+    assert streamer.ended and streamer.chunks[0] == prompt[0].tolist()
+    assert sum(streamer.chunks[1:], []) == out[0, 6:].tolist()
+
+
+def test_harness_sampling_interface_works_for_plm(trained_plm, tiny_rows):
+    from hf_latentlm.eval.sampling import sample_continuations
+    from hf_latentlm.eval.speed import measure_generation_speed
+
+    draws = sample_continuations(trained_plm, tiny_rows[1600:1604, :16], 4, seed=0)
+    assert draws.shape == (4, 4)
+    prompts = tiny_rows[1600:1602, :16]
+    speed = measure_generation_speed(trained_plm, prompts, max_new_tokens=16, repeats=1, seed=0)
+    torch.manual_seed(0)  # the harness seeds the global RNG, from which PLM draws its per-row auxiliary seeds
+    own = trained_plm.generate(prompts, max_new_tokens=16, eos_token_id=None, return_dict_in_generate=True)
+    # The harness counts forward calls with a hook; PLM reports calls per row: the batch makes max(row) calls.
+    assert speed["new_tokens_per_row"] == 16
+    assert speed["model_calls_per_token"] == pytest.approx(own.model_calls.max().item() / 16)
+
+
+# ---------------------------------------------------------------------------------------------- Hub contract
+
+def test_saved_checkpoint_loads_without_the_package_and_generates_identically(trained_plm, tmp_path, tokenizer):
+    trained_plm.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    files = {p.name for p in (tmp_path / "ckpt").iterdir()}
+    assert {"modeling_plm.py", "configuration_plm.py", "layers.py", "auxiliaries.py", "model.safetensors"} <= files
+    auto_map = json.loads((tmp_path / "ckpt" / "config.json").read_text())["auto_map"]
+    assert set(auto_map) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    prompt = [[5, 60, 700, 42, 9]]
+    expected = trained_plm.generate(torch.tensor(prompt), max_new_tokens=12, auxiliary_seeds=[11],
+                                    eos_token_id=None)[0, 5:].tolist()
+    paths = sysconfig.get_paths()
+    env = {"HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    for auto_class in ("AutoModelForCausalLM", "AutoModel"):
+        done = subprocess.run([sys.executable, "-S", str(ISOLATED_LOADER), paths["purelib"], paths["platlib"],
+                               str(tmp_path / "ckpt"), auto_class, json.dumps(prompt), "12", "11"],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        assert result["module"].startswith("transformers_modules"), "must run the checkpoint's own code"
+        assert result["tokens"] == expected
+
+
+def test_reload_restores_bank_and_rotary(trained_plm, tmp_path):
+    trained_plm.save_pretrained(tmp_path / "ckpt")
+    again = PLMForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    assert torch.equal(again.model.auxiliary_bank, trained_plm.model.auxiliary_bank)
+    assert torch.equal(again.model.rotary.inv_freq, trained_plm.model.rotary.inv_freq)
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    torch.testing.assert_close(again(input_ids=x).logits, trained_plm(input_ids=x).logits)
