@@ -1,0 +1,135 @@
+"""PLM vs the matched AR baseline, measured in ONE process run.
+
+    python scripts/bench_plm.py --ar runs/ar-small --plm runs/plm-small [--mauve] [--num-positions 20000]
+
+Runs the shared side-by-side benchmark (`hf_latentlm.eval.bench`: speed at batch 1/8, NLL, Brier-n,
+BrierLM-2, MAUVE) and adds what only PLM has: R and decoder NLL on the validation split, tokens per
+model call and tokens/s for exact / epsilon / nucleus acceptance, and training step time PLM/AR with
+the share of the PLM step spent fitting auxiliaries. Writes JSON (--output) and prints Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from hf_latentlm.eval.bench import benchmark_models, markdown_table
+from hf_latentlm.eval.harness import nll_rows, split_stream
+from hf_latentlm.eval.sampling import evaluation_windows
+from hf_latentlm.eval.speed import measure_generation_speed
+from hf_latentlm.families import build_model
+from hf_latentlm.loading import load_model_and_tokenizer
+from hf_latentlm.presets import get_preset
+from hf_latentlm.training.loop import TrainConfig, make_optimizer
+
+ACCEPTANCE = {"exact": {}, "epsilon": {"acceptance": "epsilon"}, "nucleus": {"acceptance": "nucleus"}}
+
+
+@torch.no_grad()
+def reconstruction(model, rows: torch.Tensor, batch_size: int = 16) -> dict:
+    """Mean R, encoder NLL and decoder NLL of the PLM objective on validation rows (block phase 0)."""
+    model.eval()
+    parts = {"reconstructed_tokens": [], "encoder_nll": [], "decoder_nll": [], "mask_auxiliary_fraction": [],
+             "auxiliary_tv": []}
+    for start in range(0, len(rows), batch_size):
+        out = model(input_ids=rows[start:start + batch_size], labels=rows[start:start + batch_size])
+        for key in parts:
+            value = getattr(out, key)
+            if value is not None:
+                parts[key].append(float(value))
+    return {k: statistics.fmean(v) for k, v in parts.items() if v}
+
+
+@torch.no_grad()
+def tokens_per_call(model, prompts: torch.Tensor, new_tokens: int, seed: int = 0, **kwargs) -> float:
+    torch.manual_seed(seed)
+    out = model.generate(prompts, max_new_tokens=new_tokens, eos_token_id=None, return_dict_in_generate=True, **kwargs)
+    return float(out.num_new_tokens.sum() / out.model_calls.sum())
+
+
+def training_step_time(family: str, preset: str, tokenizer, rows: torch.Tensor, steps: int, batch_size: int) -> dict:
+    """Median seconds per optimizer step (fresh model, preset sizes) and, for PLM, the share spent in
+    `auxiliary_owners` (Voronoi fitting)."""
+    torch.manual_seed(0)
+    model = build_model(family, preset, tokenizer).train()
+    optimizer = make_optimizer(model, TrainConfig(preset=preset).resolved())
+    fit_time = [0.0]
+    if hasattr(model, "auxiliary_owners"):
+        original = model.auxiliary_owners
+
+        def timed(logits):
+            start = time.perf_counter()
+            result = original(logits)
+            fit_time[0] += time.perf_counter() - start
+            return result
+
+        model.auxiliary_owners = timed
+    times, fits = [], []
+    for step in range(steps + 1):
+        batch = rows[step * batch_size:(step + 1) * batch_size]
+        fit_time[0] = 0.0
+        start = time.perf_counter()
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step:  # the first step is a warm-up
+            times.append(time.perf_counter() - start)
+            fits.append(fit_time[0])
+    median = statistics.median(times)
+    return {"seconds_per_step": median, "tokens_per_s": batch.numel() / median,
+            "auxiliary_fit_share": statistics.fmean(f / t for f, t in zip(fits, times))}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ar", required=True)
+    parser.add_argument("--plm", required=True)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--num-positions", type=int, default=20000)
+    parser.add_argument("--mauve", action="store_true")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--train-steps", type=int, default=5)
+    parser.add_argument("--output", default="docs/plm_benchmark.json")
+    args = parser.parse_args()
+
+    report = benchmark_models({"ar": args.ar, "plm": args.plm}, "ar", num_positions=args.num_positions,
+                              mauve=args.mauve)
+    plm, tokenizer = load_model_and_tokenizer(args.plm)
+    ar, _ = load_model_and_tokenizer(args.ar)
+    stream = split_stream(tokenizer, "validation")
+    extras = {"validation": reconstruction(plm, nll_rows(stream)[:64])}
+    prompts, _ = evaluation_windows(stream, 8, 64, 1)
+    ar_speed = {b: measure_generation_speed(ar, prompts[:b], args.new_tokens, repeats=3)["tokens_per_s"] for b in (1, 8)}
+    extras["acceptance"] = {}
+    for name, kwargs in ACCEPTANCE.items():
+        row = {"tokens_per_call": tokens_per_call(plm, prompts, args.new_tokens, **kwargs)}
+        for b in (1, 8):
+            speed = measure_generation_speed(plm, prompts[:b], args.new_tokens, repeats=3, generate_kwargs=kwargs)
+            row[f"tokens_per_s_batch_{b}"] = speed["tokens_per_s"]
+            row[f"speed_vs_ar_batch_{b}"] = speed["tokens_per_s"] / ar_speed[b]
+        extras["acceptance"][name] = row
+    extras["ar_tokens_per_s"] = ar_speed
+    train_rows = nll_rows(split_stream(tokenizer, "train"), get_preset(args.preset).seq_len)
+    batch = 16
+    extras["training"] = {fam: training_step_time(fam, args.preset, tokenizer, train_rows, args.train_steps, batch)
+                          for fam in ("ar", "plm")}
+    extras["training"]["plm_over_ar_step_time"] = (extras["training"]["plm"]["seconds_per_step"]
+                                                   / extras["training"]["ar"]["seconds_per_step"])
+    report["plm"] = extras
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
+    print(markdown_table(report))
+    print("| acceptance | tokens/call | tok/s b1 | ×AR b1 | tok/s b8 | ×AR b8 |\n|---|---|---|---|---|---|")
+    for name, row in extras["acceptance"].items():
+        print(f"| {name} | {row['tokens_per_call']:.2f} | {row['tokens_per_s_batch_1']:.0f} | "
+              f"{row['speed_vs_ar_batch_1']:.2f} | {row['tokens_per_s_batch_8']:.0f} | {row['speed_vs_ar_batch_8']:.2f} |")
+    print(json.dumps({"validation": extras["validation"], "training": extras["training"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

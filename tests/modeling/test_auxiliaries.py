@@ -1,0 +1,303 @@
+"""Tests for the PLM auxiliaries (hf_latentlm/modeling/auxiliaries.py). Tiny sizes, CPU only."""
+
+import math
+
+import pytest
+import torch
+
+from hf_latentlm.modeling.auxiliaries import (
+    VoronoiAssignment,
+    decode_auxiliary,
+    draw_auxiliary_in_cell,
+    fit_laguerre_offsets,
+    largest_remainder_capacities,
+    mean_total_variation,
+    quantile_owners,
+    sample_auxiliary_bank,
+    top_candidates,
+    voronoi_owners,
+)
+
+
+V, D, N, M = 512, 64, 512, 128
+
+
+def _lm_head(seed: int, vocab: int = V, dim: int = D) -> torch.Tensor:
+    """LM-head-like rows: random directions, norms uniform in [1, 3]."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(vocab, dim, generator=g)
+    return rows / rows.norm(dim=-1, keepdim=True) * (1 + 2 * torch.rand(vocab, 1, generator=g))
+
+
+def _logits(kind: str, positions: int, head: torch.Tensor, seed: int) -> torch.Tensor:
+    """Flat (all top-128 tokens get auxiliaries) or peaked (top-1 ~35% of the mass) next-token logits."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "flat":
+        return 0.5 * torch.randn(positions, head.shape[0], generator=g)
+    if kind == "peaked":
+        return 3.0 * torch.randn(positions, head.shape[0], generator=g)
+    # "lm_flat" / "lm_peaked": logits of a hidden state against the same head, so cells follow the head's geometry
+    h = torch.randn(positions, head.shape[1], generator=g)
+    scale = 2.0 if kind == "lm_flat" else 8.0
+    return (h / h.norm(dim=-1, keepdim=True) * scale) @ head.T
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """The fit issues many small ops; with 2 intra-op threads on a busy 2-core box each op waits for a time slice
+    (this file: ~1 s with 1 thread, ~25 s with 2 while another job runs). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    head = _lm_head(0)
+    bank = sample_auxiliary_bank(N, D, seed=1)
+    logits = torch.cat([_logits(k, 24, head, seed=i) for i, k in enumerate(["flat", "peaked", "lm_flat", "lm_peaked"])])
+    return head, bank, logits
+
+
+@pytest.fixture(scope="module")
+def assignment(setup) -> VoronoiAssignment:
+    head, bank, logits = setup
+    return voronoi_owners(logits, head, bank, top_m=M)
+
+
+# --------------------------------------------------------------------------------------------------------------- bank
+
+
+def test_bank_unit_vectors_seeded_and_independent_of_global_rng():
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    a = sample_auxiliary_bank(300, 16, seed=7)
+    assert torch.equal(torch.get_rng_state(), state)  # global RNG neither read-advanced nor reseeded
+    torch.manual_seed(999)
+    b = sample_auxiliary_bank(300, 16, seed=7)
+    assert a.shape == (300, 16) and a.dtype == torch.float32
+    assert torch.equal(a, b)
+    assert torch.allclose(a.norm(dim=-1), torch.ones(300), atol=1e-6)
+    assert not torch.equal(a, sample_auxiliary_bank(300, 16, seed=8))
+    # uniform on the sphere: no preferred direction
+    assert sample_auxiliary_bank(20000, 16, seed=3).mean(0).abs().max() < 0.02
+
+
+# --------------------------------------------------------------------------------------------------------- capacities
+
+
+def _capacities_reference(q: list[float], total: int) -> list[int]:
+    s = sum(q)
+    exact = [total * x / s for x in q]
+    base = [math.floor(x) for x in exact]
+    order = sorted(range(len(q)), key=lambda i: (-(exact[i] - base[i]), i))
+    for i in order[: total - sum(base)]:
+        base[i] += 1
+    return base
+
+
+@pytest.mark.parametrize("total", [1, 7, 512, 1000])
+def test_capacities_match_bruteforce_and_sum_to_total(total):
+    g = torch.Generator().manual_seed(total)
+    probs = torch.softmax(3 * torch.randn(40, 25, generator=g), dim=-1)
+    probs[:5, 10:] = 0.0  # exact zeros
+    probs[5:10] *= 0.37  # unnormalised rows
+    caps = largest_remainder_capacities(probs, total)
+    assert caps.dtype == torch.long and caps.shape == probs.shape
+    assert (caps.sum(-1) == total).all() and (caps >= 0).all()
+    assert (caps[:5, 10:] == 0).all()
+    q = probs.double()
+    q = q / q.sum(-1, keepdim=True)
+    for row in range(probs.shape[0]):
+        assert caps[row].tolist() == _capacities_reference(q[row].tolist(), total)
+
+
+def test_capacities_ties_go_to_lower_index():
+    caps = largest_remainder_capacities(torch.full((1, 4), 0.25), 510)  # four remainders of exactly 0.5
+    assert caps.tolist() == [[128, 128, 127, 127]]
+    caps = largest_remainder_capacities(torch.tensor([[1.0, 1.0, 1.0]]), 2)
+    assert caps.tolist() == [[1, 1, 0]]
+
+
+def test_top_candidates_order_and_ties():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, -1.0, 1.0]])
+    cand, probs = top_candidates(logits, 4)
+    assert cand.tolist() == [[1, 3, 2, 5]]  # descending logit, equal logits -> lower token id first
+    assert torch.allclose(probs.sum(-1), torch.ones(1))
+    assert torch.allclose(probs, torch.softmax(logits[:, [1, 3, 2, 5]], -1))
+
+
+# ---------------------------------------------------------------------------------------------------- Laguerre cells
+
+
+def test_fitted_cell_masses_match_capacities(assignment):
+    tv = assignment.total_variation
+    per_kind = tv.view(4, -1)
+    print(
+        f"\nVoronoi TV (N={N}, M={M}): mean {tv.mean():.5f} max {tv.max():.5f}; per kind (flat, peaked, lm_flat,"
+        f" lm_peaked) means {[round(x, 5) for x in per_kind.mean(1).tolist()]}"
+    )
+    assert tv.mean() < 0.003  # paper App. 12: < 0.3%
+    assert (per_kind.mean(1) < 0.004).all()
+    assert tv.max() < 0.05
+    assert mean_total_variation(assignment) == pytest.approx(tv.mean().item())
+    # flat inputs really use all 128 candidates, peaked ones few
+    open_cells = (assignment.capacities > 0).sum(-1).view(4, -1).float().mean(1)
+    assert open_cells[0] == M and open_cells[1] < 100
+
+
+def test_total_variation_is_computed_from_the_owners(setup, assignment):
+    _, _, logits = setup
+    a = assignment
+    sizes = (a.owners[:, None, :] == a.candidates[:, :, None]).sum(-1)  # [P, M] cell sizes from owners
+    tv = 0.5 * (sizes - a.capacities).abs().sum(-1).float() / N
+    assert torch.allclose(tv, a.total_variation)
+    assert (a.capacities.sum(-1) == N).all()
+    assert a.owners.shape == (logits.shape[0], N) and a.candidates.shape == (logits.shape[0], M)
+
+
+def test_cells_are_disjoint_and_cover_the_bank(assignment):
+    a = assignment
+    # each auxiliary has exactly one owner, and it is one of the position's candidates with positive capacity
+    matches = a.owners[:, :, None] == a.candidates[:, None, :]  # [P, N, M]
+    assert (matches.sum(-1) == 1).all()
+    owner_capacity = a.capacities.gather(1, matches.long().argmax(-1))
+    assert (owner_capacity > 0).all()
+
+
+def test_zero_capacity_and_out_of_top_m_tokens_own_nothing(setup, assignment):
+    _, _, logits = setup
+    a = assignment
+    closed = torch.where(a.capacities == 0, a.candidates, -2)  # tokens with capacity 0 at each position
+    assert (a.capacities == 0).any()
+    assert not (a.owners[:, :, None] == closed[:, None, :]).any()
+    in_top_m = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, a.candidates, True)
+    assert in_top_m.gather(1, a.owners).all()
+
+
+def test_chunking_and_batching_invariance(setup, assignment):
+    head, bank, logits = setup
+    b = voronoi_owners(logits, head, bank, top_m=M, chunk_size=40)  # chunks of 40, 40, 16 instead of one of 96
+    assert torch.equal(b.owners, assignment.owners)
+    assert torch.equal(b.total_variation, assignment.total_variation)
+    rows = torch.tensor([1, 30, 90])  # flat, peaked, lm_peaked
+    single = voronoi_owners(logits[rows], head, bank, top_m=M, chunk_size=1)
+    assert torch.equal(single.owners, assignment.owners[rows])
+    alone = voronoi_owners(logits[55:56], head, bank, top_m=M)  # lm_flat, as a batch of one
+    assert torch.equal(alone.owners[0], assignment.owners[55])
+    assert torch.equal(alone.candidates[0], assignment.candidates[55])
+    assert torch.equal(alone.capacities[0], assignment.capacities[55])
+
+
+def test_deterministic(setup, assignment):
+    head, bank, logits = setup
+    again = voronoi_owners(logits.clone(), head.clone(), bank.clone(), top_m=M)
+    for x, y in zip(again, assignment):
+        assert torch.equal(x, y)
+
+
+def test_scores_use_unnormalised_lm_head_rows():
+    # One token with a 3x longer row wins more of the bank at equal offsets: check that the fit still hits capacities
+    # and that scaling the whole head (same geometry, scaled scores) leaves the owners unchanged (sigma-relative fit).
+    head = _lm_head(5, vocab=64, dim=16)
+    bank = sample_auxiliary_bank(256, 16, seed=2)
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))
+    a = voronoi_owners(logits, head, bank, top_m=32)
+    b = voronoi_owners(logits, 4.0 * head, bank, top_m=32)
+    assert torch.equal(a.owners, b.owners)
+    assert a.total_variation.mean() < 0.01
+
+
+def test_fit_accepts_plain_layout_and_degenerate_sizes():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 200, 20, generator=g) * 0.3  # contiguous [P, N, M]
+    caps = largest_remainder_capacities(torch.softmax(torch.randn(3, 20, generator=g), -1), 200)
+    w = fit_laguerre_offsets(scores, caps)
+    local = (scores + w[:, None, :]).argmax(-1)
+    sizes = torch.zeros_like(caps).scatter_add_(1, local, torch.ones_like(local))
+    assert 0.5 * (sizes - caps).abs().sum(-1).max() <= 4  # a handful of the 200 auxiliaries at most
+    # a single open candidate takes the whole bank; M smaller than the shortlist works
+    one = voronoi_owners(torch.tensor([[10.0, -50.0, -50.0]]), torch.randn(3, 8), sample_auxiliary_bank(16, 8, 0), 3)
+    assert one.capacities.tolist() == [[16, 0, 0]] and (one.owners == 0).all() and one.total_variation.item() == 0
+
+
+def test_masked_vocabulary_entries_never_own():
+    head = _lm_head(1, vocab=40, dim=8)
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(1))
+    logits[:, 20:] = float("-inf")  # e.g. padded vocabulary rows
+    a = voronoi_owners(logits, head, sample_auxiliary_bank(64, 8, 0), top_m=32)
+    assert (a.owners < 20).all()
+    assert (a.capacities[:, 20:] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------- draw and decode
+
+
+def test_draw_decodes_back_to_target(assignment):
+    a = assignment
+    g = torch.Generator().manual_seed(0)
+    # targets: a random candidate with positive capacity at every position
+    weights = (a.capacities > 0).float()
+    targets = a.candidates.gather(1, torch.multinomial(weights, 1, generator=g)).squeeze(1)
+    owned = (a.owners == targets[:, None]).any(-1)
+    index = draw_auxiliary_in_cell(a.owners, targets, generator=g)
+    assert ((index >= 0) == owned).all()
+    assert owned.float().mean() > 0.9  # cells of open candidates are rarely empty
+    assert torch.equal(decode_auxiliary(a.owners, index)[owned], targets[owned])
+
+
+def test_draw_is_uniform_over_the_cell_and_seeded():
+    owners = torch.tensor([[3, 1, 3, 3, 2, 3, 1, 3]]).repeat(20000, 1)
+    targets = torch.full((20000,), 3)
+    index = draw_auxiliary_in_cell(owners, targets, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(index, minlength=8)
+    assert counts[[1, 4, 6]].sum() == 0
+    assert ((counts[[0, 2, 3, 5, 7]].float() / 4000 - 1).abs() < 0.06).all()
+    again = draw_auxiliary_in_cell(owners, targets, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(index, again)
+
+
+def test_mask_path_for_targets_without_auxiliaries(assignment):
+    a = assignment
+    outside = torch.full((a.owners.shape[0],), -5)  # not a token at all
+    assert (draw_auxiliary_in_cell(a.owners, outside) == -1).all()
+    # a token outside the top M and a top-M token with capacity 0
+    has_closed = (a.capacities == 0).any(-1)
+    closed_token = a.candidates.gather(1, (a.capacities == 0).long().argmax(-1, keepdim=True)).squeeze(1)
+    index = draw_auxiliary_in_cell(a.owners[has_closed], closed_token[has_closed])
+    assert (index == -1).all()
+    assert (decode_auxiliary(a.owners[has_closed], index) == -1).all()
+
+
+# --------------------------------------------------------------------------------------------------------- quantile
+
+
+def _quantile_reference(logits: torch.Tensor, n: int) -> list[list[int]]:
+    out = []
+    for row in torch.softmax(logits.double(), -1).tolist():
+        cdf, acc = [], 0.0
+        for p in row:
+            acc += p
+            cdf.append(acc)
+        owners = []
+        for b in range(n):
+            mid = (b + 0.5) / n * cdf[-1]
+            owners.append(next(v for v, c in enumerate(cdf) if mid < c))  # first token whose CDF passes the midpoint
+        out.append(owners)
+    return out
+
+
+def test_quantile_owners_match_bruteforce_and_sizes():
+    g = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(12, 30, generator=g)
+    logits[:3, 5:10] = float("-inf")  # zero-probability tokens
+    owners = quantile_owners(logits, 64)
+    assert owners.shape == (12, 64) and owners.dtype == torch.long
+    assert owners.tolist() == _quantile_reference(logits, 64)
+    assert not ((owners[:3] >= 5) & (owners[:3] < 10)).any()
+    assert (owners[:, 1:] >= owners[:, :-1]).all()  # vocabulary order
+    sizes = torch.zeros(12, 30).scatter_add_(1, owners, torch.ones(12, 64))
+    assert ((sizes - 64 * torch.softmax(logits, -1)).abs() < 1.0 + 1e-4).all()
+    index = draw_auxiliary_in_cell(owners, owners[:, 17])
+    assert torch.equal(decode_auxiliary(owners, index), owners[:, 17])
