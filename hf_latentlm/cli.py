@@ -106,8 +106,18 @@ def cmd_train(args) -> int:
         text, _ = generate_text(model, tokenizer, args.sample_prompt, max_new_tokens=100, seed=args.seed)
         ids = tokenizer(args.sample_prompt, return_tensors="pt", add_special_tokens=False).input_ids
         speed = measure_generation_speed(model, ids, max_new_tokens=64, repeats=1)
-        print(f"\n--- sample ({speed['tokens_per_s']:.0f} tokens/s, {speed['model_calls_per_token']:.2f} "
-              f"model calls per token) ---\n{args.sample_prompt}{text}\n---")
+        line = (f"{cfg.family}: {speed['tokens_per_s']:.0f} tokens/s, "
+                f"{1 / speed['model_calls_per_token']:.2f} tokens per model call")
+        if cfg.family != "ar":
+            # Generation speed of the AR baseline does not depend on its weights: a fresh model of the same
+            # preset, timed on the same prompt in this process, is the matched reference.
+            from .families import build_model
+
+            baseline = build_model("ar", cfg.preset, tokenizer).eval()
+            ar = measure_generation_speed(baseline, ids, max_new_tokens=64, repeats=1)
+            line += (f" | AR baseline ({cfg.preset}): {ar['tokens_per_s']:.0f} tokens/s, 1.00 tokens per call"
+                     f" | speed ratio {speed['tokens_per_s'] / ar['tokens_per_s']:.2f}x")
+        print(f"\n--- sample ({line}) ---\n{args.sample_prompt}{text}\n---")
     return 0
 
 

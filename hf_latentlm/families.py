@@ -14,10 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from .presets import Preset, get_preset
 
 
-def build_ar_baseline(preset: Preset, tokenizer, **overrides) -> LlamaForCausalLM:
-    """The matched autoregressive baseline: transformers' own `LlamaForCausalLM` with the
-    preset's dimensions (RMSNorm, SwiGLU, RoPE, GQA — the same core as our families)."""
-    config = LlamaConfig(
+def backbone_config_kwargs(preset: Preset, tokenizer) -> dict:
+    """Config fields shared by every family (Llama names): the preset's backbone and the tokenizer's ids."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=preset.hidden_size,
         intermediate_size=preset.intermediate_size,
@@ -30,9 +29,13 @@ def build_ar_baseline(preset: Preset, tokenizer, **overrides) -> LlamaForCausalL
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        **overrides,
     )
-    return LlamaForCausalLM(config)
+
+
+def build_ar_baseline(preset: Preset, tokenizer, **overrides) -> LlamaForCausalLM:
+    """The matched autoregressive baseline: transformers' own `LlamaForCausalLM` with the
+    preset's dimensions (RMSNorm, SwiGLU, RoPE, GQA — the same core as our families)."""
+    return LlamaForCausalLM(LlamaConfig(**{**backbone_config_kwargs(preset, tokenizer), **overrides}))
 
 
 # PLM settings that depend on scale. The paper's N_aux = 512 / M = 128 are the config defaults (used by
@@ -53,21 +56,7 @@ def build_plm(preset: Preset, tokenizer, **overrides) -> PreTrainedModel:
     name = next((k for k, v in PRESETS.items() if v == preset), None)
     overrides = {**PLM_PRESET_OVERRIDES.get(name, {}), **overrides}
 
-    config = PLMConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        num_hidden_layers=preset.num_layers,
-        num_attention_heads=preset.num_heads,
-        num_key_value_heads=preset.num_kv_heads,
-        max_position_embeddings=preset.max_position_embeddings,
-        rope_theta=preset.rope_theta,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **overrides,
-    )
-    return PLMForCausalLM(config)
+    return PLMForCausalLM(PLMConfig(**{**backbone_config_kwargs(preset, tokenizer), **overrides}))
 
 
 FAMILIES: dict[str, Callable[..., PreTrainedModel]] = {

@@ -38,7 +38,7 @@ def test_train_generate_eval_round_trip(tmp_path, capsys):
     code, stdout, _ = run_cli(capsys, "train", "--family", "ar", "--preset", "tiny", "--output-dir", str(out),
                               "--max-steps", "4", "--eval-every", "2", "--save-every", "2", "--batch-size", "4")
     assert code == 0
-    assert "--- sample" in stdout and "model calls per token" in stdout
+    assert "--- sample" in stdout and "tokens per model call" in stdout
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
 
     code, stdout, _ = run_cli(capsys, "generate", "--model", str(out), "--prompt", "HAMLET.\n",
@@ -59,6 +59,14 @@ def test_train_generate_eval_round_trip(tmp_path, capsys):
         assert entry["ci_low"] <= entry["value"] <= entry["ci_high"]
     assert result["brier"]["num_positions"] == 64
     assert 0 < result["nll"]["nll"] < 10 and result["nll"]["perplexity"] > 1
+
+
+def test_train_plm_prints_tokens_per_call_next_to_the_ar_baseline(tmp_path, capsys):
+    code, stdout, _ = run_cli(capsys, "train", "--family", "plm", "--preset", "tiny", "--output-dir",
+                              str(tmp_path / "plm"), "--max-steps", "2", "--eval-every", "2", "--batch-size", "2")
+    assert code == 0
+    assert "plm:" in stdout and "tokens per model call" in stdout and "AR baseline (tiny)" in stdout
+    assert json.loads((tmp_path / "plm" / "config.json").read_text())["model_type"] == "plm"
 
 
 def test_bench_writes_json_and_table_with_ratios(tmp_path, capsys, tokenizer):

@@ -51,7 +51,8 @@ class PLMOutput(ModelOutput):
 
 @dataclass
 class PLMGenerateOutput(ModelOutput):
-    """`sequences` [B, T + new]; `model_calls` [B]: forward calls made while the row was unfinished;
+    """`sequences` [B, T + new]; `model_calls` [B]: forward calls made while the row was unfinished
+    (prompt prefill included);
     `num_new_tokens` [B]: tokens generated per row (up to and including EOS)."""
 
     sequences: torch.LongTensor | None = None
@@ -452,7 +453,8 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
         out_tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         num_new = torch.zeros(batch, dtype=torch.long, device=device)
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        calls = torch.zeros(batch, dtype=torch.long, device=device)
+        # The prefill is a model call too (it commits no token), so it is counted.
+        calls = torch.full((batch,), int(input_ids.shape[1] > 1), dtype=torch.long, device=device)
         pending = torch.zeros(batch, max(width - 1, 0), dtype=torch.long, device=device)
         pending_ok = torch.zeros(batch, dtype=torch.bool, device=device)  # False forces m = 0 (first round)
         while not bool(finished.all()):
