@@ -347,8 +347,9 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
     _ACCEPTED_HF_OPTIONS = {"do_sample", "use_cache", "output_scores", "output_logits", "min_new_tokens",
                             "max_length", "bos_token_id"}
 
-    def _generation_settings(self, input_ids, generation_config, kwargs) -> dict:
-        """Merge GenerationConfig + kwargs; reject what quadratic decoding cannot honour, by name."""
+    def _checked_generation_config(self, generation_config, kwargs):
+        """The GenerationConfig to read defaults from, after rejecting (by name) every option in `kwargs`
+        that quadratic decoding cannot honour."""
         gen = generation_config if generation_config is not None else self.generation_config
         cfg = self.config
         if kwargs.get("num_beams", getattr(gen, "num_beams", 1) or 1) > 1:
@@ -365,7 +366,7 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
                 kwargs.pop(name)
         if kwargs:
             raise ValueError(f"unsupported generation option(s) for PLM: {sorted(kwargs)}")
-        return {"gen": gen}
+        return gen
 
     @torch.no_grad()
     def generate(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -394,7 +395,7 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
         eos_given = "eos_token_id" in kwargs
         eos_token_id = kwargs.pop("eos_token_id", None)
         pad_token_id = kwargs.pop("pad_token_id", None)
-        gen = self._generation_settings(input_ids, generation_config, kwargs)["gen"]
+        gen = self._checked_generation_config(generation_config, kwargs)
         if not eos_given:
             eos_token_id = gen.eos_token_id
         eos_ids = torch.tensor([] if eos_token_id is None else
@@ -486,7 +487,6 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
 
     def _prefill(self, input_ids, attention_mask) -> dict:
         """Encode all prompt tokens but the last into a fresh cache; the last one opens the first round."""
-        batch = input_ids.shape[0]
         cache = DynamicCache(config=self.config)
         positions = make_padding_position_ids(attention_mask)
         state = {"cache": cache, "key_pos": positions[:, :-1], "key_valid": attention_mask[:, :-1].bool(),
@@ -494,10 +494,6 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
         if input_ids.shape[1] > 1:
             self(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], position_ids=positions[:, :-1],
                  cache=cache)
-        else:
-            state["key_pos"] = positions[:, :0]
-            state["key_valid"] = attention_mask[:, :0].bool()
-        del batch
         return state
 
     def _decoding_round(self, state, pending, pending_ok, aux_table, num_new, width, propose, acceptance,
