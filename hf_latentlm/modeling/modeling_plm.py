@@ -463,21 +463,18 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
             committed, count, pending, pending_ok = self._decoding_round(
                 state, pending, pending_ok, aux_table, num_new, width, decoding == "quadratic",
                 acceptance, epsilon, rho)
-            for b in range(batch):  # bookkeeping on a handful of ints per row
-                if finished[b]:
-                    continue
-                new = committed[b, : int(count[b])]
-                room = max_new_tokens - int(num_new[b])
-                new = new[:room]
-                hits = torch.isin(new, eos_ids).nonzero()
-                if hits.numel():
-                    new = new[: int(hits[0]) + 1]
-                out_tokens[b, int(num_new[b]): int(num_new[b]) + new.numel()] = new
-                num_new[b] += new.numel()
-                if hits.numel() or int(num_new[b]) >= max_new_tokens:
-                    finished[b] = True
-                if streamer is not None and new.numel():
-                    streamer.put(new.cpu())
+            # Keep, per row, the committed tokens that fit in max_new_tokens, up to and including a first EOS.
+            slot = torch.arange(committed.shape[1], device=device)[None]
+            fits = slot < torch.minimum(count, max_new_tokens - num_new)[:, None]
+            is_eos = torch.isin(committed, eos_ids) & fits
+            stop_at = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, committed.shape[1])
+            keep = fits & (slot < stop_at[:, None]) & ~finished[:, None]
+            rows, cols = keep.nonzero(as_tuple=True)
+            out_tokens[rows, num_new[rows] + cols] = committed[rows, cols]
+            if streamer is not None and keep.any():
+                streamer.put(committed[0][keep[0]].cpu())
+            num_new += keep.sum(1)
+            finished |= (is_eos & keep).any(1) | (num_new >= max_new_tokens)
         if streamer is not None:
             streamer.end()
         sequences = torch.cat([input_ids, out_tokens[:, : int(num_new.max())]], dim=1)
