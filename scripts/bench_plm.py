@@ -20,6 +20,7 @@ import torch
 
 from hf_latentlm.eval.bench import benchmark_models, markdown_table
 from hf_latentlm.eval.harness import nll_rows, split_stream
+from hf_latentlm.eval.plm import reconstruction, tokens_per_call
 from hf_latentlm.eval.sampling import evaluation_windows
 from hf_latentlm.eval.speed import measure_generation_speed
 from hf_latentlm.families import build_model
@@ -28,28 +29,6 @@ from hf_latentlm.presets import get_preset
 from hf_latentlm.training.loop import TrainConfig, make_optimizer
 
 ACCEPTANCE = {"exact": {}, "epsilon": {"acceptance": "epsilon"}, "nucleus": {"acceptance": "nucleus"}}
-
-
-@torch.no_grad()
-def reconstruction(model, rows: torch.Tensor, batch_size: int = 16) -> dict:
-    """Mean R, encoder NLL and decoder NLL of the PLM objective on validation rows (block phase 0)."""
-    model.eval()
-    parts = {"reconstructed_tokens": [], "encoder_nll": [], "decoder_nll": [], "mask_auxiliary_fraction": [],
-             "auxiliary_tv": []}
-    for start in range(0, len(rows), batch_size):
-        out = model(input_ids=rows[start:start + batch_size], labels=rows[start:start + batch_size])
-        for key in parts:
-            value = getattr(out, key)
-            if value is not None:
-                parts[key].append(float(value))
-    return {k: statistics.fmean(v) for k, v in parts.items() if v}
-
-
-@torch.no_grad()
-def tokens_per_call(model, prompts: torch.Tensor, new_tokens: int, seed: int = 0, **kwargs) -> float:
-    torch.manual_seed(seed)
-    out = model.generate(prompts, max_new_tokens=new_tokens, eos_token_id=None, return_dict_in_generate=True, **kwargs)
-    return float(out.num_new_tokens.sum() / out.model_calls.sum())
 
 
 def training_step_time(family: str, preset: str, tokenizer, rows: torch.Tensor, steps: int, batch_size: int) -> dict:

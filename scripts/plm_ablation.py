@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from hf_latentlm.eval.harness import nll_rows, split_stream
+from hf_latentlm.eval.plm import reconstruction, tokens_per_call
 from hf_latentlm.eval.sampling import evaluation_windows
 from hf_latentlm.families import build_model
 from hf_latentlm.presets import get_preset
@@ -38,13 +39,6 @@ def main():
     parser.add_argument("--max-steps", type=int, default=80)
     parser.add_argument("--output", default="docs/plm_ablation.json")
     args = parser.parse_args()
-    # Same import of bench helpers as scripts/bench_plm.py (scripts are not a package).
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_plm", Path(__file__).with_name("bench_plm.py"))
-    bench_plm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_plm)
-
     tokenizer = load_default_tokenizer()
     val = split_stream(tokenizer, "validation")
     rows = nll_rows(val, get_preset(args.preset).seq_len)[:64]
@@ -58,9 +52,9 @@ def main():
             train(TrainConfig(family="plm", preset=args.preset, output_dir=out, max_steps=args.max_steps,
                               eval_every=0, save_every=args.max_steps, keep_checkpoints=1, progress_bar=False),
                   model=model, tokenizer=tokenizer)
-        row = {"train_seconds": time.perf_counter() - start, **bench_plm.reconstruction(model.eval(), rows)}
+        row = {"train_seconds": time.perf_counter() - start, **reconstruction(model.eval(), rows)}
         if overrides["auxiliary_type"] != "none":
-            row["tokens_per_call_exact"] = bench_plm.tokens_per_call(model, prompts, 64)
+            row["tokens_per_call_exact"] = tokens_per_call(model, prompts, 64)
         results[name] = row
         print(name, json.dumps(row), flush=True)
     report = {"preset": args.preset, "max_steps": args.max_steps,

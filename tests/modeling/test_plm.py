@@ -262,3 +262,18 @@ def test_reload_restores_bank_and_rotary(trained_plm, tmp_path):
     assert torch.equal(again.model.rotary.inv_freq, trained_plm.model.rotary.inv_freq)
     x = torch.tensor([[5, 6, 7, 8, 9]])
     torch.testing.assert_close(again(input_ids=x).logits, trained_plm(input_ids=x).logits)
+
+
+def test_plm_measurements_match_generate_and_forward(trained_plm, tiny_rows):
+    from hf_latentlm.eval.plm import reconstruction, tokens_per_call
+
+    rows = tiny_rows[1600:1604]
+    parts = reconstruction(trained_plm, rows, batch_size=2)
+    out = trained_plm(input_ids=rows[:2], labels=rows[:2])
+    assert 1.0 <= parts["reconstructed_tokens"] <= trained_plm.config.block_size
+    assert 0 < parts["encoder_nll"] < 10 and 0.0 <= parts["mask_auxiliary_fraction"] <= 1.0
+    torch.manual_seed(0)
+    own = trained_plm.generate(rows[:2, :16], max_new_tokens=12, eos_token_id=None, return_dict_in_generate=True)
+    assert tokens_per_call(trained_plm, rows[:2, :16], 12, seed=0) == pytest.approx(
+        float(own.num_new_tokens.sum() / own.model_calls.sum()))
+    assert out.encoder_nll.item() > 0
