@@ -7,6 +7,7 @@ is all the shared training loop needs.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
@@ -51,18 +52,61 @@ PLM_PRESET_OVERRIDES: dict[str, dict] = {
 def build_plm(preset: Preset, tokenizer, **overrides) -> PreTrainedModel:
     """Parallel Language Model on the same backbone dimensions as the AR baseline."""
     from .modeling import PLMConfig, PLMForCausalLM
-    from .presets import PRESETS
 
-    name = next((k for k, v in PRESETS.items() if v == preset), None)
-    overrides = {**PLM_PRESET_OVERRIDES.get(name, {}), **overrides}
+    overrides = {**PLM_PRESET_OVERRIDES.get(_preset_name(preset), {}), **overrides}
 
     return PLMForCausalLM(PLMConfig(**{**backbone_config_kwargs(preset, tokenizer), **overrides}))
+
+
+# CALM autoencoder sizes. `base` is the supplement's reference (hidden 512, intermediate 1280); `small` halves
+# the width so an epoch of the embedded corpus takes minutes on 2 CPU cores. K = 4 and l = 128 throughout.
+CALM_AUTOENCODER_PRESETS: dict[str, dict] = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "latent_size": 32, "num_encoder_layers": 1,
+             "num_decoder_layers": 1},
+    "small": {"hidden_size": 256, "intermediate_size": 640, "latent_size": 128},
+    "base": {"hidden_size": 512, "intermediate_size": 1280, "latent_size": 128},
+}
+
+
+def _preset_name(preset: Preset) -> str | None:
+    from .presets import PRESETS
+
+    return next((k for k, v in PRESETS.items() if v == preset), None)
+
+
+def build_calm_autoencoder(preset: Preset, tokenizer, **overrides) -> PreTrainedModel:
+    """CALM's chunk autoencoder (K tokens <-> one latent); its size comes from `CALM_AUTOENCODER_PRESETS`."""
+    from .modeling import CALMAutoencoder, CALMAutoencoderConfig
+
+    kwargs = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, **CALM_AUTOENCODER_PRESETS.get(_preset_name(preset), {}))
+    return CALMAutoencoder(CALMAutoencoderConfig(**{**kwargs, **overrides}))
+
+
+def build_calm(preset: Preset, tokenizer, autoencoder=None, **overrides) -> PreTrainedModel:
+    """CALM on the preset's backbone around a trained autoencoder (a folder or a `CALMAutoencoder`), which is
+    frozen and copied into the model."""
+    from .modeling import CALMForCausalLM
+
+    if autoencoder is None:
+        raise ValueError("the calm family needs a trained autoencoder: train one with `--family calm-ae` and pass "
+                         "its folder with --autoencoder DIR")
+    if isinstance(autoencoder, str) and not (Path(autoencoder) / "config.json").is_file():
+        raise FileNotFoundError(f"--autoencoder {autoencoder!r} is not a saved autoencoder folder (no config.json)")
+    kwargs = {**backbone_config_kwargs(preset, tokenizer), **overrides}
+    kwargs.pop("tie_word_embeddings")
+    return CALMForCausalLM.from_autoencoder(autoencoder, **kwargs)
 
 
 FAMILIES: dict[str, Callable[..., PreTrainedModel]] = {
     "ar": build_ar_baseline,
     "plm": build_plm,
+    "calm-ae": build_calm_autoencoder,
+    "calm": build_calm,
 }
+
+# Families whose models are language models (generate text); the others are components.
+LANGUAGE_MODEL_FAMILIES = ("ar", "plm", "calm")
 
 
 def build_model(family: str, preset: str | Preset, tokenizer, **overrides) -> PreTrainedModel:

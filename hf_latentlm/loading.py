@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+NOT_LANGUAGE_MODELS = ("calm_autoencoder",)
+
 
 def load_model_and_tokenizer(path: str, device: str | None = None):
     """`AutoModelForCausalLM` + `AutoTokenizer` from a local folder, offline-friendly.
@@ -12,7 +14,7 @@ def load_model_and_tokenizer(path: str, device: str | None = None):
     installed classes are used; `trust_remote_code=True` lets a folder's own modeling files load
     where the package is not installed.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     import hf_latentlm.modeling  # noqa: F401  (registers the families' Auto classes)
 
@@ -23,7 +25,10 @@ def load_model_and_tokenizer(path: str, device: str | None = None):
         raise FileNotFoundError(f"{path!r} has no config.json: not a saved model folder")
     if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"{path!r} has no tokenizer files; models saved by `hf-latentlm train` include them")
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    # Components that are not language models (the CALM autoencoder) load through AutoModel.
+    auto_class = AutoModel if config.model_type in NOT_LANGUAGE_MODELS else AutoModelForCausalLM
+    model = auto_class.from_pretrained(folder, trust_remote_code=True)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if device:
         model.to(device)

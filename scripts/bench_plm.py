@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +20,7 @@ from hf_latentlm.eval.bench import benchmark_models, markdown_table
 from hf_latentlm.eval.harness import nll_rows, split_stream
 from hf_latentlm.eval.plm import reconstruction, tokens_per_call
 from hf_latentlm.eval.sampling import evaluation_windows
-from hf_latentlm.eval.speed import measure_generation_speed
+from hf_latentlm.eval.speed import measure_generation_speed, training_step_time
 from hf_latentlm.families import build_model
 from hf_latentlm.loading import load_model_and_tokenizer
 from hf_latentlm.presets import get_preset
@@ -31,37 +29,16 @@ from hf_latentlm.training.loop import TrainConfig, make_optimizer
 ACCEPTANCE = {"exact": {}, "epsilon": {"acceptance": "epsilon"}, "nucleus": {"acceptance": "nucleus"}}
 
 
-def training_step_time(family: str, preset: str, tokenizer, rows: torch.Tensor, steps: int, batch_size: int) -> dict:
-    """Median seconds per optimizer step (fresh model, preset sizes) and, for PLM, the share spent in
-    `auxiliary_owners` (Voronoi fitting)."""
+def plm_training_step_time(family: str, preset: str, tokenizer, rows: torch.Tensor, steps: int,
+                           batch_size: int) -> dict:
+    """Step time of a fresh model at preset sizes; for PLM also the share spent fitting auxiliaries."""
     torch.manual_seed(0)
-    model = build_model(family, preset, tokenizer).train()
+    model = build_model(family, preset, tokenizer)
     optimizer = make_optimizer(model, TrainConfig(preset=preset).resolved())
-    fit_time = [0.0]
-    if hasattr(model, "auxiliary_owners"):
-        original = model.auxiliary_owners
-
-        def timed(logits):
-            start = time.perf_counter()
-            result = original(logits)
-            fit_time[0] += time.perf_counter() - start
-            return result
-
-        model.auxiliary_owners = timed
-    times, fits = [], []
-    for step in range(steps + 1):
-        batch = rows[step * batch_size:(step + 1) * batch_size]
-        fit_time[0] = 0.0
-        start = time.perf_counter()
-        model(input_ids=batch, labels=batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step:  # the first step is a warm-up
-            times.append(time.perf_counter() - start)
-            fits.append(fit_time[0])
-    median = statistics.median(times)
-    return {"seconds_per_step": median, "tokens_per_s": batch.numel() / median,
-            "auxiliary_fit_share": statistics.fmean(f / t for f, t in zip(fits, times))}
+    result = training_step_time(model, rows, steps, batch_size, optimizer,
+                                timed_method="auxiliary_owners" if family == "plm" else None)
+    result["auxiliary_fit_share"] = result.pop("auxiliary_owners_share", 0.0)
+    return result
 
 
 def main():
@@ -95,7 +72,7 @@ def main():
     extras["ar_tokens_per_s"] = ar_speed
     train_rows = nll_rows(split_stream(tokenizer, "train"), get_preset(args.preset).seq_len)
     batch = 16
-    extras["training"] = {fam: training_step_time(fam, args.preset, tokenizer, train_rows, args.train_steps, batch)
+    extras["training"] = {fam: plm_training_step_time(fam, args.preset, tokenizer, train_rows, args.train_steps, batch)
                           for fam in ("ar", "plm")}
     extras["training"]["plm_over_ar_step_time"] = (extras["training"]["plm"]["seconds_per_step"]
                                                    / extras["training"]["ar"]["seconds_per_step"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -76,3 +77,54 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
         "median_s": median,
         "times_s": times,
     }
+
+
+@contextmanager
+def timing_method(obj, name: str, total: list[float]):
+    """While active, calls of `obj.<name>` add their wall time to `total[0]`."""
+    original = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - start
+
+    setattr(obj, name, timed)
+    try:
+        yield
+    finally:
+        delattr(obj, name)  # back to the class's method
+
+
+def training_step_time(model, rows: torch.Tensor, steps: int, batch_size: int, optimizer,
+                       timed_method: str | None = None) -> dict:
+    """Median seconds per optimizer step of `model` on consecutive batches of `rows` (the first step is a warm-up),
+    tokens/s, and optionally the share of each step spent inside `model.<timed_method>`."""
+    if len(rows) < (steps + 1) * batch_size:
+        raise ValueError(f"need {(steps + 1) * batch_size} rows for {steps} timed steps, got {len(rows)}")
+    model.train()
+    spent = [0.0]
+    times, shares = [], []
+    with timing_method(model, timed_method, spent) if timed_method else _no_timing():
+        for step in range(steps + 1):
+            batch = rows[step * batch_size:(step + 1) * batch_size]
+            spent[0] = 0.0
+            start = time.perf_counter()
+            model(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step:
+                times.append(time.perf_counter() - start)
+                shares.append(spent[0] / times[-1])
+    median = statistics.median(times)
+    result = {"seconds_per_step": median, "tokens_per_s": batch.numel() / median}
+    if timed_method:
+        result[f"{timed_method}_share"] = statistics.fmean(shares)
+    return result
+
+
+@contextmanager
+def _no_timing():
+    yield

@@ -4,13 +4,23 @@ also carry the flat modeling files and a full `auto_map` for `trust_remote_code`
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .configuration_calm import CALMAutoencoderConfig, CALMConfig
 from .configuration_plm import PLMConfig
+from .modeling_calm import CALMAutoencoder, CALMForCausalLM
 from .modeling_plm import PLMForCausalLM
 
-AutoConfig.register("plm", PLMConfig, exist_ok=True)
-AutoModel.register(PLMConfig, PLMForCausalLM, exist_ok=True)
-AutoModelForCausalLM.register(PLMConfig, PLMForCausalLM, exist_ok=True)
-PLMConfig.register_for_auto_class()
-PLMForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+for _config, _model in ((PLMConfig, PLMForCausalLM), (CALMConfig, CALMForCausalLM)):
+    AutoConfig.register(_config.model_type, _config, exist_ok=True)
+    AutoModel.register(_config, _model, exist_ok=True)
+    AutoModelForCausalLM.register(_config, _model, exist_ok=True)
+    _config.register_for_auto_class()
+    _model.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["PLMConfig", "PLMForCausalLM"]
+# The autoencoder is not a language model: AutoModel only.
+AutoConfig.register(CALMAutoencoderConfig.model_type, CALMAutoencoderConfig, exist_ok=True)
+AutoModel.register(CALMAutoencoderConfig, CALMAutoencoder, exist_ok=True)
+CALMAutoencoderConfig.register_for_auto_class()
+CALMAutoencoder.register_for_auto_class("AutoModel")
+
+__all__ = ["PLMConfig", "PLMForCausalLM", "CALMAutoencoderConfig", "CALMAutoencoder", "CALMConfig",
+           "CALMForCausalLM"]

@@ -53,6 +53,9 @@ class TrainConfig:
     train_files / validation_files: the user's own text files instead of the embedded corpus;
         tokenizer: a tokenizer folder or hub id instead of the embedded one.
     mixed_precision: passed to Accelerate ("no", "bf16", "fp16").
+    autoencoder: family "calm" only: folder of the trained CALM autoencoder (`--family calm-ae`) that is
+        frozen and copied into the model.
+    model_kwargs: overrides for the family's config.
     """
 
     family: str = "ar"
@@ -85,6 +88,7 @@ class TrainConfig:
     tokenizer: str | None = None
     mixed_precision: str = "no"
     progress_bar: bool = True
+    autoencoder: str | None = None
     model_kwargs: dict = field(default_factory=dict)
 
     def resolved(self) -> "TrainConfig":
@@ -212,7 +216,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
         val_rows = val_rows[: cfg.eval_batches * cfg.batch_size]
 
     if model is None:
-        model = build_model(cfg.family, cfg.preset, tokenizer, **cfg.model_kwargs)
+        extra = {"autoencoder": cfg.autoencoder} if cfg.autoencoder else {}
+        model = build_model(cfg.family, cfg.preset, tokenizer, **extra, **cfg.model_kwargs)
     optimizer = make_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
 

@@ -1,14 +1,14 @@
 """Run with `python -S`: load a checkpoint through an Auto class with `hf_latentlm` NOT importable,
 generate, and print {"module": ..., "tokens": [...]} as JSON.
 
-argv: purelib platlib checkpoint auto_class prompt_json max_new_tokens auxiliary_seed
+argv: purelib platlib checkpoint auto_class prompt_json max_new_tokens generate_options_json
 """
 
 import importlib.abc
 import json
 import sys
 
-purelib, platlib, checkpoint, auto_class, prompt, max_new, seed = sys.argv[1:8]
+purelib, platlib, checkpoint, auto_class, prompt, max_new, options = sys.argv[1:8]
 
 
 class BlockPackage(importlib.abc.MetaPathFinder):
@@ -25,6 +25,5 @@ import transformers  # noqa: E402
 
 model = getattr(transformers, auto_class).from_pretrained(checkpoint, trust_remote_code=True).eval()
 assert not [m for m in sys.modules if m.startswith("hf_latentlm")]
-tokens = model.generate(torch.tensor(json.loads(prompt)), max_new_tokens=int(max_new), auxiliary_seeds=[int(seed)],
-                        eos_token_id=None)
+tokens = model.generate(torch.tensor(json.loads(prompt)), max_new_tokens=int(max_new), **json.loads(options))
 print(json.dumps({"module": type(model).__module__, "tokens": tokens[0, len(json.loads(prompt)[0]):].tolist()}))

@@ -247,7 +247,8 @@ def test_saved_checkpoint_loads_without_the_package_and_generates_identically(tr
     env = {"HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     for auto_class in ("AutoModelForCausalLM", "AutoModel"):
         done = subprocess.run([sys.executable, "-S", str(ISOLATED_LOADER), paths["purelib"], paths["platlib"],
-                               str(tmp_path / "ckpt"), auto_class, json.dumps(prompt), "12", "11"],
+                               str(tmp_path / "ckpt"), auto_class, json.dumps(prompt), "12",
+                               json.dumps({"auxiliary_seeds": [11], "eos_token_id": None})],
                               capture_output=True, text=True, env=env, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,0 +1,233 @@
+"""Configurations of CALM (paper 000; method-specs §2, calm-supplement.md): the chunk autoencoder and the
+continuous autoregressive model that predicts its latents."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+TEMPERATURE_SAMPLERS = ("pool", "exact")
+
+
+def _check_positive(config: PretrainedConfig, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is None or value < 1:
+            raise ValueError(f"{type(config).__name__}.{name} must be at least 1, got {value}")
+
+
+class CALMAutoencoderConfig(PretrainedConfig):
+    r"""Context-free MLP autoencoder: a chunk of K tokens <-> one latent vector of size l.
+
+    Encoder: token embedding -> `num_encoder_layers` residual SwiGLU blocks per token -> flatten K·h ->
+    linear to h ("squeeze") -> `num_encoder_layers` blocks -> linear to 2·l (mean, log σ). The decoder mirrors
+    it (l -> h -> blocks -> linear to K·h -> per-token blocks -> norm -> logits through the tied embedding).
+    **Choice:** the supplement gives "2 encoder + 2 decoder layers" without saying how they split around the
+    squeeze; here each stage has that many blocks.
+
+    Args:
+        vocab_size (`int`, 4096), chunk_size (`int`, 4): K tokens per latent.
+        latent_size (`int`, 128): l.
+        hidden_size (`int`, 512), intermediate_size (`int`, 1280): width of the residual SwiGLU blocks.
+        num_encoder_layers / num_decoder_layers (`int`, 2 / 2): blocks per stage (see above).
+        kl_weight (`float`, 1e-3): weight of the clamped KL to N(0, I).
+        kl_clamp (`float`, 0.5): free bits, per latent dimension: the loss uses Σ_i max(KL_i, kl_clamp).
+        token_replace_prob (`float`, 0.15): share of input tokens replaced by uniformly random tokens before
+            encoding (training only).
+        latent_dropout (`float`, 0.15): dropout on the sampled latent before decoding (training only).
+        rms_norm_eps (`float`, 1e-6), initializer_range (`float`, 0.02): std of the linear layers.
+        embedding_init_std (`float`, 1.0): std of the token embedding, which is also the output layer. With 0.02
+            the `small` autoencoder reached 34.6% validation token accuracy after 80 steps, with 1.0 72.7%.
+        log_std_min / log_std_max (`float`, -10 / 2): clamp of the posterior log σ, for numerical safety.
+    Loss: K × token cross-entropy (mean over tokens) + kl_weight × clamped KL (mean over chunks).
+    """
+
+    model_type = "calm_autoencoder"
+
+    def __init__(
+        self,
+        vocab_size: int = 4096,
+        chunk_size: int = 4,
+        latent_size: int = 128,
+        hidden_size: int = 512,
+        intermediate_size: int = 1280,
+        num_encoder_layers: int = 2,
+        num_decoder_layers: int = 2,
+        kl_weight: float = 1e-3,
+        kl_clamp: float = 0.5,
+        token_replace_prob: float = 0.15,
+        latent_dropout: float = 0.15,
+        rms_norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        embedding_init_std: float = 1.0,
+        log_std_min: float = -10.0,
+        log_std_max: float = 2.0,
+        tie_word_embeddings: bool = False,
+        bos_token_id: int | None = 0,
+        eos_token_id: int | None = 0,
+        pad_token_id: int | None = 1,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.chunk_size = chunk_size
+        self.latent_size = latent_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_encoder_layers = num_encoder_layers
+        self.num_decoder_layers = num_decoder_layers
+        self.kl_weight = kl_weight
+        self.kl_clamp = kl_clamp
+        self.token_replace_prob = token_replace_prob
+        self.latent_dropout = latent_dropout
+        self.rms_norm_eps = rms_norm_eps
+        self.initializer_range = initializer_range
+        self.embedding_init_std = embedding_init_std
+        self.log_std_min = log_std_min
+        self.log_std_max = log_std_max
+        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+        self.validate_autoencoder()
+
+    def validate_autoencoder(self) -> None:
+        """Raise a ValueError naming the first bad field."""
+        _check_positive(self, ("vocab_size", "chunk_size", "latent_size", "hidden_size", "intermediate_size"))
+        for name in ("num_encoder_layers", "num_decoder_layers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CALMAutoencoderConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("token_replace_prob", "latent_dropout"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"CALMAutoencoderConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.kl_weight < 0 or self.kl_clamp < 0:
+            raise ValueError(f"CALMAutoencoderConfig.kl_weight and kl_clamp must be >= 0, got {self.kl_weight} and "
+                             f"{self.kl_clamp}")
+        if not self.log_std_min < self.log_std_max:
+            raise ValueError("CALMAutoencoderConfig.log_std_min must be below log_std_max")
+
+
+class CALMConfig(PretrainedConfig):
+    r"""Continuous Autoregressive LM: a transformer over chunk steps whose energy head samples the next latent,
+    which the frozen autoencoder (a submodule, weights inside the checkpoint) decodes into K tokens.
+
+    Backbone (same meaning as in `LlamaConfig`): `vocab_size`, `hidden_size` (d), `intermediate_size`,
+    `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `head_dim`, `max_position_embeddings`
+    (in TOKENS; the backbone uses one position per chunk), `rope_theta`, `rms_norm_eps`, `initializer_range`.
+
+    Input side: step i reads the K tokens of chunk i-1, embedded (own table, d) and compressed by
+        Linear(K·d, 2d) -> SiLU -> Linear(2d, d) -> RMSNorm.
+    Energy head:
+        noise_size (`int`, 64): d_noise, noise ε ~ U[-0.5, 0.5]^{d_noise}.
+        num_head_blocks (`int`, None -> ceil(num_hidden_layers / 4)): residual blocks; each fuses the running
+            vector with the hidden state by two linear layers (one each, summed), then RMSNorm + SwiGLU with
+            intermediate size d, plus a residual. The final linear to l is zero-initialised.
+    Energy loss (Eq. 10, α = 1):
+        num_model_samples (`int`, 8): N head samples per step; num_target_samples (`int`, 100): M posterior
+        samples of the target latent per step.
+    Autoencoder:
+        autoencoder_config (`CALMAutoencoderConfig` or dict): the frozen autoencoder's config; its weights live
+            in this model's safetensors under `autoencoder.`. `chunk_size` and `vocab_size` must agree with it;
+            `latent_size` is read from it. Never a path: build with `CALMForCausalLM.from_autoencoder(...)`.
+    Generation defaults (each can be overridden in `generate()`):
+        generation_temperature (`float`, 1.0): default T in (0, 1]; T = 1 is one head draw per step. (Named so
+            because transformers reserves `temperature` for the GenerationConfig.)
+        temperature_sampler (`str`, "pool"): for T < 1, "pool" (draw `temperature_pool_size` samples, pick a
+            decoded chunk with weight C(count, 1/T); any T) or "exact" (draw n = 1/T samples and accept when all
+            decode to the same chunk; T must be 1/n).
+        temperature_pool_size (`int`, 200); exact_attempts (`int`, 16): n-sample attempts drawn per rejection
+        round; exact_max_rounds (`int`, 64): rounds before the exact sampler gives up with an error.
+    """
+
+    model_type = "calm"
+    sub_configs = {"autoencoder_config": CALMAutoencoderConfig}
+    keys_to_ignore_at_inference = ["cache"]
+    has_token_likelihood = False
+
+    def __init__(
+        self,
+        vocab_size: int = 4096,
+        hidden_size: int = 256,
+        intermediate_size: int = 672,
+        num_hidden_layers: int = 4,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int = 2,
+        head_dim: int | None = None,
+        max_position_embeddings: int = 2048,
+        rope_theta: float = 10000.0,
+        rms_norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        chunk_size: int = 4,
+        noise_size: int = 64,
+        num_head_blocks: int | None = None,
+        num_model_samples: int = 8,
+        num_target_samples: int = 100,
+        autoencoder_config: CALMAutoencoderConfig | dict | None = None,
+        generation_temperature: float = 1.0,
+        temperature_sampler: str = "pool",
+        temperature_pool_size: int = 200,
+        exact_attempts: int = 16,
+        exact_max_rounds: int = 64,
+        bos_token_id: int | None = 0,
+        eos_token_id: int | None = 0,
+        pad_token_id: int | None = 1,
+        tie_word_embeddings: bool = False,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = rope_theta
+        self.rms_norm_eps = rms_norm_eps
+        self.initializer_range = initializer_range
+        self.chunk_size = chunk_size
+        self.noise_size = noise_size
+        self.num_head_blocks = num_head_blocks if num_head_blocks is not None else -(-num_hidden_layers // 4)
+        self.num_model_samples = num_model_samples
+        self.num_target_samples = num_target_samples
+        if autoencoder_config is None:
+            autoencoder_config = CALMAutoencoderConfig(vocab_size=vocab_size, chunk_size=chunk_size)
+        elif isinstance(autoencoder_config, dict):
+            autoencoder_config = CALMAutoencoderConfig(**autoencoder_config)
+        self.autoencoder_config = autoencoder_config
+        self.generation_temperature = generation_temperature
+        self.temperature_sampler = temperature_sampler
+        self.temperature_pool_size = temperature_pool_size
+        self.exact_attempts = exact_attempts
+        self.exact_max_rounds = exact_max_rounds
+        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+        self.validate_calm()
+
+    @property
+    def latent_size(self) -> int:
+        return self.autoencoder_config.latent_size
+
+    def validate_calm(self) -> None:
+        """Raise a ValueError naming the first bad field."""
+        _check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "chunk_size",
+                               "noise_size", "num_head_blocks", "num_target_samples", "temperature_pool_size",
+                               "exact_attempts", "exact_max_rounds"))
+        if self.num_model_samples < 2:
+            raise ValueError(f"CALMConfig.num_model_samples must be at least 2 (the energy loss's diversity term "
+                             f"compares pairs of samples), got {self.num_model_samples}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"CALMConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        ae = self.autoencoder_config
+        if ae.chunk_size != self.chunk_size:
+            raise ValueError(f"the autoencoder's chunk_size ({ae.chunk_size}) disagrees with CALMConfig.chunk_size "
+                             f"({self.chunk_size})")
+        if ae.vocab_size != self.vocab_size:
+            raise ValueError(f"the autoencoder's vocab_size ({ae.vocab_size}) disagrees with CALMConfig.vocab_size "
+                             f"({self.vocab_size})")
+        if not 0 < self.generation_temperature <= 1:
+            raise ValueError(f"CALMConfig.generation_temperature must be in (0, 1], got {self.generation_temperature}")
+        if self.temperature_sampler not in TEMPERATURE_SAMPLERS:
+            raise ValueError(f"CALMConfig.temperature_sampler must be one of {TEMPERATURE_SAMPLERS}, "
+                             f"got {self.temperature_sampler!r}")
+
+
+__all__ = ["CALMAutoencoderConfig", "CALMConfig", "TEMPERATURE_SAMPLERS"]

@@ -1,0 +1,625 @@
+"""Continuous Autoregressive Language Model (CALM, paper 000; method-specs §2, calm-supplement.md).
+
+Two models:
+- `CALMAutoencoder`: a context-free MLP autoencoder, chunk of K tokens <-> one latent z (Gaussian posterior,
+  free-bits KL, token replacement and latent dropout for robustness).
+- `CALMForCausalLM`: a transformer over chunk steps. Step i reads the K tokens of chunk i-1 (embedded and
+  compressed to one vector), and its energy head turns the hidden state plus uniform noise into a sample of
+  z_i in ONE pass; the frozen autoencoder (a submodule whose weights are saved in this checkpoint) decodes
+  z_i into K tokens, which are fed back. Trained with the energy loss; no softmax, no token likelihood.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.utils import ModelOutput
+
+from .configuration_calm import TEMPERATURE_SAMPLERS, CALMAutoencoderConfig, CALMConfig
+from .energy import energy_loss, exact_temperature_choice, exact_temperature_n, pool_temperature_choice
+from .layers import DecoderBlock, RMSNorm, RotaryEmbedding, SwiGLUMLP, causal_mask, make_padding_position_ids
+
+
+@dataclass
+class CALMAutoencoderOutput(ModelOutput):
+    """`loss` = K × token cross-entropy + kl_weight × clamped KL. The scalars are logged by the training loop:
+    `token_accuracy` of the decoded (sampled, in training also dropped-out) latent, `posterior_std` the mean σ."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    latent_mean: torch.Tensor | None = None
+    latent_log_std: torch.Tensor | None = None
+    reconstruction_nll: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
+    posterior_std: torch.Tensor | None = None
+
+
+@dataclass
+class CALMOutput(ModelOutput):
+    """`last_hidden_state` [B, L, d]: one vector per chunk step (h_i conditions the latent of chunk i+1).
+    With labels: `loss` = mean energy loss over scored steps = `energy_fidelity` − `energy_diversity`."""
+
+    loss: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = None
+    cache: DynamicCache | None = None
+    energy_fidelity: torch.Tensor | None = None
+    energy_diversity: torch.Tensor | None = None
+
+
+@dataclass
+class CALMGenerateOutput(ModelOutput):
+    """`sequences` [B, T + new]; `model_calls` [B]: backbone calls made while the row was unfinished (the prompt
+    prefill, which also yields the first chunk, included); `num_new_tokens` [B] (up to and including EOS)."""
+
+    sequences: torch.LongTensor | None = None
+    model_calls: torch.LongTensor | None = None
+    num_new_tokens: torch.LongTensor | None = None
+
+
+class ResidualMLP(nn.Module):
+    """x + SwiGLU(RMSNorm(x)): the autoencoder's building block."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps=eps)
+        self.mlp = SwiGLUMLP(hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def _init_calm_weights(module: nn.Module, std: float) -> None:
+    if isinstance(module, nn.Linear):
+        if getattr(module, "zero_init", False):
+            module.weight.zero_()
+        else:
+            module.weight.normal_(0.0, std)
+        if module.bias is not None:
+            module.bias.zero_()
+    elif isinstance(module, nn.Embedding):
+        module.weight.normal_(0.0, std)
+    elif isinstance(module, RMSNorm):
+        module.weight.fill_(1.0)
+    elif isinstance(module, RotaryEmbedding):
+        # Non-persistent buffer: from_pretrained refills it with empty memory, so recompute it.
+        module.inv_freq.copy_(module.compute_inv_freq(module.inv_freq.device))
+
+
+def chunk_tokens(input_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[B, T] -> [B, T/K, K]; T must be a multiple of K."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[1] % chunk_size:
+        raise ValueError(f"sequence length {input_ids.shape[1]} is not a multiple of chunk_size={chunk_size}")
+    return input_ids.view(input_ids.shape[0], -1, chunk_size)
+
+
+# ====================================================================================================================
+# Autoencoder
+# ====================================================================================================================
+
+class CALMAutoencoder(PreTrainedModel):
+    """Chunk of K tokens <-> latent z ∈ R^l. `forward(input_ids, labels=...)` trains it on packed rows (each row cut
+    into chunks of K); `encode` / `decode` / `decode_logits` are the maps CALM uses. Output logits are computed with
+    the token embedding matrix (tied by construction)."""
+
+    config_class = CALMAutoencoderConfig
+    base_model_prefix = "autoencoder"
+    main_input_name = "input_ids"
+
+    def __init__(self, config: CALMAutoencoderConfig):
+        super().__init__(config)
+        h, i, k, eps = config.hidden_size, config.intermediate_size, config.chunk_size, config.rms_norm_eps
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.encoder_token_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(config.num_encoder_layers))
+        self.encoder_squeeze = nn.Linear(k * h, h, bias=False)
+        self.encoder_chunk_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(config.num_encoder_layers))
+        self.encoder_norm = RMSNorm(h, eps=eps)
+        self.to_posterior = nn.Linear(h, 2 * config.latent_size)
+        self.decoder_in = nn.Linear(config.latent_size, h, bias=False)
+        self.decoder_chunk_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(config.num_decoder_layers))
+        self.decoder_expand = nn.Linear(h, k * h, bias=False)
+        self.decoder_token_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(config.num_decoder_layers))
+        self.decoder_norm = RMSNorm(h, eps=eps)
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        _init_calm_weights(module, self.config.initializer_range)
+        if module is self.embed_tokens:
+            module.weight.normal_(0.0, self.config.embedding_init_std)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        self.config.auto_map = {"AutoConfig": "configuration_calm.CALMAutoencoderConfig",
+                                "AutoModel": "modeling_calm.CALMAutoencoder"}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def encode(self, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """chunks [..., K] token ids -> posterior (mean, log σ), each [..., l]."""
+        x = self.embed_tokens(chunks)
+        for layer in self.encoder_token_layers:
+            x = layer(x)
+        x = self.encoder_squeeze(x.flatten(-2))
+        for layer in self.encoder_chunk_layers:
+            x = layer(x)
+        mean, log_std = self.to_posterior(self.encoder_norm(x)).chunk(2, dim=-1)
+        return mean, log_std.clamp(self.config.log_std_min, self.config.log_std_max)
+
+    def decode_logits(self, latents: torch.Tensor) -> torch.Tensor:
+        """latents [..., l] -> token logits [..., K, V]."""
+        x = self.decoder_in(latents.to(self.decoder_in.weight.dtype))
+        for layer in self.decoder_chunk_layers:
+            x = layer(x)
+        x = self.decoder_expand(x).unflatten(-1, (self.config.chunk_size, self.config.hidden_size))
+        for layer in self.decoder_token_layers:
+            x = layer(x)
+        return F.linear(self.decoder_norm(x), self.embed_tokens.weight)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """latents [..., l] -> the K most likely tokens [..., K]."""
+        return self.decode_logits(latents).argmax(-1)
+
+    def replace_tokens(self, chunks: torch.Tensor) -> torch.Tensor:
+        """Training-time corruption: each token is replaced by a uniformly random one with probability p."""
+        p = self.config.token_replace_prob
+        if not self.training or p == 0:
+            return chunks
+        swap = torch.rand(chunks.shape, device=chunks.device) < p
+        return torch.where(swap, torch.randint_like(chunks, self.config.vocab_size), chunks)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, attention_mask=None,
+                **kwargs) -> CALMAutoencoderOutput:
+        """input_ids [B, T] (T a multiple of K) or [..., K] chunks. With labels (same shape; −100 = ignore), the
+        loss. In training mode the input is corrupted and the sampled latent dropped out; in eval mode the
+        sampled latent is decoded as is."""
+        cfg = self.config
+        chunks = chunk_tokens(input_ids, cfg.chunk_size) if input_ids.shape[-1] != cfg.chunk_size else input_ids
+        mean, log_std = self.encode(self.replace_tokens(chunks))
+        std = log_std.exp()
+        z = mean + std * torch.randn_like(mean)
+        z = F.dropout(z, p=cfg.latent_dropout, training=self.training)
+        logits = self.decode_logits(z)
+        out = CALMAutoencoderOutput(logits=logits, latent_mean=mean, latent_log_std=log_std,
+                                    posterior_std=std.detach().mean())
+        if labels is None:
+            return out
+        targets = labels.reshape(chunks.shape)
+        nll = F.cross_entropy(logits.flatten(0, -2).float(), targets.reshape(-1), ignore_index=-100)
+        # KL(N(μ, σ²) || N(0, 1)) per dimension, floored at kl_clamp ("free bits"), summed over dimensions.
+        kl_dim = 0.5 * (mean.float().pow(2) + std.float().pow(2) - 1) - log_std.float()
+        kl = kl_dim.clamp(min=cfg.kl_clamp).sum(-1).mean()
+        scored = targets != -100
+        out.loss = cfg.chunk_size * nll + cfg.kl_weight * kl
+        out.reconstruction_nll, out.kl = nll.detach(), kl.detach()
+        out.token_accuracy = ((logits.argmax(-1) == targets) & scored).sum() / scored.sum().clamp(min=1)
+        return out
+
+    @torch.no_grad()
+    def reconstruction_accuracy(self, input_ids: torch.Tensor, generator: torch.Generator | None = None) -> dict:
+        """Token accuracy of decoding the posterior mean and a sampled z = μ + σ·ε, and the mean σ, on clean input
+        (no corruption, no dropout). input_ids [B, T], T a multiple of K."""
+        chunks = chunk_tokens(input_ids, self.config.chunk_size)
+        mean, log_std = self.encode(chunks)
+        noise = torch.randn(mean.shape, generator=generator, device="cpu").to(mean)
+        from_mean = self.decode(mean) == chunks
+        from_sample = self.decode(mean + log_std.exp() * noise) == chunks
+        return {"mean_accuracy": from_mean.float().mean().item(), "sampled_accuracy": from_sample.float().mean().item(),
+                "posterior_std": log_std.exp().mean().item(), "num_tokens": chunks.numel()}
+
+
+# ====================================================================================================================
+# CALM
+# ====================================================================================================================
+
+class EnergyHeadBlock(nn.Module):
+    """x + SwiGLU(RMSNorm(W_x x + W_h h)): fuse the running vector with the hidden state, refine, add back."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.fuse_latent = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.fuse_hidden = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.norm = RMSNorm(hidden_size, eps=eps)
+        self.mlp = SwiGLUMLP(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(self.fuse_latent(x) + self.fuse_hidden(hidden)))
+
+
+class EnergyHead(nn.Module):
+    """One-step generative head: (hidden h [..., d], noise ε [..., S, d_noise]) -> S latent samples [..., S, l]."""
+
+    def __init__(self, config: CALMConfig):
+        super().__init__()
+        d = config.hidden_size
+        self.hidden_proj = nn.Linear(d, d)
+        self.noise_proj = nn.Linear(config.noise_size, d)
+        self.blocks = nn.ModuleList(EnergyHeadBlock(d, config.rms_norm_eps) for _ in range(config.num_head_blocks))
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.out = nn.Linear(d, config.latent_size)
+        self.out.zero_init = True  # paper: last layer zero-initialised
+
+    def forward(self, hidden: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        h = self.hidden_proj(hidden)[..., None, :]  # shared by the S samples of a step
+        x = self.noise_proj(noise.to(h.dtype))
+        for block in self.blocks:
+            x = block(x, h)
+        return self.out(self.norm(x))
+
+
+class CALMPreTrainedModel(PreTrainedModel):
+    config_class = CALMConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DecoderBlock"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        _init_calm_weights(module, self.config.initializer_range)
+
+
+class CALMModel(CALMPreTrainedModel):
+    """Backbone over chunk steps: token embedding, input compression of each chunk's K embeddings, decoder
+    blocks, final norm. One rotary position per chunk."""
+
+    def __init__(self, config: CALMConfig):
+        super().__init__(config)
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.compress_in = nn.Linear(config.chunk_size * d, 2 * d)
+        self.compress_out = nn.Linear(2 * d, d)
+        self.compress_norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderBlock(d, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,
+                         head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, layer_idx=i)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, base=config.rope_theta)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def compress(self, chunks: torch.Tensor) -> torch.Tensor:
+        """chunks [B, L, K] token ids -> one input vector per chunk [B, L, d]."""
+        x = self.embed_tokens(chunks).flatten(-2)
+        return self.compress_norm(self.compress_out(F.silu(self.compress_in(x))))
+
+    def forward(self, chunks: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                cache: DynamicCache | None = None) -> torch.Tensor:
+        hidden = self.compress(chunks)
+        cos, sin = self.rotary(position_ids, dtype=hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attention_mask, cache=cache)
+        return self.norm(hidden)
+
+
+class CALMForCausalLM(CALMPreTrainedModel, GenerationMixin):
+    """CALM: backbone + energy head + frozen autoencoder. `forward(input_ids)` returns one hidden state per chunk;
+    `forward(input_ids, labels=...)` the energy loss; `generate()` samples K tokens per backbone call.
+    Build a trainable model around a trained autoencoder with `from_autoencoder`."""
+
+    def __init__(self, config: CALMConfig):
+        super().__init__(config)
+        self.model = CALMModel(config)
+        self.energy_head = EnergyHead(config)
+        self.autoencoder = CALMAutoencoder(config.autoencoder_config)
+        self.autoencoder.requires_grad_(False)
+        self.post_init()
+
+    @classmethod
+    def from_autoencoder(cls, autoencoder: "str | CALMAutoencoder", config: CALMConfig | None = None,
+                         **config_kwargs) -> "CALMForCausalLM":
+        """A fresh CALM whose frozen autoencoder is a copy of `autoencoder` (a trained `CALMAutoencoder` or its
+        folder). `config` (or `config_kwargs` for a new `CALMConfig`) must agree with it on vocab_size and
+        chunk_size; the autoencoder's config is embedded (without its path) and its weights copied in."""
+        if not isinstance(autoencoder, CALMAutoencoder):
+            autoencoder = CALMAutoencoder.from_pretrained(autoencoder)
+        ae_config = copy.deepcopy(autoencoder.config)
+        ae_config._name_or_path = ""  # the CALM checkpoint must not point at another folder
+        ae_config.auto_map = None
+        if config is None:
+            config_kwargs.setdefault("vocab_size", ae_config.vocab_size)
+            config_kwargs.setdefault("chunk_size", ae_config.chunk_size)
+            config = CALMConfig(**config_kwargs, autoencoder_config=ae_config)
+        else:
+            for name in ("vocab_size", "chunk_size"):
+                if getattr(ae_config, name) != getattr(config, name):
+                    raise ValueError(f"the autoencoder's {name} ({getattr(ae_config, name)}) disagrees with the CALM "
+                                     f"config's {name} ({getattr(config, name)})")
+            config = copy.deepcopy(config)
+            config.autoencoder_config = ae_config
+        model = cls(config)
+        model.autoencoder.load_state_dict(autoencoder.state_dict())
+        return model
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # Each class records only its own Auto class; write the full map so every Auto class loads it.
+        self.config.auto_map = {"AutoConfig": "configuration_calm.CALMConfig",
+                                "AutoModel": "modeling_calm.CALMForCausalLM",
+                                "AutoModelForCausalLM": "modeling_calm.CALMForCausalLM"}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.autoencoder.eval()  # frozen: never corrupt inputs or drop out latents
+        return self
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return None  # no softmax over tokens: CALM has no token likelihood
+
+    # ------------------------------------------------------------------------------------------------------------
+    # forward
+    # ------------------------------------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                cache: DynamicCache | None = None, labels: torch.LongTensor | None = None, use_cache=None,
+                **kwargs) -> CALMOutput:
+        """input_ids [B, T], T a multiple of chunk_size. attention_mask: token-level [B, cached + T]; a chunk is
+        attended when any of its tokens is real. With `labels` (same shape as input_ids, −100 = ignore): the
+        energy loss of predicting the latent of chunk i+1 from the hidden state of chunk i."""
+        if kwargs.get("past_key_values") is not None:
+            raise ValueError("CALM takes its KV cache as `cache=`, not `past_key_values=`")
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError("CALM reads token chunks: pass input_ids, not inputs_embeds")
+        if input_ids is None:
+            raise ValueError("CALM forward needs input_ids")
+        K = self.config.chunk_size
+        chunks = chunk_tokens(input_ids, K)
+        if labels is not None:
+            if cache is not None:
+                raise ValueError("the CALM training objective takes input_ids and labels only (no cache)")
+            return self.energy_objective(chunks, chunk_tokens(labels, K), attention_mask)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        hidden = self.backbone(chunks, attention_mask, cache)
+        return CALMOutput(last_hidden_state=hidden, cache=cache)
+
+    def backbone(self, chunks: torch.Tensor, attention_mask: torch.Tensor | None, cache: DynamicCache | None):
+        batch, length = chunks.shape[:2]
+        past = cache.get_seq_length() if cache is not None else 0
+        chunk_mask = None
+        if attention_mask is not None:
+            if attention_mask.shape[-1] != (past + length) * self.config.chunk_size:
+                raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens, expected cached + new = "
+                                 f"{(past + length) * self.config.chunk_size}")
+            chunk_mask = attention_mask.view(batch, past + length, self.config.chunk_size).any(-1)
+            position_ids = make_padding_position_ids(chunk_mask)[:, past:]
+        else:
+            position_ids = torch.arange(past, past + length, device=chunks.device)[None].expand(batch, -1)
+        mask = causal_mask(length, past + length, device=chunks.device, padding_mask=chunk_mask)
+        return self.model(chunks, position_ids, mask, cache=cache)
+
+    def sample_latents(self, hidden: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d], noise [..., S, d_noise] in [-0.5, 0.5] -> S latent samples [..., S, l]."""
+        return self.energy_head(hidden, noise)
+
+    def energy_objective(self, chunks: torch.Tensor, label_chunks: torch.Tensor, attention_mask=None) -> CALMOutput:
+        cfg = self.config
+        if chunks.shape[1] < 2:
+            raise ValueError(f"the energy loss needs at least 2 chunks (2 × chunk_size = {2 * cfg.chunk_size} tokens) "
+                             f"per row, got {chunks.shape[1] * cfg.chunk_size}")
+        hidden = self.backbone(chunks[:, :-1], None if attention_mask is None else attention_mask[:, :-cfg.chunk_size],
+                               None)
+        targets = label_chunks[:, 1:]
+        scored = (targets != -100).all(-1)
+        if attention_mask is not None:
+            scored &= attention_mask[:, cfg.chunk_size:].view_as(targets).bool().all(-1)
+        with torch.no_grad():
+            mean, log_std = self.autoencoder.encode(targets[scored])  # [P, l]
+            eps = torch.randn(mean.shape[0], cfg.num_target_samples, mean.shape[-1], device=mean.device)
+            target_samples = mean[:, None] + log_std.exp()[:, None] * eps  # [P, M, l]
+        h = hidden[scored]
+        noise = torch.rand(h.shape[0], cfg.num_model_samples, cfg.noise_size, device=h.device, dtype=h.dtype) - 0.5
+        samples = self.sample_latents(h, noise).float()  # [P, N, l]
+        loss, fidelity, diversity = energy_loss(samples, target_samples.float())
+        return CALMOutput(loss=loss.mean(), last_hidden_state=hidden, energy_fidelity=fidelity.detach().mean(),
+                          energy_diversity=diversity.detach().mean())
+
+    # ------------------------------------------------------------------------------------------------------------
+    # generate
+    # ------------------------------------------------------------------------------------------------------------
+
+    _ACCEPTED_HF_OPTIONS = {"use_cache", "max_length", "bos_token_id", "output_scores", "output_logits"}
+
+    def _checked_generation_config(self, generation_config, kwargs) -> tuple:
+        """The GenerationConfig to read defaults from and whether sampling is greedy-like (do_sample=False), after
+        rejecting (by name) every option in `kwargs` that CALM cannot honour."""
+        gen = generation_config if generation_config is not None else self.generation_config
+        if kwargs.get("num_beams", getattr(gen, "num_beams", 1) or 1) > 1:
+            raise ValueError("num_beams > 1 is not supported by CALM: there are no token scores to search over")
+        kwargs.pop("num_beams", None)
+        greedy = kwargs.pop("do_sample", True) is False
+        if kwargs.pop("top_k", None) not in (None, 0):
+            raise ValueError("top_k is not supported by CALM generate (no token probabilities); use temperature")
+        if kwargs.pop("top_p", None) not in (None, 1.0):
+            raise ValueError("top_p is not supported by CALM generate (no token probabilities); use temperature")
+        for name in list(kwargs):
+            if name in self._ACCEPTED_HF_OPTIONS:
+                kwargs.pop(name)
+        if kwargs:
+            raise ValueError(f"unsupported generation option(s) for CALM: {sorted(kwargs)}")
+        return gen, greedy
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                 generation_config=None, streamer=None, max_new_tokens: int | None = None,
+                 temperature: float | None = None, temperature_sampler: str | None = None,
+                 temperature_pool_size: int | None = None, noise_seeds: list[int] | None = None,
+                 return_dict_in_generate: bool | None = None, **kwargs):
+        """Sample continuations, K tokens per backbone call.
+
+        Prompt alignment rule: chunks are counted from the END of the prompt, so the last prompt token closes a
+        chunk. A prompt whose length is not a multiple of K is left-filled with `eos_token_id` (the document
+        separator; `pad_token_id` if there is none) up to the next multiple, i.e. it is read as the start of a new
+        document, which is how every document appears in the training stream. Left padding (attention_mask 0)
+        is filled the same way; chunks with no real token are masked out.
+
+        temperature (default config.generation_temperature = 1): T in (0, 1]. T = 1 draws one latent per step.
+            temperature_sampler "pool" (default): draw `temperature_pool_size` latents, decode them, pick a chunk
+            with weight C(count, 1/T) (any T). "exact": draw n = 1/T latents, accept when all decode to the same
+            chunk, else retry (T must be 1/n). `do_sample=False` takes the most frequent chunk of the pool (T -> 0).
+        noise_seeds: one int per row; row b draws all its noise from a generator seeded with it, so a row gives
+            the same tokens alone or in any batch. Default: seeds drawn from the global torch RNG.
+        Also honours `max_new_tokens` (exactly this many unless EOS), `eos_token_id` (stops inside a chunk; None:
+        never stop), `pad_token_id`, `attention_mask` (left padding), `streamer` (batch 1),
+        `return_dict_in_generate` (returns `CALMGenerateOutput` with model calls per row).
+        """
+        cfg = self.config
+        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError("input_ids must be a non-empty [batch, length] tensor (empty batch or empty prompt)")
+        eos_given = "eos_token_id" in kwargs
+        eos_token_id = kwargs.pop("eos_token_id", None)
+        pad_token_id = kwargs.pop("pad_token_id", None)
+        gen, greedy = self._checked_generation_config(generation_config, kwargs)
+        if not eos_given:
+            eos_token_id = gen.eos_token_id
+        eos_ids = torch.tensor([] if eos_token_id is None else
+                               ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)),
+                               dtype=torch.long, device=input_ids.device)
+        pad_token_id = pad_token_id if pad_token_id is not None else (
+            gen.pad_token_id if gen.pad_token_id is not None else (cfg.pad_token_id or 0))
+        fill_token = cfg.eos_token_id if cfg.eos_token_id is not None else pad_token_id
+        batch, prompt_len = input_ids.shape
+        if max_new_tokens is None:
+            max_new_tokens = gen.max_new_tokens if gen.max_new_tokens is not None else max(gen.max_length - prompt_len, 0)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                             f"{tuple(input_ids.shape)}")
+        if not bool(attention_mask[:, -1].all()):
+            raise ValueError("CALM generate needs left padding: the last column of attention_mask must be all ones")
+        real_len = int(attention_mask.long().sum(1).max())
+        if real_len + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(f"prompt ({real_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"max_position_embeddings ({cfg.max_position_embeddings})")
+        temperature = cfg.generation_temperature if temperature is None else float(temperature)
+        if not 0 < temperature <= 1:
+            raise ValueError(f"temperature must be in (0, 1] for CALM (T > 1 cannot be drawn from an implicit "
+                             f"sampler), got {temperature}")
+        sampler = cfg.temperature_sampler if temperature_sampler is None else temperature_sampler
+        if sampler not in TEMPERATURE_SAMPLERS:
+            raise ValueError(f"temperature_sampler must be one of {TEMPERATURE_SAMPLERS}, got {sampler!r}")
+        exact_n = exact_temperature_n(temperature) if sampler == "exact" and not greedy else None
+        pool_size = cfg.temperature_pool_size if temperature_pool_size is None else temperature_pool_size
+        if pool_size < 1:
+            raise ValueError(f"temperature_pool_size must be at least 1, got {pool_size}")
+        if streamer is not None and batch != 1:
+            raise ValueError("streamer supports batch size 1 only")
+        if noise_seeds is None:
+            noise_seeds = torch.randint(0, 2**62, (batch,)).tolist()
+        if len(noise_seeds) != batch:
+            raise ValueError(f"noise_seeds has {len(noise_seeds)} entries for a batch of {batch}")
+        generators = [torch.Generator().manual_seed(int(s)) for s in noise_seeds]
+
+        K, device = cfg.chunk_size, input_ids.device
+        fill = (-prompt_len) % K
+        ids = torch.cat([input_ids.new_full((batch, fill), fill_token), input_ids], dim=1)
+        mask = torch.cat([attention_mask.new_zeros((batch, fill)), attention_mask], dim=1)
+        ids = torch.where(mask.bool(), ids, torch.full_like(ids, fill_token))
+        cache = DynamicCache(config=cfg)
+        hidden = self(input_ids=ids, attention_mask=mask, cache=cache).last_hidden_state[:, -1]
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+
+        out_tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        num_new = torch.zeros(batch, dtype=torch.long, device=device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        calls = torch.ones(batch, dtype=torch.long, device=device)  # the prefill yields the first chunk
+        slot = torch.arange(K, device=device)[None]
+        while True:
+            if greedy:
+                chunk = self._pool_step(hidden, generators, pool_size, 0.0)
+            elif temperature == 1.0:
+                chunk = self.autoencoder.decode(self.sample_latents(hidden, self._noise(generators, 1, device))[:, 0])
+            elif sampler == "pool":
+                chunk = self._pool_step(hidden, generators, pool_size, temperature)
+            else:
+                chunk = self._exact_step(hidden, generators, exact_n, ~finished)
+            # Keep, per row, the chunk's tokens that fit in max_new_tokens, up to and including a first EOS.
+            fits = slot < (max_new_tokens - num_new)[:, None]
+            is_eos = torch.isin(chunk, eos_ids) & fits
+            stop_at = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, K)
+            keep = fits & (slot < stop_at[:, None]) & ~finished[:, None]
+            rows, cols = keep.nonzero(as_tuple=True)
+            out_tokens[rows, num_new[rows] + cols] = chunk[rows, cols]
+            if streamer is not None and keep.any():
+                streamer.put(chunk[0][keep[0]].cpu())
+            num_new += keep.sum(1)
+            finished |= (is_eos & keep).any(1) | (num_new >= max_new_tokens)
+            if bool(finished.all()):
+                break
+            calls += (~finished).long()
+            mask = torch.cat([mask, mask.new_ones((batch, K))], dim=1)
+            hidden = self(input_ids=chunk, attention_mask=mask, cache=cache).last_hidden_state[:, -1]
+        if streamer is not None:
+            streamer.end()
+        sequences = torch.cat([input_ids, out_tokens[:, : int(num_new.max())]], dim=1)
+        if return_dict_in_generate if return_dict_in_generate is not None else gen.return_dict_in_generate:
+            return CALMGenerateOutput(sequences=sequences, model_calls=calls, num_new_tokens=num_new)
+        return sequences
+
+    def _noise(self, generators: list[torch.Generator], count: int, device, rows: list[int] | None = None):
+        """[len(rows), count, d_noise] uniform noise in [-0.5, 0.5], each row from its own generator."""
+        rows = range(len(generators)) if rows is None else rows
+        draws = [torch.rand(count, self.config.noise_size, generator=generators[r]) for r in rows]
+        return (torch.stack(draws) - 0.5).to(device)
+
+    def _pool_step(self, hidden, generators, pool_size: int, temperature: float) -> torch.Tensor:
+        """Approximate temperature sampling: decode a pool of draws per row, pick a chunk (C(count, 1/T) weights)."""
+        chunks = self.autoencoder.decode(self.sample_latents(hidden, self._noise(generators, pool_size, hidden.device)))
+        uniforms = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+        picked = pool_temperature_choice(chunks, temperature, uniforms.to(hidden.device))
+        return chunks[torch.arange(chunks.shape[0], device=chunks.device), picked]
+
+    def _exact_step(self, hidden, generators, n: int, active: torch.Tensor) -> torch.Tensor:
+        """Exact temperature 1/n by rejection, for the rows in `active`; each round draws `exact_attempts` sets of
+        n latents per still-pending row (only those rows' generators advance)."""
+        cfg = self.config
+        chunk = torch.zeros(hidden.shape[0], cfg.chunk_size, dtype=torch.long, device=hidden.device)
+        pending = active.clone()
+        for _ in range(cfg.exact_max_rounds):
+            rows = pending.nonzero().squeeze(1)
+            if rows.numel() == 0:
+                return chunk
+            noise = self._noise(generators, cfg.exact_attempts * n, hidden.device, rows.tolist())
+            draws = self.autoencoder.decode(self.sample_latents(hidden[rows], noise))
+            accepted, chosen = exact_temperature_choice(draws.view(rows.numel(), cfg.exact_attempts, n, -1))
+            chunk[rows[accepted]] = chosen[accepted]
+            pending[rows[accepted]] = False
+        if bool(pending.any()):
+            raise ValueError(f"exact temperature sampling found no {n} agreeing draws in "
+                             f"{cfg.exact_max_rounds * cfg.exact_attempts} attempts; raise the temperature or use "
+                             f"temperature_sampler='pool'")
+        return chunk
+
+
+__all__ = ["CALMAutoencoder", "CALMAutoencoderOutput", "CALMForCausalLM", "CALMModel", "CALMPreTrainedModel",
+           "CALMOutput", "CALMGenerateOutput", "EnergyHead", "chunk_tokens"]

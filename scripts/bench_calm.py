@@ -1,0 +1,100 @@
+"""CALM vs the matched AR baseline, measured in ONE process run.
+
+    python scripts/bench_calm.py --ar runs/ar-small-600 --calm runs/calm-small-600 \
+        --autoencoder runs/calm-ae-small [--mauve] [--num-positions 20000]
+
+Runs the shared side-by-side benchmark (`hf_latentlm.eval.bench`: generation tokens/s at batch 1/8, model calls
+per token, Brier-1..4 with intervals, BrierLM-2, MAUVE) and adds what only CALM has: the autoencoder's token
+accuracy decoding the posterior mean and a SAMPLED z on the validation split with the mean posterior σ, CALM's
+speed and Brier at lower temperatures, and training step time CALM/AR for fresh models of the preset. Writes JSON
+(--output) and prints Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from hf_latentlm.eval.bench import benchmark_models, markdown_table
+from hf_latentlm.eval.brier import evaluate_brier, headline
+from hf_latentlm.eval.harness import nll_rows, split_stream
+from hf_latentlm.eval.sampling import evaluation_windows
+from hf_latentlm.eval.speed import measure_generation_speed, training_step_time
+from hf_latentlm.families import build_model
+from hf_latentlm.loading import load_model_and_tokenizer
+from hf_latentlm.presets import get_preset
+from hf_latentlm.training.loop import TrainConfig, make_optimizer
+
+TEMPERATURES = {"T=1/2 exact": {"temperature": 0.5, "temperature_sampler": "exact"},
+                "T=1/2 pool": {"temperature": 0.5, "temperature_sampler": "pool"}}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ar", required=True)
+    parser.add_argument("--calm", required=True)
+    parser.add_argument("--autoencoder", required=True, help="the autoencoder folder CALM was built from")
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--num-positions", type=int, default=20000)
+    parser.add_argument("--temperature-positions", type=int, default=2000)
+    parser.add_argument("--mauve", action="store_true")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--train-steps", type=int, default=5)
+    parser.add_argument("--output", default="docs/calm_benchmark.json")
+    args = parser.parse_args()
+
+    report = benchmark_models({"ar": args.ar, "calm": args.calm}, "ar", num_positions=args.num_positions,
+                              mauve=args.mauve)
+    calm, tokenizer = load_model_and_tokenizer(args.calm)
+    ae, _ = load_model_and_tokenizer(args.autoencoder)
+    stream = split_stream(tokenizer, "validation")
+    k = ae.config.chunk_size
+    extras = {"autoencoder": ae.reconstruction_accuracy(stream[: stream.numel() // k * k][None],
+                                                        generator=torch.Generator().manual_seed(0))}
+
+    prompts, _ = evaluation_windows(stream, 8, 64, 1)
+    extras["temperature"] = {}
+    for name, kwargs in TEMPERATURES.items():
+        row = {f"tokens_per_s_batch_{b}": measure_generation_speed(calm, prompts[:b], args.new_tokens, repeats=3,
+                                                                   generate_kwargs=kwargs)["tokens_per_s"]
+               for b in (1, 8)}
+        sampler = WithOptions(calm, kwargs)
+        row["brier"] = evaluate_brier(sampler, stream, args.temperature_positions)
+        extras["temperature"][name] = row
+
+    train_rows = nll_rows(split_stream(tokenizer, "train"), get_preset(args.preset).seq_len)
+    extras["training"] = {}
+    for family in ("ar", "calm"):
+        torch.manual_seed(0)
+        model = build_model(family, args.preset, tokenizer,
+                            **({"autoencoder": args.autoencoder} if family == "calm" else {}))
+        optimizer = make_optimizer(model, TrainConfig(preset=args.preset).resolved())
+        extras["training"][family] = training_step_time(model, train_rows, args.train_steps, 16, optimizer)
+    extras["training"]["calm_over_ar_tokens_per_s"] = (extras["training"]["calm"]["tokens_per_s"]
+                                                       / extras["training"]["ar"]["tokens_per_s"])
+    report["calm"] = extras
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
+    print(markdown_table(report))
+    print(json.dumps({"autoencoder": extras["autoencoder"], "training": extras["training"]}, indent=1))
+    for name, row in extras["temperature"].items():
+        print(f"{name}: {row['tokens_per_s_batch_1']:.0f} / {row['tokens_per_s_batch_8']:.0f} tok/s (b1/b8); "
+              f"{headline(row['brier'])}")
+
+
+class WithOptions(torch.nn.Module):
+    """The model with fixed extra `generate()` options (e.g. a temperature), for the Brier harness."""
+
+    def __init__(self, model, options: dict):
+        super().__init__()
+        self.model, self.options = model, options
+
+    def generate(self, *args, **kwargs):
+        return self.model.generate(*args, **{**kwargs, **self.options})
+
+
+if __name__ == "__main__":
+    main()

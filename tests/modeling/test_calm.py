@@ -1,0 +1,391 @@
+"""CALM: autoencoder, energy objective, generate (prompt alignment, batching, temperature, EOS), Hub contract."""
+
+import copy
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_latentlm.families import build_model
+from hf_latentlm.modeling import CALMAutoencoder, CALMAutoencoderConfig, CALMConfig, CALMForCausalLM
+from hf_latentlm.training.loop import TrainConfig, train
+
+ISOLATED_LOADER = Path(__file__).with_name("isolated_load.py")
+
+
+def left_pad(prompts, pad_id):
+    width = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.numel():] = p
+        mask[b, width - p.numel():] = 1
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def trained_autoencoder(tokenizer, tiny_rows, tmp_path_factory):
+    """The tiny autoencoder trained briefly and saved (CALM is built from the folder, as the CLI does)."""
+    torch.manual_seed(0)
+    model = build_model("calm-ae", "tiny", tokenizer)
+    out = tmp_path_factory.mktemp("calm-ae")
+    cfg = TrainConfig(family="calm-ae", preset="tiny", output_dir=str(out), max_steps=150, batch_size=16, seq_len=64,
+                      eval_every=0, save_every=150, progress_bar=False, seed=0)
+    train(cfg, model=model, tokenizer=tokenizer, train_rows=tiny_rows[:1500])
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained_calm(tokenizer, tiny_rows, trained_autoencoder, tmp_path_factory):
+    torch.manual_seed(0)
+    model = build_model("calm", "tiny", tokenizer, autoencoder=str(trained_autoencoder))
+    cfg = TrainConfig(family="calm", preset="tiny", output_dir=str(tmp_path_factory.mktemp("calm")), max_steps=60,
+                      batch_size=8, seq_len=64, eval_every=0, save_every=60, progress_bar=False, seed=0)
+    train(cfg, model=model, tokenizer=tokenizer, train_rows=tiny_rows[:1500])
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------- config / errors
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("chunk_size", 0, "chunk_size must be at least 1"),
+    ("latent_size", 0, "latent_size must be at least 1"),
+    ("token_replace_prob", 1.0, "token_replace_prob"),
+    ("kl_weight", -1.0, "kl_weight"),
+])
+def test_bad_autoencoder_config_values_are_named(field, value, needle):
+    with pytest.raises(ValueError, match=needle):
+        CALMAutoencoderConfig(**{field: value})
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(chunk_size=0), "chunk_size must be at least 1"),
+    (dict(num_model_samples=1), "num_model_samples"),
+    (dict(generation_temperature=0.0), "generation_temperature"),
+    (dict(temperature_sampler="beam"), "temperature_sampler"),
+    (dict(chunk_size=8), "autoencoder's chunk_size"),
+    (dict(vocab_size=77), "autoencoder's vocab_size"),
+])
+def test_bad_calm_config_values_are_named(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        CALMConfig(**kwargs, autoencoder_config=CALMAutoencoderConfig(vocab_size=4096, chunk_size=4))
+
+
+def test_autoencoder_that_disagrees_with_the_config_is_refused(tokenizer):
+    ae = build_model("calm-ae", "tiny", tokenizer)
+    for field, value in (("chunk_size", 8), ("vocab_size", 100)):
+        kwargs = dict(vocab_size=len(tokenizer), chunk_size=4, autoencoder_config=None)
+        kwargs[field] = value
+        config = CALMConfig(**kwargs, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+        with pytest.raises(ValueError, match=f"autoencoder's {field}"):
+            CALMForCausalLM.from_autoencoder(ae, config)
+
+
+def test_calm_family_without_autoencoder_is_a_clear_error(tokenizer):
+    with pytest.raises(ValueError, match="needs a trained autoencoder"):
+        build_model("calm", "tiny", tokenizer)
+    with pytest.raises(FileNotFoundError, match="not a saved autoencoder folder"):
+        build_model("calm", "tiny", tokenizer, autoencoder="/nonexistent/ae")
+
+
+# ---------------------------------------------------------------------------------------------- autoencoder
+
+def test_autoencoder_loss_is_k_times_nll_plus_weighted_clamped_kl(tokenizer, tiny_rows):
+    torch.manual_seed(0)
+    ae = build_model("calm-ae", "tiny", tokenizer).eval()
+    out = ae(tiny_rows[:2], labels=tiny_rows[:2])
+    cfg = ae.config
+    torch.testing.assert_close(out.loss.detach(), cfg.chunk_size * out.reconstruction_nll + cfg.kl_weight * out.kl)
+    # Free bits: a posterior equal to the prior (μ = 0, σ = 1) pays exactly kl_clamp per dimension.
+    with torch.no_grad():
+        ae.to_posterior.weight.zero_()
+        ae.to_posterior.bias.zero_()
+    out = ae(tiny_rows[:2], labels=tiny_rows[:2])
+    assert out.kl.item() == pytest.approx(cfg.kl_clamp * cfg.latent_size)
+    assert out.posterior_std.item() == pytest.approx(1.0)
+
+
+def test_autoencoder_corrupts_only_in_training(tokenizer, tiny_rows):
+    ae = build_model("calm-ae", "tiny", tokenizer, token_replace_prob=0.5)
+    chunks = tiny_rows[:4].view(4, -1, 4)
+    ae.train()
+    changed = (ae.replace_tokens(chunks) != chunks).float().mean().item()
+    assert 0.4 < changed < 0.6  # ≈ p, minus replacements that drew the same token
+    ae.eval()
+    assert torch.equal(ae.replace_tokens(chunks), chunks)
+
+
+def test_trained_autoencoder_reconstructs_from_sampled_latents(trained_autoencoder, tiny_rows):
+    ae = CALMAutoencoder.from_pretrained(trained_autoencoder).eval()
+    r = ae.reconstruction_accuracy(tiny_rows[1600:1700], generator=torch.Generator().manual_seed(0))
+    untrained = CALMAutoencoder(ae.config).eval().reconstruction_accuracy(tiny_rows[1600:1700])
+    # Held-out rows: tokens never seen in the 96k training tokens cannot be reconstructed, hence the modest bar.
+    assert r["sampled_accuracy"] > 0.3 > 0.05 > untrained["sampled_accuracy"]
+    assert r["mean_accuracy"] >= r["sampled_accuracy"] - 0.02
+    assert 0 < r["posterior_std"] < 1
+
+
+# ---------------------------------------------------------------------------------------------- CALM objective
+
+def test_from_autoencoder_copies_freezes_and_embeds_no_path(trained_autoencoder, tokenizer, tmp_path):
+    model = build_model("calm", "tiny", tokenizer, autoencoder=str(trained_autoencoder))
+    ae = CALMAutoencoder.from_pretrained(trained_autoencoder)
+    for name, value in ae.state_dict().items():
+        assert torch.equal(model.autoencoder.state_dict()[name], value)
+    assert not any(p.requires_grad for p in model.autoencoder.parameters())
+    model.train()
+    assert model.training and not model.autoencoder.training
+    model.save_pretrained(tmp_path / "calm")
+    text = (tmp_path / "calm" / "config.json").read_text()
+    assert str(trained_autoencoder) not in text and json.loads(text)["autoencoder_config"]["latent_size"] == 32
+
+
+def test_energy_objective_trains_the_head_not_the_autoencoder(trained_autoencoder, tokenizer, tiny_rows):
+    torch.manual_seed(0)
+    model = build_model("calm", "tiny", tokenizer, autoencoder=str(trained_autoencoder)).train()
+    assert model.energy_head.out.weight.abs().sum() == 0  # zero-initialised last layer
+    out = model(input_ids=tiny_rows[:2], labels=tiny_rows[:2])
+    torch.testing.assert_close(out.loss.detach(), out.energy_fidelity - out.energy_diversity)
+    out.loss.backward()
+    assert all(p.grad is None for p in model.autoencoder.parameters())
+    assert model.energy_head.out.weight.grad.abs().sum() > 0
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_ignored_labels_remove_their_steps(trained_autoencoder, tokenizer, tiny_rows):
+    model = build_model("calm", "tiny", tokenizer, autoencoder=str(trained_autoencoder))
+    labels = tiny_rows[:1].clone()
+    labels[:, 4:] = -100  # only chunk 0 is scored, which is never a target: nothing left
+    torch.manual_seed(0)
+    out = model(input_ids=tiny_rows[:1], labels=labels)
+    assert torch.isnan(out.loss) or out.loss.item() == 0  # mean over zero steps
+    labels = tiny_rows[:1].clone()
+    labels[:, 8:] = -100  # chunk 1 only
+    torch.manual_seed(0)
+    partial = model(input_ids=tiny_rows[:1], labels=labels)
+    torch.manual_seed(0)
+    alone = model(input_ids=tiny_rows[:1, :8], labels=tiny_rows[:1, :8])
+    torch.testing.assert_close(partial.loss, alone.loss)
+
+
+def test_backbone_is_causal_over_chunks_and_cache_matches(trained_calm, tiny_rows):
+    ids = tiny_rows[1600:1602, :32]
+    full = trained_calm(input_ids=ids).last_hidden_state
+    changed = ids.clone()
+    changed[:, 20:] = 7
+    torch.testing.assert_close(trained_calm(input_ids=changed).last_hidden_state[:, :5], full[:, :5])
+    cache = None
+    steps = []
+    for start in range(0, 32, 8):
+        out = trained_calm(input_ids=ids[:, start:start + 8], cache=cache, use_cache=True)
+        cache = out.cache
+        steps.append(out.last_hidden_state)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
+
+
+def test_sequences_not_made_of_whole_chunks_are_refused(trained_calm):
+    with pytest.raises(ValueError, match="not a multiple of chunk_size=4"):
+        trained_calm(input_ids=torch.ones(1, 7, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+def test_generate_gives_exactly_max_new_tokens_for_any_prompt_length(trained_calm, tokenizer):
+    prompt = tokenizer("ROMEO.\nWhat light", return_tensors="pt", add_special_tokens=False).input_ids
+    for length in (7, 8, 5):
+        for max_new in (10, 12, 1):
+            out = trained_calm.generate(prompt[:, :length], max_new_tokens=max_new, eos_token_id=None,
+                                        noise_seeds=[3], return_dict_in_generate=True)
+            assert out.sequences.shape == (1, length + max_new)
+            assert torch.equal(out.sequences[:, :length], prompt[:, :length])
+            assert out.model_calls.item() == -(-max_new // 4)  # one backbone call per chunk, prefill included
+
+
+def test_short_prompt_is_read_as_the_start_of_a_document(trained_calm, tokenizer):
+    # The documented rule: a 7-token prompt is left-filled with EOS to 8, so it equals the explicit version.
+    prompt = tokenizer("ROMEO.\nWhat light", return_tensors="pt", add_special_tokens=False).input_ids[:, :7]
+    explicit = torch.cat([torch.tensor([[tokenizer.eos_token_id]]), prompt], dim=1)
+    a = trained_calm.generate(prompt, max_new_tokens=12, eos_token_id=None, noise_seeds=[5])[:, 7:]
+    b = trained_calm.generate(explicit, max_new_tokens=12, eos_token_id=None, noise_seeds=[5])[:, 8:]
+    assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def confident_calm(trained_calm):
+    """The trained tiny CALM with its head's noise input scaled down: draws often, not always, decode to the same
+    chunk, so exact rejection needs a varying number of rounds per row (the undertrained model's chunks almost
+    never agree)."""
+    model = copy.deepcopy(trained_calm)
+    with torch.no_grad():
+        model.energy_head.noise_proj.weight.mul_(0.05)
+    return model
+
+
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(temperature=0.5),
+    dict(temperature=0.5, temperature_sampler="exact"),
+    dict(do_sample=False, temperature_pool_size=16),
+])
+def test_batched_rows_match_running_each_alone(trained_calm, confident_calm, tiny_rows, tokenizer, options):
+    if options.get("temperature_sampler") == "exact":
+        trained_calm = confident_calm
+    prompts = [tiny_rows[1600 + i, :n] for i, n in enumerate((9, 4, 13))]
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    seeds = [11, 12, 13]
+    batched = trained_calm.generate(ids, attention_mask=mask, max_new_tokens=10, noise_seeds=seeds,
+                                    eos_token_id=None, **options)[:, ids.shape[1]:]
+    for b, p in enumerate(prompts):
+        alone = trained_calm.generate(p[None], max_new_tokens=10, noise_seeds=[seeds[b]], eos_token_id=None,
+                                      **options)[0, p.numel():]
+        assert torch.equal(batched[b], alone), (b, options)
+
+
+def test_lower_temperature_concentrates_samples(trained_calm, tiny_rows):
+    prompt = tiny_rows[1600:1601, :8].expand(24, -1)
+    seeds = list(range(24))
+
+    def distinct(**options):
+        out = trained_calm.generate(prompt, max_new_tokens=4, noise_seeds=seeds, eos_token_id=None, **options)
+        return len({tuple(r) for r in out[:, 8:].tolist()})
+
+    assert distinct(temperature=0.25, temperature_pool_size=64) < distinct()
+
+
+def test_eos_stops_a_row_inside_a_chunk_and_pads_it(trained_calm, tiny_rows, tokenizer):
+    prompt = tiny_rows[1600:1601, :8]
+    free = trained_calm.generate(prompt, max_new_tokens=24, noise_seeds=[1], eos_token_id=None)[0, 8:]
+    # Pick a token generated at a position that is not the last of its chunk, and call it EOS.
+    stop_at = next(i for i in range(24) if i % 4 != 3 and free[i] not in free[:i])
+    out = trained_calm.generate(torch.cat([prompt, prompt]), max_new_tokens=24, noise_seeds=[1, 2],
+                                eos_token_id=int(free[stop_at]), pad_token_id=tokenizer.pad_token_id,
+                                return_dict_in_generate=True)
+    assert out.num_new_tokens[0].item() == stop_at + 1
+    assert torch.equal(out.sequences[0, 8:8 + stop_at + 1], free[:stop_at + 1])
+    assert (out.sequences[0, 8 + stop_at + 1:] == tokenizer.pad_token_id).all()
+    assert out.model_calls[0].item() == stop_at // 4 + 1
+
+
+def test_streamer_receives_prompt_then_every_new_token(trained_calm, tiny_rows):
+    class Recorder:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    prompt = tiny_rows[1600:1601, :6]
+    rec = Recorder()
+    out = trained_calm.generate(prompt, max_new_tokens=10, noise_seeds=[4], eos_token_id=None, streamer=rec)
+    assert rec.ended and rec.chunks[0] == prompt[0].tolist()
+    assert sum(rec.chunks[1:], []) == out[0, 6:].tolist()
+    assert [len(c) for c in rec.chunks[1:]] == [4, 4, 2]
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(num_beams=2), "num_beams"),
+    (dict(top_k=5), "top_k"),
+    (dict(top_p=0.9), "top_p"),
+    (dict(temperature=0.0), r"temperature must be in \(0, 1\]"),
+    (dict(temperature=1.5), r"temperature must be in \(0, 1\]"),
+    (dict(temperature=0.4, temperature_sampler="exact"), "T = 1/n"),
+    (dict(temperature_sampler="beam"), "temperature_sampler"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=5000), "max_position_embeddings"),
+    (dict(noise_seeds=[1, 2]), "noise_seeds"),
+    (dict(repetition_penalty=1.2), "repetition_penalty"),
+])
+def test_bad_generation_options_are_named(trained_calm, kwargs, needle):
+    kwargs.setdefault("max_new_tokens", 4)
+    with pytest.raises(ValueError, match=needle):
+        trained_calm.generate(torch.tensor([[5, 6, 7, 8]]), **kwargs)
+
+
+def test_exact_sampler_gives_up_with_a_clear_error(trained_calm):
+    # The undertrained model's chunks practically never agree: rejection must stop and say what to do.
+    with pytest.raises(ValueError, match="no 3 agreeing draws"):
+        trained_calm.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, temperature=1 / 3,
+                              temperature_sampler="exact", noise_seeds=[0])
+
+
+def test_exact_rejection_retries_without_extra_backbone_calls(confident_calm, monkeypatch):
+    import hf_latentlm.modeling.modeling_calm as modeling_calm
+    from hf_latentlm.eval.speed import CallCounter
+
+    rounds = []
+    original = modeling_calm.exact_temperature_choice
+
+    def counted(chunks):
+        accepted, chosen = original(chunks)
+        rounds.append(accepted.tolist())
+        return accepted, chosen
+
+    monkeypatch.setattr(modeling_calm, "exact_temperature_choice", counted)
+    monkeypatch.setattr(confident_calm.config, "exact_attempts", 1)  # one pair per round: rejections show
+    with CallCounter(confident_calm) as backbone:
+        confident_calm.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=16, temperature=0.5,
+                                temperature_sampler="exact", noise_seeds=[0], eos_token_id=None)
+    assert backbone.calls == 4  # one per chunk
+    assert len(rounds) > 4 and [False] in rounds  # some chunk was rejected and drawn again
+
+
+def test_empty_batch_or_prompt_is_an_error(trained_calm):
+    for ids in (torch.zeros(0, 4, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match="empty"):
+            trained_calm.generate(ids, max_new_tokens=4)
+
+
+def test_harness_measures_calm_without_a_likelihood(trained_calm, tiny_rows):
+    from hf_latentlm.eval.brier import evaluate_brier
+    from hf_latentlm.eval.nll import has_likelihood
+    from hf_latentlm.eval.speed import measure_generation_speed
+
+    assert not has_likelihood(trained_calm)
+    result = evaluate_brier(trained_calm, tiny_rows[1600:1700].reshape(-1), num_positions=32, context_len=16,
+                            batch_size=16)
+    assert result["num_positions"] == 32 and -1 <= result["brier_1"]["value"] <= 1
+    speed = measure_generation_speed(trained_calm, tiny_rows[1600:1602, :16], max_new_tokens=16, repeats=1)
+    assert speed["new_tokens_per_row"] == 16 and speed["model_calls_per_token"] == pytest.approx(4 / 16)
+
+
+# ---------------------------------------------------------------------------------------------- Hub contract
+
+def test_saved_checkpoint_loads_without_the_package_and_generates_identically(trained_calm, tmp_path, tokenizer):
+    trained_calm.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    files = {p.name for p in (tmp_path / "ckpt").iterdir()}
+    assert {"modeling_calm.py", "configuration_calm.py", "layers.py", "energy.py", "model.safetensors"} <= files
+    auto_map = json.loads((tmp_path / "ckpt" / "config.json").read_text())["auto_map"]
+    assert set(auto_map) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    prompt = [[5, 60, 700, 42, 9, 31, 17]]
+    options = {"noise_seeds": [11], "eos_token_id": None, "temperature": 0.5}
+    expected = trained_calm.generate(torch.tensor(prompt), max_new_tokens=12, **options)[0, 7:].tolist()
+    paths = sysconfig.get_paths()
+    env = {"HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    for auto_class in ("AutoModelForCausalLM", "AutoModel"):
+        done = subprocess.run([sys.executable, "-S", str(ISOLATED_LOADER), paths["purelib"], paths["platlib"],
+                               str(tmp_path / "ckpt"), auto_class, json.dumps(prompt), "12", json.dumps(options)],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        assert result["module"].startswith("transformers_modules"), "must run the checkpoint's own code"
+        assert result["tokens"] == expected
+
+
+def test_autoencoder_folder_loads_through_automodel(trained_autoencoder):
+    from transformers import AutoModel
+
+    import hf_latentlm.modeling  # noqa: F401
+
+    ae = AutoModel.from_pretrained(trained_autoencoder, trust_remote_code=True)
+    assert isinstance(ae, CALMAutoencoder)
+    auto_map = json.loads((trained_autoencoder / "config.json").read_text())["auto_map"]
+    assert auto_map == {"AutoConfig": "configuration_calm.CALMAutoencoderConfig",
+                        "AutoModel": "modeling_calm.CALMAutoencoder"}
