@@ -69,6 +69,24 @@ def test_train_plm_prints_tokens_per_call_next_to_the_ar_baseline(tmp_path, caps
     assert json.loads((tmp_path / "plm" / "config.json").read_text())["model_type"] == "plm"
 
 
+def test_train_calm_autoencoder_then_calm_then_generate(tmp_path, capsys):
+    ae, calm = tmp_path / "ae", tmp_path / "calm"
+    code, stdout, _ = run_cli(capsys, "train", "--family", "calm-ae", "--preset", "tiny", "--output-dir", str(ae),
+                              "--max-steps", "3", "--eval-every", "3", "--batch-size", "2")
+    assert code == 0 and "(sampled z)" in stdout and "mean posterior std" in stdout
+    code, _, err = run_cli(capsys, "train", "--family", "calm", "--preset", "tiny", "--output-dir", str(calm))
+    assert code == 2 and "--autoencoder" in err and len(err.strip().splitlines()) == 1
+    code, stdout, _ = run_cli(capsys, "train", "--family", "calm", "--preset", "tiny", "--output-dir", str(calm),
+                              "--autoencoder", str(ae), "--max-steps", "2", "--eval-every", "2", "--batch-size", "2")
+    assert code == 0 and "calm:" in stdout and "4.00 tokens per model call" in stdout and "AR baseline" in stdout
+    assert json.loads((calm / "config.json").read_text())["model_type"] == "calm"
+    code, stdout, _ = run_cli(capsys, "generate", "--model", str(calm), "--prompt", "HAMLET.\n", "--max-new-tokens",
+                              "9", "--temperature", "0.5")
+    assert code == 0 and stdout.startswith("HAMLET.\n")
+    code, _, err = run_cli(capsys, "generate", "--model", str(calm), "--prompt", "HAMLET.", "--temperature", "2")
+    assert code == 2 and "temperature must be in (0, 1]" in err
+
+
 def test_bench_writes_json_and_table_with_ratios(tmp_path, capsys, tokenizer):
     import torch
 
