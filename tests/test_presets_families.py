@@ -31,3 +31,17 @@ def test_unknown_names_are_clear_errors(tokenizer):
         get_preset("xl")
     with pytest.raises(ValueError, match="unknown family 'rnn'"):
         build_model("rnn", "tiny", tokenizer)
+
+
+def test_calm_matches_the_ar_backbone_and_its_head_is_about_a_tenth(tokenizer):
+    ae = build_model("calm-ae", "small", tokenizer)
+    assert (ae.config.chunk_size, ae.config.latent_size) == (4, 128)
+    calm = build_model("calm", "small", tokenizer, autoencoder=ae)
+    ar = build_model("ar", "small", tokenizer)
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size", "vocab_size"):
+        assert getattr(calm.config, name) == getattr(ar.config, name), name
+    assert calm.config.num_head_blocks == 1  # ⌈4 layers / 4⌉
+    trainable = sum(p.numel() for p in calm.parameters() if p.requires_grad)
+    head = sum(p.numel() for p in calm.energy_head.parameters())
+    assert 0.05 < head / trainable < 0.15  # paper: the head is ≈10% of the model
