@@ -96,7 +96,7 @@ def cmd_train(args) -> int:
     )
     if cfg.family not in FAMILIES:
         raise ValueError(f"unknown family {cfg.family!r}; choose one of {sorted(FAMILIES)}")
-    if cfg.family == "calm" and not cfg.autoencoder and not cfg.resume:
+    if cfg.family == "calm" and not cfg.autoencoder:
         raise ValueError("--family calm needs --autoencoder DIR (train one first with --family calm-ae)")
     if cfg.autoencoder and cfg.family != "calm":
         raise ValueError("--autoencoder only applies to --family calm")

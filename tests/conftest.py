@@ -26,3 +26,37 @@ def tiny_rows(validation_stream) -> torch.Tensor:
     """[N, 64] packed rows for fast training tests (tiny preset's seq_len)."""
     n = validation_stream.numel() // 64
     return validation_stream[: n * 64].view(n, 64)
+
+
+class RecordingStreamer:
+    """A `generate(streamer=...)` target that keeps every `put` as a list of ids and notes `end`."""
+
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def left_pad_prompts(prompts, pad_id):
+    """Left-pad 1-D id tensors into (ids [B, T], attention_mask [B, T])."""
+    width = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.numel():] = p
+        mask[b, width - p.numel():] = 1
+    return ids, mask
+
+
+@pytest.fixture
+def streamer():
+    return RecordingStreamer()
+
+
+@pytest.fixture(scope="session")
+def left_pad():
+    return left_pad_prompts

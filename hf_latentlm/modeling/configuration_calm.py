@@ -5,14 +5,9 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from .configuration_backbone import BackboneConfig, check_positive
+
 TEMPERATURE_SAMPLERS = ("pool", "exact")
-
-
-def _check_positive(config: PretrainedConfig, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if value is None or value < 1:
-            raise ValueError(f"{type(config).__name__}.{name} must be at least 1, got {value}")
 
 
 class CALMAutoencoderConfig(PretrainedConfig):
@@ -89,7 +84,7 @@ class CALMAutoencoderConfig(PretrainedConfig):
 
     def validate_autoencoder(self) -> None:
         """Raise a ValueError naming the first bad field."""
-        _check_positive(self, ("vocab_size", "chunk_size", "latent_size", "hidden_size", "intermediate_size"))
+        check_positive(self, ("vocab_size", "chunk_size", "latent_size", "hidden_size", "intermediate_size"))
         for name in ("num_encoder_layers", "num_decoder_layers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CALMAutoencoderConfig.{name} must be >= 0, got {getattr(self, name)}")
@@ -103,13 +98,12 @@ class CALMAutoencoderConfig(PretrainedConfig):
             raise ValueError("CALMAutoencoderConfig.log_std_min must be below log_std_max")
 
 
-class CALMConfig(PretrainedConfig):
+class CALMConfig(BackboneConfig):
     r"""Continuous Autoregressive LM: a transformer over chunk steps whose energy head samples the next latent,
     which the frozen autoencoder (a submodule, weights inside the checkpoint) decodes into K tokens.
 
-    Backbone (same meaning as in `LlamaConfig`): `vocab_size`, `hidden_size` (d), `intermediate_size`,
-    `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `head_dim`, `max_position_embeddings`
-    (in TOKENS; the backbone uses one position per chunk), `rope_theta`, `rms_norm_eps`, `initializer_range`.
+    Backbone: the fields of `BackboneConfig` (same meaning as in `LlamaConfig`; d = hidden_size), passed as
+    keywords. `max_position_embeddings` counts TOKENS; the backbone uses one rotary position per chunk.
 
     Input side: step i reads the K tokens of chunk i-1, embedded (own table, d) and compressed by
         Linear(K·d, 2d) -> SiLU -> Linear(2d, d) -> RMSNorm.
@@ -142,17 +136,6 @@ class CALMConfig(PretrainedConfig):
 
     def __init__(
         self,
-        vocab_size: int = 4096,
-        hidden_size: int = 256,
-        intermediate_size: int = 672,
-        num_hidden_layers: int = 4,
-        num_attention_heads: int = 4,
-        num_key_value_heads: int = 2,
-        head_dim: int | None = None,
-        max_position_embeddings: int = 2048,
-        rope_theta: float = 10000.0,
-        rms_norm_eps: float = 1e-6,
-        initializer_range: float = 0.02,
         chunk_size: int = 4,
         noise_size: int = 64,
         num_head_blocks: int | None = None,
@@ -164,30 +147,16 @@ class CALMConfig(PretrainedConfig):
         temperature_pool_size: int = 200,
         exact_attempts: int = 16,
         exact_max_rounds: int = 64,
-        bos_token_id: int | None = 0,
-        eos_token_id: int | None = 0,
-        pad_token_id: int | None = 1,
-        tie_word_embeddings: bool = False,
         **kwargs,
     ):
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
-        self.max_position_embeddings = max_position_embeddings
-        self.rope_theta = rope_theta
-        self.rms_norm_eps = rms_norm_eps
-        self.initializer_range = initializer_range
+        super().__init__(**kwargs)
         self.chunk_size = chunk_size
         self.noise_size = noise_size
-        self.num_head_blocks = num_head_blocks if num_head_blocks is not None else -(-num_hidden_layers // 4)
+        self.num_head_blocks = num_head_blocks if num_head_blocks is not None else -(-self.num_hidden_layers // 4)
         self.num_model_samples = num_model_samples
         self.num_target_samples = num_target_samples
         if autoencoder_config is None:
-            autoencoder_config = CALMAutoencoderConfig(vocab_size=vocab_size, chunk_size=chunk_size)
+            autoencoder_config = CALMAutoencoderConfig(vocab_size=self.vocab_size, chunk_size=chunk_size)
         elif isinstance(autoencoder_config, dict):
             autoencoder_config = CALMAutoencoderConfig(**autoencoder_config)
         self.autoencoder_config = autoencoder_config
@@ -196,8 +165,6 @@ class CALMConfig(PretrainedConfig):
         self.temperature_pool_size = temperature_pool_size
         self.exact_attempts = exact_attempts
         self.exact_max_rounds = exact_max_rounds
-        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                         tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.validate_calm()
 
     @property
@@ -206,16 +173,12 @@ class CALMConfig(PretrainedConfig):
 
     def validate_calm(self) -> None:
         """Raise a ValueError naming the first bad field."""
-        _check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "chunk_size",
-                               "noise_size", "num_head_blocks", "num_target_samples", "temperature_pool_size",
-                               "exact_attempts", "exact_max_rounds"))
+        self.validate_backbone()
+        check_positive(self, ("chunk_size", "noise_size", "num_head_blocks", "num_target_samples",
+                             "temperature_pool_size", "exact_attempts", "exact_max_rounds"))
         if self.num_model_samples < 2:
             raise ValueError(f"CALMConfig.num_model_samples must be at least 2 (the energy loss's diversity term "
                              f"compares pairs of samples), got {self.num_model_samples}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"CALMConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
         ae = self.autoencoder_config
         if ae.chunk_size != self.chunk_size:
             raise ValueError(f"the autoencoder's chunk_size ({ae.chunk_size}) disagrees with CALMConfig.chunk_size "

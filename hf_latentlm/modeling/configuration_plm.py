@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from .configuration_backbone import BackboneConfig, check_positive
 
 AUXILIARY_TYPES = ("voronoi", "quantile", "none")
 ACCEPTANCE_RULES = ("exact", "epsilon", "nucleus")
 
 
-class PLMConfig(PretrainedConfig):
+class PLMConfig(BackboneConfig):
     r"""One transformer used in two modes: a causal *encoder* over token embeddings and a parallel
     *decoder* over auxiliary embeddings that reads the encoder's clean prefix.
 
-    Backbone (same meaning as in `LlamaConfig`): `vocab_size`, `hidden_size`, `intermediate_size`
-    (SwiGLU), `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `head_dim`,
-    `max_position_embeddings`, `rope_theta`, `rms_norm_eps`, `initializer_range`,
-    `tie_word_embeddings`.
+    Backbone: the fields of `BackboneConfig` (same meaning as in `LlamaConfig`), passed as keywords.
 
     Blocks:
         block_size (`int`, 8): K, targets per decoder block in training. The paper uses 16 at 0.1–3B
@@ -51,18 +48,6 @@ class PLMConfig(PretrainedConfig):
 
     def __init__(
         self,
-        vocab_size: int = 4096,
-        hidden_size: int = 256,
-        intermediate_size: int = 672,
-        num_hidden_layers: int = 4,
-        num_attention_heads: int = 4,
-        num_key_value_heads: int = 2,
-        head_dim: int | None = None,
-        max_position_embeddings: int = 2048,
-        rope_theta: float = 10000.0,
-        rms_norm_eps: float = 1e-6,
-        initializer_range: float = 0.02,
-        tie_word_embeddings: bool = False,
         block_size: int = 8,
         block_stride: int | None = None,
         auxiliary_type: str = "voronoi",
@@ -79,22 +64,9 @@ class PLMConfig(PretrainedConfig):
         acceptance: str = "exact",
         acceptance_epsilon: float = 2e-3,
         acceptance_nucleus: float = 0.94,
-        bos_token_id: int | None = 0,
-        eos_token_id: int | None = 0,
-        pad_token_id: int | None = 1,
         **kwargs,
     ):
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
-        self.max_position_embeddings = max_position_embeddings
-        self.rope_theta = rope_theta
-        self.rms_norm_eps = rms_norm_eps
-        self.initializer_range = initializer_range
+        super().__init__(**kwargs)
         self.block_size = block_size
         self.block_stride = block_stride if block_stride is not None else block_size
         self.auxiliary_type = auxiliary_type
@@ -106,30 +78,20 @@ class PLMConfig(PretrainedConfig):
         self.sinkhorn_shortlist = sinkhorn_shortlist
         self.alignment_weight = alignment_weight
         self.alignment_decoder_layer = (alignment_decoder_layer if alignment_decoder_layer is not None
-                                        else num_hidden_layers // 3)
+                                        else self.num_hidden_layers // 3)
         self.alignment_encoder_layer = (alignment_encoder_layer if alignment_encoder_layer is not None
-                                        else num_hidden_layers // 2)
+                                        else self.num_hidden_layers // 2)
         self.k_pred = k_pred
         self.acceptance = acceptance
         self.acceptance_epsilon = acceptance_epsilon
         self.acceptance_nucleus = acceptance_nucleus
-        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                         tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.validate_plm()
 
     def validate_plm(self) -> None:
         """Raise a ValueError naming the first bad field."""
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "max_position_embeddings", "block_size", "num_auxiliaries",
-                    "auxiliary_top_m", "sinkhorn_rounds", "sinkhorn_sweeps", "sinkhorn_shortlist", "k_pred")
-        for name in positive:
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"PLMConfig.{name} must be at least 1, got {getattr(self, name)}")
-        if self.block_stride < 1:
-            raise ValueError(f"PLMConfig.block_stride must be at least 1, got {self.block_stride}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"PLMConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
+        self.validate_backbone()
+        check_positive(self, ("block_size", "block_stride", "num_auxiliaries", "auxiliary_top_m", "sinkhorn_rounds",
+                             "sinkhorn_sweeps", "sinkhorn_shortlist", "k_pred"))
         if self.auxiliary_type not in AUXILIARY_TYPES:
             raise ValueError(f"PLMConfig.auxiliary_type must be one of {AUXILIARY_TYPES}, got {self.auxiliary_type!r}")
         if self.auxiliary_top_m > self.vocab_size:

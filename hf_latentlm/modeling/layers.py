@@ -283,6 +283,35 @@ class DecoderBlock(GradientCheckpointingLayer):
         return out
 
 
+def decoder_layers(config) -> nn.ModuleList:
+    """`config.num_hidden_layers` DecoderBlocks sized from a backbone config (`BackboneConfig` field names)."""
+    return nn.ModuleList(
+        DecoderBlock(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                     config.intermediate_size, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, layer_idx=i)
+        for i in range(config.num_hidden_layers)
+    )
+
+
+@torch.no_grad()
+def init_backbone_weights(module: nn.Module, std: float) -> None:
+    """The families' `_init_weights` for the shared modules: N(0, std) linear and embedding weights (a Linear with
+    `zero_init = True` starts at zero), zero biases, unit norm scales, and the rotary table recomputed (it is a
+    non-persistent buffer that `from_pretrained` refills with empty memory)."""
+    if isinstance(module, nn.Linear):
+        if getattr(module, "zero_init", False):
+            module.weight.zero_()
+        else:
+            module.weight.normal_(0.0, std)
+        if module.bias is not None:
+            module.bias.zero_()
+    elif isinstance(module, nn.Embedding):
+        module.weight.normal_(0.0, std)
+    elif isinstance(module, RMSNorm):
+        module.weight.fill_(1.0)
+    elif isinstance(module, RotaryEmbedding):
+        module.inv_freq.copy_(module.compute_inv_freq(module.inv_freq.device))
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Mask builders (bool, True = may attend)
 # --------------------------------------------------------------------------------------------------------------------

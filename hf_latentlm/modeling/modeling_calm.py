@@ -23,7 +23,15 @@ from transformers.utils import ModelOutput
 
 from .configuration_calm import TEMPERATURE_SAMPLERS, CALMAutoencoderConfig, CALMConfig
 from .energy import energy_loss, exact_temperature_choice, exact_temperature_n, pool_temperature_choice
-from .layers import DecoderBlock, RMSNorm, RotaryEmbedding, SwiGLUMLP, causal_mask, make_padding_position_ids
+from .layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLUMLP,
+    causal_mask,
+    decoder_layers,
+    init_backbone_weights,
+    make_padding_position_ids,
+)
 
 
 @dataclass
@@ -75,23 +83,6 @@ class ResidualMLP(nn.Module):
         return x + self.mlp(self.norm(x))
 
 
-def _init_calm_weights(module: nn.Module, std: float) -> None:
-    if isinstance(module, nn.Linear):
-        if getattr(module, "zero_init", False):
-            module.weight.zero_()
-        else:
-            module.weight.normal_(0.0, std)
-        if module.bias is not None:
-            module.bias.zero_()
-    elif isinstance(module, nn.Embedding):
-        module.weight.normal_(0.0, std)
-    elif isinstance(module, RMSNorm):
-        module.weight.fill_(1.0)
-    elif isinstance(module, RotaryEmbedding):
-        # Non-persistent buffer: from_pretrained refills it with empty memory, so recompute it.
-        module.inv_freq.copy_(module.compute_inv_freq(module.inv_freq.device))
-
-
 def chunk_tokens(input_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """[B, T] -> [B, T/K, K]; T must be a multiple of K."""
     if input_ids.dim() != 2:
@@ -132,7 +123,7 @@ class CALMAutoencoder(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        _init_calm_weights(module, self.config.initializer_range)
+        init_backbone_weights(module, self.config.initializer_range)
         if module is self.embed_tokens:
             module.weight.normal_(0.0, self.config.embedding_init_std)
 
@@ -268,7 +259,7 @@ class CALMPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        _init_calm_weights(module, self.config.initializer_range)
+        init_backbone_weights(module, self.config.initializer_range)
 
 
 class CALMModel(CALMPreTrainedModel):
@@ -282,11 +273,7 @@ class CALMModel(CALMPreTrainedModel):
         self.compress_in = nn.Linear(config.chunk_size * d, 2 * d)
         self.compress_out = nn.Linear(2 * d, d)
         self.compress_norm = RMSNorm(d, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(
-            DecoderBlock(d, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,
-                         head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, layer_idx=i)
-            for i in range(config.num_hidden_layers)
-        )
+        self.layers = decoder_layers(config)
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, base=config.rope_theta)
         self.gradient_checkpointing = False

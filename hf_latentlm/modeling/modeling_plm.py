@@ -29,7 +29,15 @@ from .auxiliaries import (
     voronoi_owners,
 )
 from .configuration_plm import ACCEPTANCE_RULES, PLMConfig
-from .layers import DecoderBlock, RMSNorm, RotaryEmbedding, causal_mask, make_padding_position_ids, visibility_mask
+from .layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    causal_mask,
+    decoder_layers,
+    init_backbone_weights,
+    make_padding_position_ids,
+    visibility_mask,
+)
 
 
 @dataclass
@@ -70,18 +78,8 @@ class PLMPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            module.weight.normal_(0.0, std)
-            if module.bias is not None:
-                module.bias.zero_()
-        elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, std)
-        elif isinstance(module, RMSNorm):
-            module.weight.fill_(1.0)
-        elif isinstance(module, RotaryEmbedding):
-            # Non-persistent buffer: from_pretrained refills it with empty memory, so recompute it.
-            module.inv_freq.copy_(module.compute_inv_freq(module.inv_freq.device))
-        elif isinstance(module, PLMModel):
+        init_backbone_weights(module, std)
+        if isinstance(module, PLMModel):
             module.mask_auxiliary.normal_(0.0, std)
             # The bank is a pure function of its seed, so re-deriving it equals loading it.
             module.auxiliary_bank.copy_(sample_auxiliary_bank(self.config.num_auxiliaries, self.config.hidden_size,
@@ -100,11 +98,7 @@ class PLMModel(PLMPreTrainedModel):
         self.register_buffer("auxiliary_bank", sample_auxiliary_bank(config.num_auxiliaries, d, config.auxiliary_seed))
         self.auxiliary_proj = nn.Linear(d, d, bias=False)
         self.mask_auxiliary = nn.Parameter(torch.zeros(d))
-        self.layers = nn.ModuleList(
-            DecoderBlock(d, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,
-                         head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, layer_idx=i)
-            for i in range(config.num_hidden_layers)
-        )
+        self.layers = decoder_layers(config)
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, base=config.rope_theta)
         self.gradient_checkpointing = False

@@ -17,16 +17,6 @@ from hf_latentlm.training.loop import TrainConfig, train
 ISOLATED_LOADER = Path(__file__).with_name("isolated_load.py")
 
 
-def left_pad(prompts, pad_id):
-    width = max(p.numel() for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - p.numel():] = p
-        mask[b, width - p.numel():] = 1
-    return ids, mask
-
-
 @pytest.fixture(scope="module")
 def trained_autoencoder(tokenizer, tiny_rows, tmp_path_factory):
     """The tiny autoencoder trained briefly and saved (CALM is built from the folder, as the CLI does)."""
@@ -231,7 +221,8 @@ def confident_calm(trained_calm):
     dict(temperature=0.5, temperature_sampler="exact"),
     dict(do_sample=False, temperature_pool_size=16),
 ])
-def test_batched_rows_match_running_each_alone(trained_calm, confident_calm, tiny_rows, tokenizer, options):
+def test_batched_rows_match_running_each_alone(trained_calm, confident_calm, tiny_rows, tokenizer, options,
+                                               left_pad):
     if options.get("temperature_sampler") == "exact":
         trained_calm = confident_calm
     prompts = [tiny_rows[1600 + i, :n] for i, n in enumerate((9, 4, 13))]
@@ -270,19 +261,9 @@ def test_eos_stops_a_row_inside_a_chunk_and_pads_it(trained_calm, tiny_rows, tok
     assert out.model_calls[0].item() == stop_at // 4 + 1
 
 
-def test_streamer_receives_prompt_then_every_new_token(trained_calm, tiny_rows):
-    class Recorder:
-        def __init__(self):
-            self.chunks, self.ended = [], False
-
-        def put(self, value):
-            self.chunks.append(value.reshape(-1).tolist())
-
-        def end(self):
-            self.ended = True
-
+def test_streamer_receives_prompt_then_every_new_token(trained_calm, tiny_rows, streamer):
     prompt = tiny_rows[1600:1601, :6]
-    rec = Recorder()
+    rec = streamer
     out = trained_calm.generate(prompt, max_new_tokens=10, noise_seeds=[4], eos_token_id=None, streamer=rec)
     assert rec.ended and rec.chunks[0] == prompt[0].tolist()
     assert sum(rec.chunks[1:], []) == out[0, 6:].tolist()

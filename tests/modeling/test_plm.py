@@ -36,16 +36,6 @@ def prompts_from(rows, lengths):
     return [rows[1600 + i, :n] for i, n in enumerate(lengths)]
 
 
-def left_pad(prompts, pad_id):
-    width = max(p.numel() for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - p.numel():] = p
-        mask[b, width - p.numel():] = 1
-    return ids, mask
-
-
 # ---------------------------------------------------------------------------------------------- config / errors
 
 @pytest.mark.parametrize("field,value", [("k_pred", 9), ("k_pred", 0), ("block_stride", 0), ("auxiliary_top_m", 5000),
@@ -164,7 +154,7 @@ def test_exact_quadratic_decoding_is_lossless(trained_plm, tiny_rows):
     assert total_calls < total_tokens, "exact decoding must accept some proposals after training"
 
 
-def test_batched_rows_match_running_each_alone(trained_plm, tiny_rows, tokenizer):
+def test_batched_rows_match_running_each_alone(trained_plm, tiny_rows, tokenizer, left_pad):
     prompts = prompts_from(tiny_rows, (3, 17, 9))
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
     seeds = [7, 8, 9]
@@ -198,18 +188,7 @@ def test_eos_stops_a_row_and_pads_it(trained_plm, tiny_rows, tokenizer):
     assert (out.sequences[0, 8 + first + 1:] == tokenizer.pad_token_id).all()
 
 
-def test_streamer_receives_prompt_then_every_new_token(trained_plm, tiny_rows):
-    class Collect:
-        def __init__(self):
-            self.chunks, self.ended = [], False
-
-        def put(self, value):
-            self.chunks.append(value.reshape(-1).tolist())
-
-        def end(self):
-            self.ended = True
-
-    streamer = Collect()
+def test_streamer_receives_prompt_then_every_new_token(trained_plm, tiny_rows, streamer):
     prompt = tiny_rows[1600, :6][None]
     out = trained_plm.generate(prompt, max_new_tokens=15, auxiliary_seeds=[4], eos_token_id=None, streamer=streamer)
     assert streamer.ended and streamer.chunks[0] == prompt[0].tolist()

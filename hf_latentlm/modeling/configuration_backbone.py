@@ -1,0 +1,69 @@
+"""The transformer-backbone fields every family's configuration shares (same names and meaning as `LlamaConfig`)."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+
+def check_positive(config: PretrainedConfig, names: tuple[str, ...]) -> None:
+    """ValueError naming the first of `names` that is missing or below 1."""
+    for name in names:
+        value = getattr(config, name)
+        if value is None or value < 1:
+            raise ValueError(f"{type(config).__name__}.{name} must be at least 1, got {value}")
+
+
+class BackboneConfig(PretrainedConfig):
+    r"""Base of the family configurations: the decoder-only backbone built from `layers.py`.
+
+    Args:
+        vocab_size (`int`, 4096), hidden_size (`int`, 256), intermediate_size (`int`, 672, SwiGLU),
+        num_hidden_layers (`int`, 4), num_attention_heads (`int`, 4), num_key_value_heads (`int`, 2, GQA),
+        head_dim (`int`, None -> hidden_size / num_attention_heads), max_position_embeddings (`int`, 2048),
+        rope_theta (`float`, 1e4), rms_norm_eps (`float`, 1e-6), initializer_range (`float`, 0.02: std of the
+        linear and embedding weights), tie_word_embeddings (`bool`, False), bos/eos/pad_token_id (0 / 0 / 1).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 4096,
+        hidden_size: int = 256,
+        intermediate_size: int = 672,
+        num_hidden_layers: int = 4,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int = 2,
+        head_dim: int | None = None,
+        max_position_embeddings: int = 2048,
+        rope_theta: float = 10000.0,
+        rms_norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        tie_word_embeddings: bool = False,
+        bos_token_id: int | None = 0,
+        eos_token_id: int | None = 0,
+        pad_token_id: int | None = 1,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = rope_theta
+        self.rms_norm_eps = rms_norm_eps
+        self.initializer_range = initializer_range
+        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def validate_backbone(self) -> None:
+        """Raise a ValueError naming the first bad backbone field."""
+        check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                             "num_attention_heads", "num_key_value_heads", "max_position_embeddings"))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{type(self).__name__}.num_attention_heads ({self.num_attention_heads}) must be a "
+                             f"multiple of num_key_value_heads ({self.num_key_value_heads})")
+
+
+__all__ = ["BackboneConfig", "check_positive"]
