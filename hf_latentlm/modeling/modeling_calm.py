@@ -22,6 +22,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
 
 from .configuration_calm import TEMPERATURE_SAMPLERS, CALMAutoencoderConfig, CALMConfig
+from .generation import NewTokens, check_prompt, pop_special_token_options, resolve_generation_request
 from .energy import energy_loss, exact_temperature_choice, exact_temperature_n, pool_temperature_choice
 from .layers import (
     RMSNorm,
@@ -477,36 +478,11 @@ class CALMForCausalLM(CALMPreTrainedModel, GenerationMixin):
         `return_dict_in_generate` (returns `CALMGenerateOutput` with model calls per row).
         """
         cfg = self.config
-        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-            raise ValueError("input_ids must be a non-empty [batch, length] tensor (empty batch or empty prompt)")
-        eos_given = "eos_token_id" in kwargs
-        eos_token_id = kwargs.pop("eos_token_id", None)
-        pad_token_id = kwargs.pop("pad_token_id", None)
+        check_prompt(input_ids)
+        special = pop_special_token_options(kwargs)
         gen, greedy = self._checked_generation_config(generation_config, kwargs)
-        if not eos_given:
-            eos_token_id = gen.eos_token_id
-        eos_ids = torch.tensor([] if eos_token_id is None else
-                               ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)),
-                               dtype=torch.long, device=input_ids.device)
-        pad_token_id = pad_token_id if pad_token_id is not None else (
-            gen.pad_token_id if gen.pad_token_id is not None else (cfg.pad_token_id or 0))
-        fill_token = cfg.eos_token_id if cfg.eos_token_id is not None else pad_token_id
+        request = resolve_generation_request("CALM", cfg, gen, input_ids, attention_mask, max_new_tokens, special)
         batch, prompt_len = input_ids.shape
-        if max_new_tokens is None:
-            max_new_tokens = gen.max_new_tokens if gen.max_new_tokens is not None else max(gen.max_length - prompt_len, 0)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
-                             f"{tuple(input_ids.shape)}")
-        if not bool(attention_mask[:, -1].all()):
-            raise ValueError("CALM generate needs left padding: the last column of attention_mask must be all ones")
-        real_len = int(attention_mask.long().sum(1).max())
-        if real_len + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(f"prompt ({real_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"max_position_embeddings ({cfg.max_position_embeddings})")
         temperature = cfg.generation_temperature if temperature is None else float(temperature)
         if not 0 < temperature <= 1:
             raise ValueError(f"temperature must be in (0, 1] for CALM (T > 1 cannot be drawn from an implicit "
@@ -527,20 +503,18 @@ class CALMForCausalLM(CALMPreTrainedModel, GenerationMixin):
         generators = [torch.Generator().manual_seed(int(s)) for s in noise_seeds]
 
         K, device = cfg.chunk_size, input_ids.device
+        fill_token = cfg.eos_token_id if cfg.eos_token_id is not None else request.pad_token_id
         fill = (-prompt_len) % K
         ids = torch.cat([input_ids.new_full((batch, fill), fill_token), input_ids], dim=1)
-        mask = torch.cat([attention_mask.new_zeros((batch, fill)), attention_mask], dim=1)
+        mask = torch.cat([request.attention_mask.new_zeros((batch, fill)), request.attention_mask], dim=1)
         ids = torch.where(mask.bool(), ids, torch.full_like(ids, fill_token))
         cache = DynamicCache(config=cfg)
         hidden = self(input_ids=ids, attention_mask=mask, cache=cache).last_hidden_state[:, -1]
         if streamer is not None:
             streamer.put(input_ids.cpu())
 
-        out_tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-        num_new = torch.zeros(batch, dtype=torch.long, device=device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        new = NewTokens(request, batch, device, streamer)
         calls = torch.ones(batch, dtype=torch.long, device=device)  # the prefill yields the first chunk
-        slot = torch.arange(K, device=device)[None]
         while True:
             if greedy:
                 chunk = self._pool_step(hidden, generators, pool_size, 0.0)
@@ -549,28 +523,18 @@ class CALMForCausalLM(CALMPreTrainedModel, GenerationMixin):
             elif sampler == "pool":
                 chunk = self._pool_step(hidden, generators, pool_size, temperature)
             else:
-                chunk = self._exact_step(hidden, generators, exact_n, ~finished)
-            # Keep, per row, the chunk's tokens that fit in max_new_tokens, up to and including a first EOS.
-            fits = slot < (max_new_tokens - num_new)[:, None]
-            is_eos = torch.isin(chunk, eos_ids) & fits
-            stop_at = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, K)
-            keep = fits & (slot < stop_at[:, None]) & ~finished[:, None]
-            rows, cols = keep.nonzero(as_tuple=True)
-            out_tokens[rows, num_new[rows] + cols] = chunk[rows, cols]
-            if streamer is not None and keep.any():
-                streamer.put(chunk[0][keep[0]].cpu())
-            num_new += keep.sum(1)
-            finished |= (is_eos & keep).any(1) | (num_new >= max_new_tokens)
-            if bool(finished.all()):
+                chunk = self._exact_step(hidden, generators, exact_n, ~new.finished)
+            new.commit(chunk)
+            if new.done:
                 break
-            calls += (~finished).long()
+            calls += (~new.finished).long()
             mask = torch.cat([mask, mask.new_ones((batch, K))], dim=1)
             hidden = self(input_ids=chunk, attention_mask=mask, cache=cache).last_hidden_state[:, -1]
         if streamer is not None:
             streamer.end()
-        sequences = torch.cat([input_ids, out_tokens[:, : int(num_new.max())]], dim=1)
+        sequences = new.sequences(input_ids)
         if return_dict_in_generate if return_dict_in_generate is not None else gen.return_dict_in_generate:
-            return CALMGenerateOutput(sequences=sequences, model_calls=calls, num_new_tokens=num_new)
+            return CALMGenerateOutput(sequences=sequences, model_calls=calls, num_new_tokens=new.count)
         return sequences
 
     def _noise(self, generators: list[torch.Generator], count: int, device, rows: list[int] | None = None):

@@ -29,6 +29,7 @@ from .auxiliaries import (
     voronoi_owners,
 )
 from .configuration_plm import ACCEPTANCE_RULES, PLMConfig
+from .generation import NewTokens, check_prompt, pop_special_token_options, resolve_generation_request
 from .layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -384,34 +385,11 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
         `PLMGenerateOutput` with model calls per row).
         """
         cfg = self.config
-        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-            raise ValueError("input_ids must be a non-empty [batch, length] tensor (empty batch or empty prompt)")
-        eos_given = "eos_token_id" in kwargs
-        eos_token_id = kwargs.pop("eos_token_id", None)
-        pad_token_id = kwargs.pop("pad_token_id", None)
+        check_prompt(input_ids)
+        special = pop_special_token_options(kwargs)
         gen = self._checked_generation_config(generation_config, kwargs)
-        if not eos_given:
-            eos_token_id = gen.eos_token_id
-        eos_ids = torch.tensor([] if eos_token_id is None else
-                               ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)),
-                               dtype=torch.long, device=input_ids.device)
-        pad_token_id = pad_token_id if pad_token_id is not None else (
-            gen.pad_token_id if gen.pad_token_id is not None else (cfg.pad_token_id or 0))
-        batch, prompt_len = input_ids.shape
-        if max_new_tokens is None:
-            max_new_tokens = gen.max_new_tokens if gen.max_new_tokens is not None else max(gen.max_length - prompt_len, 0)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
-        if not bool(attention_mask[:, -1].all()):
-            raise ValueError("PLM generate needs left padding: the last column of attention_mask must be all ones")
-        real_len = attention_mask.long().sum(1)
-        if int(real_len.max()) + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(f"prompt ({int(real_len.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"max_position_embeddings ({cfg.max_position_embeddings})")
+        request = resolve_generation_request("PLM", cfg, gen, input_ids, attention_mask, max_new_tokens, special)
+        batch, max_new_tokens = input_ids.shape[0], request.max_new_tokens
         if decoding not in ("quadratic", "voronoi"):
             raise ValueError(f"decoding must be 'quadratic' or 'voronoi', got {decoding!r}")
         k_pred = cfg.k_pred if k_pred is None else k_pred
@@ -442,38 +420,25 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
             torch.randint(cfg.num_auxiliaries, (max_new_tokens + 2 * width,), generator=torch.Generator().manual_seed(int(s)))
             for s in auxiliary_seeds]).to(device)
 
-        state = self._prefill(input_ids, attention_mask)
+        state = self._prefill(input_ids, request.attention_mask)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        out_tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-        num_new = torch.zeros(batch, dtype=torch.long, device=device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        new = NewTokens(request, batch, device, streamer)
         # The prefill is a model call too (it commits no token), so it is counted.
         calls = torch.full((batch,), int(input_ids.shape[1] > 1), dtype=torch.long, device=device)
         pending = torch.zeros(batch, max(width - 1, 0), dtype=torch.long, device=device)
         pending_ok = torch.zeros(batch, dtype=torch.bool, device=device)  # False forces m = 0 (first round)
-        while not bool(finished.all()):
-            calls += (~finished).long()
+        while not new.done:
+            calls += (~new.finished).long()
             committed, count, pending, pending_ok = self._decoding_round(
-                state, pending, pending_ok, aux_table, num_new, width, decoding == "quadratic",
+                state, pending, pending_ok, aux_table, new.count, width, decoding == "quadratic",
                 acceptance, epsilon, rho)
-            # Keep, per row, the committed tokens that fit in max_new_tokens, up to and including a first EOS.
-            slot = torch.arange(committed.shape[1], device=device)[None]
-            fits = slot < torch.minimum(count, max_new_tokens - num_new)[:, None]
-            is_eos = torch.isin(committed, eos_ids) & fits
-            stop_at = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, committed.shape[1])
-            keep = fits & (slot < stop_at[:, None]) & ~finished[:, None]
-            rows, cols = keep.nonzero(as_tuple=True)
-            out_tokens[rows, num_new[rows] + cols] = committed[rows, cols]
-            if streamer is not None and keep.any():
-                streamer.put(committed[0][keep[0]].cpu())
-            num_new += keep.sum(1)
-            finished |= (is_eos & keep).any(1) | (num_new >= max_new_tokens)
+            new.commit(committed, count)
         if streamer is not None:
             streamer.end()
-        sequences = torch.cat([input_ids, out_tokens[:, : int(num_new.max())]], dim=1)
+        sequences = new.sequences(input_ids)
         if return_dict_in_generate if return_dict_in_generate is not None else gen.return_dict_in_generate:
-            return PLMGenerateOutput(sequences=sequences, model_calls=calls, num_new_tokens=num_new)
+            return PLMGenerateOutput(sequences=sequences, model_calls=calls, num_new_tokens=new.count)
         return sequences
 
     def _prefill(self, input_ids, attention_mask) -> dict:
