@@ -1,4 +1,9 @@
+import json
 import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -60,3 +65,26 @@ def streamer():
 @pytest.fixture(scope="session")
 def left_pad():
     return left_pad_prompts
+
+
+ISOLATED_LOADER = Path(__file__).parent / "modeling" / "isolated_load.py"
+
+
+def generate_without_the_package(checkpoint, auto_class: str, prompt: list, max_new_tokens: int, options: dict,
+                                 home) -> dict:
+    """Load `checkpoint` through `transformers.<auto_class>` with `trust_remote_code=True` in a `python -S`
+    process where `hf_latentlm` cannot be imported, generate, and return {"module", "tokens"}."""
+    paths = sysconfig.get_paths()
+    env = {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-S", str(ISOLATED_LOADER), paths["purelib"], paths["platlib"],
+                           str(checkpoint), auto_class, json.dumps(prompt), str(max_new_tokens), json.dumps(options)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["module"].startswith("transformers_modules"), "must run the checkpoint's own code"
+    return result
+
+
+@pytest.fixture(scope="session")
+def isolated_generate():
+    return generate_without_the_package

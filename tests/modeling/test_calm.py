@@ -2,10 +2,6 @@
 
 import copy
 import json
-import subprocess
-import sys
-import sysconfig
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +9,6 @@ import torch
 from hf_latentlm.families import build_model
 from hf_latentlm.modeling import CALMAutoencoder, CALMAutoencoderConfig, CALMConfig, CALMForCausalLM
 from hf_latentlm.training.loop import TrainConfig, train
-
-ISOLATED_LOADER = Path(__file__).with_name("isolated_load.py")
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +332,8 @@ def test_harness_measures_calm_without_a_likelihood(trained_calm, tiny_rows):
 
 # ---------------------------------------------------------------------------------------------- Hub contract
 
-def test_saved_checkpoint_loads_without_the_package_and_generates_identically(trained_calm, tmp_path, tokenizer):
+def test_saved_checkpoint_loads_without_the_package_and_generates_identically(trained_calm, tmp_path, tokenizer,
+                                                                              isolated_generate):
     trained_calm.save_pretrained(tmp_path / "ckpt")
     tokenizer.save_pretrained(tmp_path / "ckpt")
     files = {p.name for p in (tmp_path / "ckpt").iterdir()}
@@ -348,15 +343,8 @@ def test_saved_checkpoint_loads_without_the_package_and_generates_identically(tr
     prompt = [[5, 60, 700, 42, 9, 31, 17]]
     options = {"noise_seeds": [11], "eos_token_id": None, "temperature": 0.5}
     expected = trained_calm.generate(torch.tensor(prompt), max_new_tokens=12, **options)[0, 7:].tolist()
-    paths = sysconfig.get_paths()
-    env = {"HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     for auto_class in ("AutoModelForCausalLM", "AutoModel"):
-        done = subprocess.run([sys.executable, "-S", str(ISOLATED_LOADER), paths["purelib"], paths["platlib"],
-                               str(tmp_path / "ckpt"), auto_class, json.dumps(prompt), "12", json.dumps(options)],
-                              capture_output=True, text=True, env=env, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-        assert result["module"].startswith("transformers_modules"), "must run the checkpoint's own code"
+        result = isolated_generate(tmp_path / "ckpt", auto_class, prompt, 12, options, tmp_path / "hf_home")
         assert result["tokens"] == expected
 
 

@@ -1,10 +1,6 @@
 """PLM: objective, masks, Voronoi decoding, quadratic decoding (lossless), batching, Hub contract."""
 
 import json
-import subprocess
-import sys
-import sysconfig
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +9,6 @@ from hf_latentlm.families import build_model
 from hf_latentlm.modeling import PLMConfig, PLMForCausalLM
 from hf_latentlm.training.loop import TrainConfig, train
 
-ISOLATED_LOADER = Path(__file__).with_name("isolated_load.py")
 TINY_PLM = dict(block_size=4, k_pred=4, num_auxiliaries=128, auxiliary_top_m=32)
 
 
@@ -212,7 +207,8 @@ def test_harness_sampling_interface_works_for_plm(trained_plm, tiny_rows):
 
 # ---------------------------------------------------------------------------------------------- Hub contract
 
-def test_saved_checkpoint_loads_without_the_package_and_generates_identically(trained_plm, tmp_path, tokenizer):
+def test_saved_checkpoint_loads_without_the_package_and_generates_identically(trained_plm, tmp_path, tokenizer,
+                                                                              isolated_generate):
     trained_plm.save_pretrained(tmp_path / "ckpt")
     tokenizer.save_pretrained(tmp_path / "ckpt")
     files = {p.name for p in (tmp_path / "ckpt").iterdir()}
@@ -222,16 +218,9 @@ def test_saved_checkpoint_loads_without_the_package_and_generates_identically(tr
     prompt = [[5, 60, 700, 42, 9]]
     expected = trained_plm.generate(torch.tensor(prompt), max_new_tokens=12, auxiliary_seeds=[11],
                                     eos_token_id=None)[0, 5:].tolist()
-    paths = sysconfig.get_paths()
-    env = {"HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     for auto_class in ("AutoModelForCausalLM", "AutoModel"):
-        done = subprocess.run([sys.executable, "-S", str(ISOLATED_LOADER), paths["purelib"], paths["platlib"],
-                               str(tmp_path / "ckpt"), auto_class, json.dumps(prompt), "12",
-                               json.dumps({"auxiliary_seeds": [11], "eos_token_id": None})],
-                              capture_output=True, text=True, env=env, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-        assert result["module"].startswith("transformers_modules"), "must run the checkpoint's own code"
+        result = isolated_generate(tmp_path / "ckpt", auto_class, prompt, 12,
+                                   {"auxiliary_seeds": [11], "eos_token_id": None}, tmp_path / "hf_home")
         assert result["tokens"] == expected
 
 
