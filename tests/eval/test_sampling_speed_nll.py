@@ -56,3 +56,34 @@ def test_nll_matches_the_models_own_loss(small_vocab_model):
     assert result["nll"] == pytest.approx(expected, rel=1e-5)
     assert result["perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)
     assert result["num_tokens"] == 5 * 15
+
+
+def test_training_step_time_reports_throughput_and_the_share_of_a_timed_method():
+    import time
+    from types import SimpleNamespace
+
+    from hf_latentlm.eval.speed import training_step_time
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(8, 4)
+
+        def slow_part(self, x):
+            time.sleep(0.02)
+            return x
+
+        def forward(self, input_ids, labels):
+            time.sleep(0.02)
+            return SimpleNamespace(loss=self.slow_part(self.embed(input_ids)).pow(2).mean())
+
+    model = Toy()
+    rows = torch.randint(0, 8, (12, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    result = training_step_time(model, rows, 2, 4, optimizer, timed_method="slow_part")
+    assert result["tokens_per_s"] == pytest.approx(4 * 16 / result["seconds_per_step"])
+    assert result["seconds_per_step"] >= 0.04
+    assert 0.3 < result["slow_part_share"] < 0.55  # one of the two equal sleeps
+    assert "slow_part" not in vars(model), "the timing wrapper must be removed afterwards"
+    with pytest.raises(ValueError, match="need 16 rows"):
+        training_step_time(model, rows, 3, 4, optimizer)
