@@ -425,8 +425,10 @@ class CALMForCausalLM(CALMPreTrainedModel, GenerationMixin):
         noise = torch.rand(h.shape[0], cfg.num_model_samples, cfg.noise_size, device=h.device, dtype=h.dtype) - 0.5
         samples = self.sample_latents(h, noise).float()  # [P, N, l]
         loss, fidelity, diversity = energy_loss(samples, target_samples.float())
-        return CALMOutput(loss=loss.mean(), last_hidden_state=hidden, energy_fidelity=fidelity.detach().mean(),
-                          energy_diversity=diversity.detach().mean())
+        steps = scored.sum().clamp(min=1)  # a batch with nothing to score gives 0, not NaN
+        return CALMOutput(loss=loss.sum() / steps, last_hidden_state=hidden,
+                          energy_fidelity=fidelity.detach().sum() / steps,
+                          energy_diversity=diversity.detach().sum() / steps)
 
     # ------------------------------------------------------------------------------------------------------------
     # generate
