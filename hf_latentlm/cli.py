@@ -137,7 +137,7 @@ def autoencoder_report(folder: str, num_tokens: int = 20000) -> str:
     from .eval.harness import split_stream
     from .loading import load_model_and_tokenizer
 
-    model, tokenizer = load_model_and_tokenizer(folder)
+    model, tokenizer = load_model_and_tokenizer(folder, language_model=False)
     stream = split_stream(tokenizer, "validation")
     k = model.config.chunk_size
     ids = stream[: (min(num_tokens, stream.numel()) // k) * k][None]

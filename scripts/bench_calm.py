@@ -54,7 +54,7 @@ def main():
     report = benchmark_models({"ar": args.ar, "calm": args.calm}, "ar", num_positions=args.num_positions,
                               mauve=args.mauve)
     calm, tokenizer = load_model_and_tokenizer(args.calm)
-    ae, _ = load_model_and_tokenizer(args.autoencoder)
+    ae, _ = load_model_and_tokenizer(args.autoencoder, language_model=False)
     stream = split_stream(tokenizer, "validation")
     k = ae.config.chunk_size
     extras = {"autoencoder": ae.reconstruction_accuracy(stream[: stream.numel() // k * k][None],

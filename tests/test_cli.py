@@ -74,6 +74,8 @@ def test_train_calm_autoencoder_then_calm_then_generate(tmp_path, capsys):
     code, stdout, _ = run_cli(capsys, "train", "--family", "calm-ae", "--preset", "tiny", "--output-dir", str(ae),
                               "--max-steps", "3", "--eval-every", "3", "--batch-size", "2")
     assert code == 0 and "(sampled z)" in stdout and "mean posterior std" in stdout
+    code, _, err = run_cli(capsys, "generate", "--model", str(ae), "--prompt", "HAMLET.")
+    assert code == 2 and "not a language model" in err
     code, _, err = run_cli(capsys, "train", "--family", "calm", "--preset", "tiny", "--output-dir", str(calm))
     assert code == 2 and "--autoencoder" in err and len(err.strip().splitlines()) == 1
     code, stdout, _ = run_cli(capsys, "train", "--family", "calm", "--preset", "tiny", "--output-dir", str(calm),

@@ -37,9 +37,12 @@ def pop_special_token_options(kwargs: dict) -> dict:
 
 def resolve_generation_request(family: str, config, generation_config, input_ids: torch.Tensor,
                                attention_mask: torch.Tensor | None, max_new_tokens: int | None,
-                               special: dict) -> GenerationRequest:
+                               special: dict, streamer=None) -> GenerationRequest:
     """Defaults from `generation_config` then `config`, as transformers does, and a ValueError naming any problem
-    (no room for a token, mask shape, right padding, prompt + new tokens over `max_position_embeddings`)."""
+    (no room for a token, mask shape, right padding, prompt + new tokens over `max_position_embeddings`, a
+    streamer with more than one row)."""
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError("streamer supports batch size 1 only")
     eos = special["eos_token_id"] if special["eos_given"] else generation_config.eos_token_id
     eos_ids = torch.tensor([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), dtype=torch.long,
                            device=input_ids.device)
@@ -63,6 +66,16 @@ def resolve_generation_request(family: str, config, generation_config, input_ids
         raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                          f"max_position_embeddings ({config.max_position_embeddings})")
     return GenerationRequest(attention_mask, max_new_tokens, eos_ids, int(pad), lengths)
+
+
+def row_seeds(seeds: list[int] | None, batch: int, name: str) -> list[int]:
+    """One RNG seed per row, so a row's random draws do not depend on the rest of the batch. Default: drawn from
+    the global torch RNG (`torch.manual_seed` makes a call repeatable)."""
+    if seeds is None:
+        return torch.randint(0, 2**62, (batch,)).tolist()
+    if len(seeds) != batch:
+        raise ValueError(f"{name} has {len(seeds)} entries for a batch of {batch}")
+    return [int(s) for s in seeds]
 
 
 class NewTokens:
@@ -102,4 +115,4 @@ class NewTokens:
 
 
 __all__ = ["GenerationRequest", "NewTokens", "check_prompt", "pop_special_token_options",
-           "resolve_generation_request"]
+           "resolve_generation_request", "row_seeds"]

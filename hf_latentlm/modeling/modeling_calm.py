@@ -22,8 +22,14 @@ from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
 
 from .configuration_calm import TEMPERATURE_SAMPLERS, CALMAutoencoderConfig, CALMConfig
-from .generation import NewTokens, check_prompt, pop_special_token_options, resolve_generation_request
 from .energy import energy_loss, exact_temperature_choice, exact_temperature_n, pool_temperature_choice
+from .generation import (
+    NewTokens,
+    check_prompt,
+    pop_special_token_options,
+    resolve_generation_request,
+    row_seeds,
+)
 from .layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -483,7 +489,8 @@ class CALMForCausalLM(CALMPreTrainedModel, GenerationMixin):
         check_prompt(input_ids)
         special = pop_special_token_options(kwargs)
         gen, greedy = self._checked_generation_config(generation_config, kwargs)
-        request = resolve_generation_request("CALM", cfg, gen, input_ids, attention_mask, max_new_tokens, special)
+        request = resolve_generation_request("CALM", cfg, gen, input_ids, attention_mask, max_new_tokens, special,
+                                             streamer)
         batch, prompt_len = input_ids.shape
         temperature = cfg.generation_temperature if temperature is None else float(temperature)
         if not 0 < temperature <= 1:
@@ -496,13 +503,7 @@ class CALMForCausalLM(CALMPreTrainedModel, GenerationMixin):
         pool_size = cfg.temperature_pool_size if temperature_pool_size is None else temperature_pool_size
         if pool_size < 1:
             raise ValueError(f"temperature_pool_size must be at least 1, got {pool_size}")
-        if streamer is not None and batch != 1:
-            raise ValueError("streamer supports batch size 1 only")
-        if noise_seeds is None:
-            noise_seeds = torch.randint(0, 2**62, (batch,)).tolist()
-        if len(noise_seeds) != batch:
-            raise ValueError(f"noise_seeds has {len(noise_seeds)} entries for a batch of {batch}")
-        generators = [torch.Generator().manual_seed(int(s)) for s in noise_seeds]
+        generators = [torch.Generator().manual_seed(s) for s in row_seeds(noise_seeds, batch, "noise_seeds")]
 
         K, device = cfg.chunk_size, input_ids.device
         fill_token = cfg.eos_token_id if cfg.eos_token_id is not None else request.pad_token_id

@@ -29,7 +29,13 @@ from .auxiliaries import (
     voronoi_owners,
 )
 from .configuration_plm import ACCEPTANCE_RULES, PLMConfig
-from .generation import NewTokens, check_prompt, pop_special_token_options, resolve_generation_request
+from .generation import (
+    NewTokens,
+    check_prompt,
+    pop_special_token_options,
+    resolve_generation_request,
+    row_seeds,
+)
 from .layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -388,7 +394,8 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
         check_prompt(input_ids)
         special = pop_special_token_options(kwargs)
         gen = self._checked_generation_config(generation_config, kwargs)
-        request = resolve_generation_request("PLM", cfg, gen, input_ids, attention_mask, max_new_tokens, special)
+        request = resolve_generation_request("PLM", cfg, gen, input_ids, attention_mask, max_new_tokens, special,
+                                             streamer)
         batch, max_new_tokens = input_ids.shape[0], request.max_new_tokens
         if decoding not in ("quadratic", "voronoi"):
             raise ValueError(f"decoding must be 'quadratic' or 'voronoi', got {decoding!r}")
@@ -406,12 +413,7 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
             raise ValueError(f"acceptance_nucleus must be in (0, 1), got {rho}")
         if cfg.auxiliary_type == "none":
             raise ValueError("a PLM trained with auxiliary_type='none' has no auxiliary sampler to decode with")
-        if streamer is not None and batch != 1:
-            raise ValueError("streamer supports batch size 1 only")
-        if auxiliary_seeds is None:
-            auxiliary_seeds = torch.randint(0, 2**62, (batch,)).tolist()
-        if len(auxiliary_seeds) != batch:
-            raise ValueError(f"auxiliary_seeds has {len(auxiliary_seeds)} entries for a batch of {batch}")
+        auxiliary_seeds = row_seeds(auxiliary_seeds, batch, "auxiliary_seeds")
 
         width = k_pred if decoding == "quadratic" else 1
         device = input_ids.device
