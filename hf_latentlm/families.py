@@ -93,9 +93,7 @@ def build_calm(preset: Preset, tokenizer, autoencoder=None, **overrides) -> PreT
                          "its folder with --autoencoder DIR")
     if isinstance(autoencoder, str) and not (Path(autoencoder) / "config.json").is_file():
         raise FileNotFoundError(f"--autoencoder {autoencoder!r} is not a saved autoencoder folder (no config.json)")
-    kwargs = {**backbone_config_kwargs(preset, tokenizer), **overrides}
-    kwargs.pop("tie_word_embeddings")
-    return CALMForCausalLM.from_autoencoder(autoencoder, **kwargs)
+    return CALMForCausalLM.from_autoencoder(autoencoder, **backbone_config_kwargs(preset, tokenizer), **overrides)
 
 
 FAMILIES: dict[str, Callable[..., PreTrainedModel]] = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -107,7 +107,7 @@ def training_step_time(model, rows: torch.Tensor, steps: int, batch_size: int, o
     model.train()
     spent = [0.0]
     times, shares = [], []
-    with timing_method(model, timed_method, spent) if timed_method else _no_timing():
+    with timing_method(model, timed_method, spent) if timed_method else nullcontext():
         for step in range(steps + 1):
             batch = rows[step * batch_size:(step + 1) * batch_size]
             spent[0] = 0.0
@@ -123,8 +123,3 @@ def training_step_time(model, rows: torch.Tensor, steps: int, batch_size: int, o
     if timed_method:
         result[f"{timed_method}_share"] = statistics.fmean(shares)
     return result
-
-
-@contextmanager
-def _no_timing():
-    yield

@@ -35,6 +35,26 @@ def pop_special_token_options(kwargs: dict) -> dict:
             "pad_token_id": kwargs.pop("pad_token_id", None)}
 
 
+# Options of transformers' generate() that a custom loop can accept without acting on them: they only concern
+# outputs these loops do not produce (scores), the cache (always used) or the length limit (max_new_tokens wins).
+HARMLESS_HF_OPTIONS = frozenset({"use_cache", "max_length", "bos_token_id", "output_scores", "output_logits"})
+
+
+def base_generation_config(model, generation_config, kwargs: dict, family: str, no_beams_reason: str):
+    """The GenerationConfig to read defaults from; refuses beam search (from `kwargs` or the config) by name."""
+    gen = generation_config if generation_config is not None else model.generation_config
+    if kwargs.pop("num_beams", getattr(gen, "num_beams", 1) or 1) > 1:
+        raise ValueError(f"num_beams > 1 is not supported by {family}: {no_beams_reason}")
+    return gen
+
+
+def reject_unknown_options(kwargs: dict, family: str, also_accepted: frozenset = frozenset()) -> None:
+    """Call after a family has popped the options it honours: drop the harmless ones and name the rest."""
+    unknown = sorted(name for name in kwargs if name not in HARMLESS_HF_OPTIONS | also_accepted)
+    if unknown:
+        raise ValueError(f"unsupported generation option(s) for {family}: {unknown}")
+
+
 def resolve_generation_request(family: str, config, generation_config, input_ids: torch.Tensor,
                                attention_mask: torch.Tensor | None, max_new_tokens: int | None,
                                special: dict, streamer=None) -> GenerationRequest:
@@ -114,5 +134,6 @@ class NewTokens:
         return torch.cat([input_ids, self.tokens[:, : int(self.count.max())]], dim=1)
 
 
-__all__ = ["GenerationRequest", "NewTokens", "check_prompt", "pop_special_token_options",
+__all__ = ["GenerationRequest", "NewTokens", "HARMLESS_HF_OPTIONS", "base_generation_config", "check_prompt",
+           "reject_unknown_options", "pop_special_token_options",
            "resolve_generation_request", "row_seeds"]

@@ -25,7 +25,9 @@ from .configuration_calm import TEMPERATURE_SAMPLERS, CALMAutoencoderConfig, CAL
 from .energy import energy_loss, exact_temperature_choice, exact_temperature_n, pool_temperature_choice
 from .generation import (
     NewTokens,
+    base_generation_config,
     check_prompt,
+    reject_unknown_options,
     pop_special_token_options,
     resolve_generation_request,
     row_seeds,
@@ -180,11 +182,11 @@ class CALMAutoencoder(PreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, attention_mask=None,
                 **kwargs) -> CALMAutoencoderOutput:
-        """input_ids [B, T] (T a multiple of K) or [..., K] chunks. With labels (same shape; −100 = ignore), the
+        """input_ids [B, T] (T a multiple of K) or chunks [B, L, K]. With labels (same shape; −100 = ignore), the
         loss. In training mode the input is corrupted and the sampled latent dropped out; in eval mode the
         sampled latent is decoded as is."""
         cfg = self.config
-        chunks = chunk_tokens(input_ids, cfg.chunk_size) if input_ids.shape[-1] != cfg.chunk_size else input_ids
+        chunks = input_ids if input_ids.dim() == 3 else chunk_tokens(input_ids, cfg.chunk_size)
         mean, log_std = self.encode(self.replace_tokens(chunks))
         std = log_std.exp()
         z = mean + std * torch.randn_like(mean)
@@ -440,25 +442,16 @@ class CALMForCausalLM(CALMPreTrainedModel, GenerationMixin):
     # generate
     # ------------------------------------------------------------------------------------------------------------
 
-    _ACCEPTED_HF_OPTIONS = {"use_cache", "max_length", "bos_token_id", "output_scores", "output_logits"}
-
     def _checked_generation_config(self, generation_config, kwargs) -> tuple:
         """The GenerationConfig to read defaults from and whether sampling is greedy-like (do_sample=False), after
         rejecting (by name) every option in `kwargs` that CALM cannot honour."""
-        gen = generation_config if generation_config is not None else self.generation_config
-        if kwargs.get("num_beams", getattr(gen, "num_beams", 1) or 1) > 1:
-            raise ValueError("num_beams > 1 is not supported by CALM: there are no token scores to search over")
-        kwargs.pop("num_beams", None)
+        gen = base_generation_config(self, generation_config, kwargs, "CALM", "there are no token scores to search over")
         greedy = kwargs.pop("do_sample", True) is False
         if kwargs.pop("top_k", None) not in (None, 0):
             raise ValueError("top_k is not supported by CALM generate (no token probabilities); use temperature")
         if kwargs.pop("top_p", None) not in (None, 1.0):
             raise ValueError("top_p is not supported by CALM generate (no token probabilities); use temperature")
-        for name in list(kwargs):
-            if name in self._ACCEPTED_HF_OPTIONS:
-                kwargs.pop(name)
-        if kwargs:
-            raise ValueError(f"unsupported generation option(s) for CALM: {sorted(kwargs)}")
+        reject_unknown_options(kwargs, "CALM")
         return gen, greedy
 
     @torch.no_grad()

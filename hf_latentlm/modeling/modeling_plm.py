@@ -31,7 +31,9 @@ from .auxiliaries import (
 from .configuration_plm import ACCEPTANCE_RULES, PLMConfig
 from .generation import (
     NewTokens,
+    base_generation_config,
     check_prompt,
+    reject_unknown_options,
     pop_special_token_options,
     resolve_generation_request,
     row_seeds,
@@ -345,28 +347,18 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
     # ------------------------------------------------------------------------------------------------
 
     _SAMPLING_DEFAULTS = {"temperature": (None, 1.0), "top_k": (None, 0), "top_p": (None, 1.0)}
-    _ACCEPTED_HF_OPTIONS = {"do_sample", "use_cache", "output_scores", "output_logits", "min_new_tokens",
-                            "max_length", "bos_token_id"}
 
     def _checked_generation_config(self, generation_config, kwargs):
         """The GenerationConfig to read defaults from, after rejecting (by name) every option in `kwargs`
         that quadratic decoding cannot honour."""
-        gen = generation_config if generation_config is not None else self.generation_config
-        cfg = self.config
-        if kwargs.get("num_beams", getattr(gen, "num_beams", 1) or 1) > 1:
-            raise ValueError("num_beams > 1 is not supported by PLM: decoding samples through auxiliaries")
-        kwargs.pop("num_beams", None)
+        gen = base_generation_config(self, generation_config, kwargs, "PLM", "decoding samples through auxiliaries")
         if kwargs.pop("do_sample", True) is False:
             raise ValueError("do_sample=False is not supported by PLM: tokens are drawn through Voronoi auxiliaries")
         for name, allowed in self._SAMPLING_DEFAULTS.items():
             if name in kwargs and kwargs.pop(name) not in allowed:
                 raise ValueError(f"{name} is not supported by PLM generate (Voronoi sampling is at temperature 1 "
-                                 f"over the top-{cfg.auxiliary_top_m} tokens)")
-        for name in list(kwargs):
-            if name in self._ACCEPTED_HF_OPTIONS:
-                kwargs.pop(name)
-        if kwargs:
-            raise ValueError(f"unsupported generation option(s) for PLM: {sorted(kwargs)}")
+                                 f"over the top-{self.config.auxiliary_top_m} tokens)")
+        reject_unknown_options(kwargs, "PLM", also_accepted=frozenset({"min_new_tokens"}))
         return gen
 
     @torch.no_grad()
