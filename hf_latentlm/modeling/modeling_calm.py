@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
 
@@ -27,8 +27,8 @@ from .generation import (
     NewTokens,
     base_generation_config,
     check_prompt,
-    reject_unknown_options,
     pop_special_token_options,
+    reject_unknown_options,
     resolve_generation_request,
     row_seeds,
 )
@@ -38,9 +38,9 @@ from .layers import (
     SwiGLUMLP,
     causal_mask,
     decoder_layers,
-    init_backbone_weights,
     make_padding_position_ids,
 )
+from .modeling_backbone import BackbonePreTrainedModel
 
 
 @dataclass
@@ -105,13 +105,17 @@ def chunk_tokens(input_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
 # Autoencoder
 # ====================================================================================================================
 
-class CALMAutoencoder(PreTrainedModel):
+class CALMAutoencoder(BackbonePreTrainedModel):
     """Chunk of K tokens <-> latent z ∈ R^l. `forward(input_ids, labels=...)` trains it on packed rows (each row cut
     into chunks of K); `encode` / `decode` / `decode_logits` are the maps CALM uses. Output logits are computed with
     the token embedding matrix (tied by construction)."""
 
     config_class = CALMAutoencoderConfig
     base_model_prefix = "autoencoder"
+    supports_gradient_checkpointing = False  # no attention blocks to checkpoint
+    _no_split_modules = None
+    full_auto_map = {"AutoConfig": "configuration_calm.CALMAutoencoderConfig",
+                     "AutoModel": "modeling_calm.CALMAutoencoder"}
     main_input_name = "input_ids"
 
     def __init__(self, config: CALMAutoencoderConfig):
@@ -132,20 +136,9 @@ class CALMAutoencoder(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        init_backbone_weights(module, self.config.initializer_range)
+        super()._init_weights(module)
         if module is self.embed_tokens:
             module.weight.normal_(0.0, self.config.embedding_init_std)
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        self.config.auto_map = {"AutoConfig": "configuration_calm.CALMAutoencoderConfig",
-                                "AutoModel": "modeling_calm.CALMAutoencoder"}
-        return super().save_pretrained(save_directory, *args, **kwargs)
-
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
 
     def encode(self, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """chunks [..., K] token ids -> posterior (mean, log σ), each [..., l]."""
@@ -259,16 +252,8 @@ class EnergyHead(nn.Module):
         return self.out(self.norm(x))
 
 
-class CALMPreTrainedModel(PreTrainedModel):
+class CALMPreTrainedModel(BackbonePreTrainedModel):
     config_class = CALMConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
-    _no_split_modules = ["DecoderBlock"]
-    _supports_sdpa = True
-
-    @torch.no_grad()
-    def _init_weights(self, module):
-        init_backbone_weights(module, self.config.initializer_range)
 
 
 class CALMModel(CALMPreTrainedModel):
@@ -288,12 +273,6 @@ class CALMModel(CALMPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
     def compress(self, chunks: torch.Tensor) -> torch.Tensor:
         """chunks [B, L, K] token ids -> one input vector per chunk [B, L, d]."""
         x = self.embed_tokens(chunks).flatten(-2)
@@ -312,6 +291,9 @@ class CALMForCausalLM(CALMPreTrainedModel, GenerationMixin):
     """CALM: backbone + energy head + frozen autoencoder. `forward(input_ids)` returns one hidden state per chunk;
     `forward(input_ids, labels=...)` the energy loss; `generate()` samples K tokens per backbone call.
     Build a trainable model around a trained autoencoder with `from_autoencoder`."""
+
+    full_auto_map = {"AutoConfig": "configuration_calm.CALMConfig", "AutoModel": "modeling_calm.CALMForCausalLM",
+                     "AutoModelForCausalLM": "modeling_calm.CALMForCausalLM"}
 
     def __init__(self, config: CALMConfig):
         super().__init__(config)
@@ -347,23 +329,10 @@ class CALMForCausalLM(CALMPreTrainedModel, GenerationMixin):
         model.autoencoder.load_state_dict(autoencoder.state_dict())
         return model
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        # Each class records only its own Auto class; write the full map so every Auto class loads it.
-        self.config.auto_map = {"AutoConfig": "configuration_calm.CALMConfig",
-                                "AutoModel": "modeling_calm.CALMForCausalLM",
-                                "AutoModelForCausalLM": "modeling_calm.CALMForCausalLM"}
-        return super().save_pretrained(save_directory, *args, **kwargs)
-
     def train(self, mode: bool = True):
         super().train(mode)
         self.autoencoder.eval()  # frozen: never corrupt inputs or drop out latents
         return self
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
 
     def get_output_embeddings(self):
         return None  # no softmax over tokens: CALM has no token likelihood

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import ModelOutput
@@ -33,8 +33,8 @@ from .generation import (
     NewTokens,
     base_generation_config,
     check_prompt,
-    reject_unknown_options,
     pop_special_token_options,
+    reject_unknown_options,
     resolve_generation_request,
     row_seeds,
 )
@@ -43,10 +43,10 @@ from .layers import (
     RotaryEmbedding,
     causal_mask,
     decoder_layers,
-    init_backbone_weights,
     make_padding_position_ids,
     visibility_mask,
 )
+from .modeling_backbone import BackbonePreTrainedModel
 
 
 @dataclass
@@ -77,17 +77,13 @@ class PLMGenerateOutput(ModelOutput):
     num_new_tokens: torch.LongTensor | None = None
 
 
-class PLMPreTrainedModel(PreTrainedModel):
+class PLMPreTrainedModel(BackbonePreTrainedModel):
     config_class = PLMConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
-    _no_split_modules = ["DecoderBlock"]
-    _supports_sdpa = True
 
     @torch.no_grad()
     def _init_weights(self, module):
+        super()._init_weights(module)
         std = self.config.initializer_range
-        init_backbone_weights(module, std)
         if isinstance(module, PLMModel):
             module.mask_auxiliary.normal_(0.0, std)
             # The bank is a pure function of its seed, so re-deriving it equals loading it.
@@ -112,12 +108,6 @@ class PLMModel(PLMPreTrainedModel):
         self.rotary = RotaryEmbedding(config.head_dim, base=config.rope_theta)
         self.gradient_checkpointing = False
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
 
     def embed_auxiliaries(self, aux_index: torch.Tensor) -> torch.Tensor:
         """Decoder input for auxiliary indices [...]; index −1 reads the learned mask auxiliary."""
@@ -149,6 +139,8 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
     `decoding="voronoi"`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    full_auto_map = {"AutoConfig": "configuration_plm.PLMConfig", "AutoModel": "modeling_plm.PLMForCausalLM",
+                     "AutoModelForCausalLM": "modeling_plm.PLMForCausalLM"}
 
     def __init__(self, config: PLMConfig):
         super().__init__(config)
@@ -157,19 +149,6 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
         # g_ψ of the alignment loss; trained, saved, unused at inference.
         self.alignment_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
         self.post_init()
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        # Each class records only its own Auto class; write the full map so every Auto class loads it.
-        self.config.auto_map = {"AutoConfig": "configuration_plm.PLMConfig",
-                                "AutoModel": "modeling_plm.PLMForCausalLM",
-                                "AutoModelForCausalLM": "modeling_plm.PLMForCausalLM"}
-        return super().save_pretrained(save_directory, *args, **kwargs)
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
 
     def get_output_embeddings(self):
         return self.lm_head

@@ -212,7 +212,8 @@ def test_saved_checkpoint_loads_without_the_package_and_generates_identically(tr
     trained_plm.save_pretrained(tmp_path / "ckpt")
     tokenizer.save_pretrained(tmp_path / "ckpt")
     files = {p.name for p in (tmp_path / "ckpt").iterdir()}
-    assert {"modeling_plm.py", "configuration_plm.py", "layers.py", "auxiliaries.py", "model.safetensors"} <= files
+    assert {"modeling_plm.py", "configuration_plm.py", "configuration_backbone.py", "modeling_backbone.py", "layers.py",
+            "generation.py", "auxiliaries.py", "model.safetensors"} <= files
     auto_map = json.loads((tmp_path / "ckpt" / "config.json").read_text())["auto_map"]
     assert set(auto_map) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
     prompt = [[5, 60, 700, 42, 9]]
