@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from .families import FAMILIES, LANGUAGE_MODEL_FAMILIES
+from .families import BASELINE_FAMILY, FAMILIES, check_components, component_names, get_family
 from .presets import PRESETS
 
 DEFAULT_SAMPLE_PROMPT = "ROMEO.\n"
@@ -45,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--train-file", action="append", help="your own text file (repeatable; one document each)")
     t.add_argument("--validation-file", action="append")
     t.add_argument("--tokenizer", help="tokenizer folder or hub id (default: the embedded BPE)")
-    t.add_argument("--autoencoder", help="--family calm: folder of a trained autoencoder (from --family calm-ae)")
+    for name in component_names():  # one option per trained component a family needs (e.g. --autoencoder)
+        users = {s.name: s.components[name] for s in FAMILIES.values() if name in s.components}
+        t.add_argument(f"--{name}", help="; ".join(f"--family {user}: folder of a trained {name} (from --family "
+                                                   f"{source})" for user, source in users.items()))
     t.add_argument("--sample-prompt", default=DEFAULT_SAMPLE_PROMPT, help="prompt for the sample printed at the end")
     t.add_argument("--no-sample", action="store_true", help="do not print a sample after training")
 
@@ -92,21 +95,17 @@ def cmd_train(args) -> int:
         seq_len=args.seq_len, learning_rate=args.learning_rate, schedule=args.schedule,
         warmup_steps=args.warmup_steps, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
         train_files=args.train_file, validation_files=args.validation_file, tokenizer=args.tokenizer,
-        autoencoder=args.autoencoder,
+        components={name: getattr(args, name) for name in component_names() if getattr(args, name) is not None},
     )
-    if cfg.family not in FAMILIES:
-        raise ValueError(f"unknown family {cfg.family!r}; choose one of {sorted(FAMILIES)}")
-    if cfg.family == "calm" and not cfg.autoencoder:
-        raise ValueError("--family calm needs --autoencoder DIR (train one first with --family calm-ae)")
-    if cfg.autoencoder and cfg.family != "calm":
-        raise ValueError("--autoencoder only applies to --family calm")
+    spec = get_family(cfg.family)
+    check_components(cfg.family, cfg.components)
     cfg.resolved()  # fail on bad values before loading any data
     metrics = train(cfg)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
     finished = cfg.stop_at_step is None or cfg.stop_at_step == cfg.resolved().max_steps
-    if finished and cfg.family not in LANGUAGE_MODEL_FAMILIES and int(os.environ.get("RANK", "0")) == 0:
-        print(autoencoder_report(args.output_dir))
-    elif finished and not args.no_sample and int(os.environ.get("RANK", "0")) == 0:
+    if finished and spec.training_report is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(spec.training_report(args.output_dir))
+    if finished and spec.language_model and not args.no_sample and int(os.environ.get("RANK", "0")) == 0:
         from .eval.speed import measure_generation_speed
         from .loading import load_model_and_tokenizer
 
@@ -116,34 +115,17 @@ def cmd_train(args) -> int:
         speed = measure_generation_speed(model, ids, max_new_tokens=64, repeats=1)
         line = (f"{cfg.family}: {speed['tokens_per_s']:.0f} tokens/s, "
                 f"{1 / speed['model_calls_per_token']:.2f} tokens per model call")
-        if cfg.family != "ar":
+        if cfg.family != BASELINE_FAMILY:
             # Generation speed of the AR baseline does not depend on its weights: a fresh model of the same
             # preset, timed on the same prompt in this process, is the matched reference.
             from .families import build_model
 
-            baseline = build_model("ar", cfg.preset, tokenizer).eval()
+            baseline = build_model(BASELINE_FAMILY, cfg.preset, tokenizer).eval()
             ar = measure_generation_speed(baseline, ids, max_new_tokens=64, repeats=1)
             line += (f" | AR baseline ({cfg.preset}): {ar['tokens_per_s']:.0f} tokens/s, 1.00 tokens per call"
                      f" | speed ratio {speed['tokens_per_s'] / ar['tokens_per_s']:.2f}x")
         print(f"\n--- sample ({line}) ---\n{args.sample_prompt}{text}\n---")
     return 0
-
-
-def autoencoder_report(folder: str, num_tokens: int = 20000) -> str:
-    """One line on a trained CALM autoencoder: token accuracy decoding μ and a sampled z, and the mean σ, on the
-    first `num_tokens` tokens of the validation split."""
-    import torch
-
-    from .eval.harness import split_stream
-    from .loading import load_model_and_tokenizer
-
-    model, tokenizer = load_model_and_tokenizer(folder, language_model=False)
-    stream = split_stream(tokenizer, "validation")
-    k = model.config.chunk_size
-    ids = stream[: (min(num_tokens, stream.numel()) // k) * k][None]
-    r = model.reconstruction_accuracy(ids, generator=torch.Generator().manual_seed(0))
-    return (f"autoencoder on {r['num_tokens']} validation tokens: accuracy {r['mean_accuracy']:.4%} (mean), "
-            f"{r['sampled_accuracy']:.4%} (sampled z), mean posterior std {r['posterior_std']:.3f}")
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, seed: int = 0, **sampling) -> tuple[str, int]:

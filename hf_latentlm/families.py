@@ -1,19 +1,153 @@
-"""Family registry: how `hf-latentlm train --family NAME --preset P` builds a fresh model.
+"""Family registry: the one place that says what each model family is and how to build it.
 
-Each entry turns a preset plus a tokenizer into an untrained `PreTrainedModel` whose forward
-returns `loss` (and, optionally, named 0-dim loss parts) for `input_ids`/`labels` batches, which
-is all the shared training loop needs.
+A family is one `FamilySpec`: its name, a builder (preset + tokenizer -> untrained `PreTrainedModel` whose forward
+returns `loss` for `input_ids`/`labels` batches), whether it is a language model, the trained components it needs
+(`{"autoencoder": "calm-ae"}`), its config overrides per preset name, and its transformers classes. The CLI,
+model loading, the training loop and the evaluation code read this registry and never name a family;
+`docs/adding_a_family.md` shows how a new one registers.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+from .modeling import (
+    CALMAutoencoder,
+    CALMAutoencoderConfig,
+    CALMConfig,
+    CALMForCausalLM,
+    PLMConfig,
+    PLMForCausalLM,
+    register_auto_classes,
+)
 from .presets import Preset, get_preset
 
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Everything the rest of the package needs to know about one family.
+
+    name: the `--family` value.
+    build: `build(preset, tokenizer, **kwargs) -> PreTrainedModel`; kwargs are config overrides plus one trained
+        model per entry of `components` (already loaded and type-checked by `build_model`).
+    config_class / model_class: the transformers classes; registered with the Auto classes on `register_family`
+        (None for classes transformers already knows, such as Llama).
+    language_model: True if the family generates text; False for components (autoencoders, VAEs).
+    components: argument name -> family that produces it; each becomes a `--<name> DIR` option of `train`.
+    preset_overrides: preset name -> config overrides that depend on scale.
+    training_report: `report(folder) -> str`, printed by `hf-latentlm train` when a run finishes (components).
+    """
+
+    name: str
+    build: Callable[..., PreTrainedModel]
+    config_class: type | None = None
+    model_class: type | None = None
+    language_model: bool = True
+    components: Mapping[str, str] = field(default_factory=dict)
+    preset_overrides: Mapping[str, Mapping] = field(default_factory=dict)
+    training_report: Callable[[str], str] | None = None
+
+    @property
+    def model_type(self) -> str | None:
+        return getattr(self.config_class, "model_type", None)
+
+    def overrides_for(self, preset: Preset) -> dict:
+        """This family's config overrides for `preset`, found by the preset's name."""
+        if not self.preset_overrides:
+            return {}
+        if preset.name not in self.preset_overrides:
+            raise ValueError(f"the {self.name} family has settings for presets {sorted(self.preset_overrides)}, not "
+                             f"for {preset.name!r}: derive a custom preset from one of them with "
+                             f"dataclasses.replace(PRESETS[name], ...), which keeps its name")
+        return dict(self.preset_overrides[preset.name])
+
+
+FAMILIES: dict[str, FamilySpec] = {}
+#: The matched autoregressive baseline every speed and quality number is compared with.
+BASELINE_FAMILY = "ar"
+
+
+def register_family(spec: FamilySpec) -> FamilySpec:
+    """Add (or replace) a family; its classes become loadable through transformers' Auto classes."""
+    for component, family in spec.components.items():
+        if family not in FAMILIES:
+            raise ValueError(f"family {spec.name!r}: component {component!r} names unregistered family {family!r}")
+    if spec.config_class is not None and spec.model_class is not None:
+        register_auto_classes(spec.config_class, spec.model_class, language_model=spec.language_model)
+    FAMILIES[spec.name] = spec
+    return spec
+
+
+def get_family(name: str) -> FamilySpec:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown family {name!r}; choose one of {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_of_model_type(model_type: str) -> FamilySpec | None:
+    """The family whose config has this `model_type` (None for models from outside the registry)."""
+    return next((s for s in FAMILIES.values() if s.model_type == model_type), None)
+
+
+def component_names() -> list[str]:
+    """Every component argument any family takes (each is a `--<name>` option of `hf-latentlm train`)."""
+    return sorted({name for spec in FAMILIES.values() for name in spec.components})
+
+
+def check_components(family: str, components: Mapping[str, object]) -> None:
+    """ValueError naming a missing component of `family`, or one it does not take."""
+    spec = get_family(family)
+    for name, value in components.items():
+        if value is not None and name not in spec.components:
+            takers = sorted(s.name for s in FAMILIES.values() if name in s.components)
+            raise ValueError(f"--{name} only applies to --family {', '.join(takers) or '(none)'}, not {family!r}")
+    for name, source in spec.components.items():
+        if components.get(name) is None:
+            raise ValueError(f"the {family} family needs a trained {name}: train one with `--family {source}` and "
+                             f"pass its folder with --{name} DIR")
+
+
+def load_component(name: str, source: str, folder: str) -> PreTrainedModel:
+    """The trained `source`-family model saved in `folder`, refused with one line if it is of another type or its
+    weights do not match the class (missing or unexpected tensors)."""
+    from transformers import AutoConfig
+
+    spec = get_family(source)
+    if not (Path(folder) / "config.json").is_file():
+        raise FileNotFoundError(f"--{name} {folder!r} is not a saved {name} folder (no config.json)")
+    model_type = AutoConfig.from_pretrained(folder, trust_remote_code=True).model_type
+    if model_type != spec.model_type:
+        raise ValueError(f"--{name} {folder!r} holds a {model_type!r} model, expected a {spec.model_type!r} "
+                         f"(trained with --family {source})")
+    model, info = spec.model_class.from_pretrained(folder, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if bad:
+        raise ValueError(f"--{name} {folder!r}: its weights do not match {spec.model_class.__name__}: "
+                         + "; ".join(f"{k} {sorted(v)[:3]}" for k, v in bad.items()))
+    return model
+
+
+def build_model(family: str, preset: str | Preset, tokenizer, **kwargs) -> PreTrainedModel:
+    """A fresh model of `family` at `preset`. `kwargs`: the family's components (a trained model or its folder)
+    and config overrides, which win over the preset's."""
+    spec = get_family(family)
+    if isinstance(preset, str):
+        preset = get_preset(preset)
+    components = {name: kwargs.pop(name, None) for name in spec.components}
+    check_components(family, components)
+    for name, value in components.items():
+        if isinstance(value, (str, Path)):
+            components[name] = load_component(name, spec.components[name], str(value))
+    return spec.build(preset, tokenizer, **components, **{**spec.overrides_for(preset), **kwargs})
+
+
+# ==================================================================================================================
+# The families
+# ==================================================================================================================
 
 def backbone_config_kwargs(preset: Preset, tokenizer) -> dict:
     """Config fields shared by every family (Llama names): the preset's backbone and the tokenizer's ids."""
@@ -26,11 +160,14 @@ def backbone_config_kwargs(preset: Preset, tokenizer) -> dict:
         num_key_value_heads=preset.num_kv_heads,
         max_position_embeddings=preset.max_position_embeddings,
         rope_theta=preset.rope_theta,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **special_token_kwargs(tokenizer),
         tie_word_embeddings=False,
     )
+
+
+def special_token_kwargs(tokenizer) -> dict:
+    return dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
 
 
 def build_ar_baseline(preset: Preset, tokenizer, **overrides) -> LlamaForCausalLM:
@@ -39,78 +176,56 @@ def build_ar_baseline(preset: Preset, tokenizer, **overrides) -> LlamaForCausalL
     return LlamaForCausalLM(LlamaConfig(**{**backbone_config_kwargs(preset, tokenizer), **overrides}))
 
 
-# PLM settings that depend on scale. The paper's N_aux = 512 / M = 128 are the config defaults (used by
-# `base`); on 2 CPU cores fitting them at every position costs 5.3 s per `small` step (4080 positions) vs
-# 0.63 s for N_aux = 128 / M = 32 (`python scripts/time_voronoi.py`), so the CPU presets use the latter.
-PLM_PRESET_OVERRIDES: dict[str, dict] = {
-    "tiny": {"block_size": 4, "k_pred": 4, "num_auxiliaries": 128, "auxiliary_top_m": 32},
-    "small": {"block_size": 8, "k_pred": 4, "num_auxiliaries": 128, "auxiliary_top_m": 32},
-    "base": {"block_size": 16, "k_pred": 6},
-}
-
-
-def build_plm(preset: Preset, tokenizer, **overrides) -> PreTrainedModel:
+def build_plm(preset: Preset, tokenizer, **overrides) -> PLMForCausalLM:
     """Parallel Language Model on the same backbone dimensions as the AR baseline."""
-    from .modeling import PLMConfig, PLMForCausalLM
-
-    overrides = {**PLM_PRESET_OVERRIDES.get(_preset_name(preset), {}), **overrides}
-
     return PLMForCausalLM(PLMConfig(**{**backbone_config_kwargs(preset, tokenizer), **overrides}))
 
 
-# CALM autoencoder sizes. `base` is the supplement's reference (hidden 512, intermediate 1280); `small` halves
-# the width so an epoch of the embedded corpus takes minutes on 2 CPU cores. K = 4 and l = 128 throughout.
-CALM_AUTOENCODER_PRESETS: dict[str, dict] = {
-    "tiny": {"hidden_size": 64, "intermediate_size": 128, "latent_size": 32, "num_encoder_layers": 1,
-             "num_decoder_layers": 1},
-    "small": {"hidden_size": 256, "intermediate_size": 640, "latent_size": 128},
-    "base": {"hidden_size": 512, "intermediate_size": 1280, "latent_size": 128},
-}
+def build_calm_autoencoder(preset: Preset, tokenizer, **overrides) -> CALMAutoencoder:
+    """CALM's chunk autoencoder (K tokens <-> one latent); its size comes from the family's preset overrides."""
+    return CALMAutoencoder(CALMAutoencoderConfig(vocab_size=len(tokenizer), **special_token_kwargs(tokenizer),
+                                                 **overrides))
 
 
-def _preset_name(preset: Preset) -> str | None:
-    from .presets import PRESETS
-
-    return next((k for k, v in PRESETS.items() if v == preset), None)
-
-
-def build_calm_autoencoder(preset: Preset, tokenizer, **overrides) -> PreTrainedModel:
-    """CALM's chunk autoencoder (K tokens <-> one latent); its size comes from `CALM_AUTOENCODER_PRESETS`."""
-    from .modeling import CALMAutoencoder, CALMAutoencoderConfig
-
-    kwargs = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, **CALM_AUTOENCODER_PRESETS.get(_preset_name(preset), {}))
-    return CALMAutoencoder(CALMAutoencoderConfig(**{**kwargs, **overrides}))
+def build_calm(preset: Preset, tokenizer, autoencoder: CALMAutoencoder, **overrides) -> CALMForCausalLM:
+    """CALM on the preset's backbone around a trained autoencoder, which is frozen and copied into the model."""
+    return CALMForCausalLM.from_autoencoder(autoencoder, **{**backbone_config_kwargs(preset, tokenizer), **overrides})
 
 
-def build_calm(preset: Preset, tokenizer, autoencoder=None, **overrides) -> PreTrainedModel:
-    """CALM on the preset's backbone around a trained autoencoder (a folder or a `CALMAutoencoder`), which is
-    frozen and copied into the model."""
-    from .modeling import CALMForCausalLM
+def _calm_autoencoder_report(folder: str) -> str:
+    from .eval.autoencoder import autoencoder_report
 
-    if autoencoder is None:
-        raise ValueError("the calm family needs a trained autoencoder: train one with `--family calm-ae` and pass "
-                         "its folder with --autoencoder DIR")
-    if isinstance(autoencoder, str) and not (Path(autoencoder) / "config.json").is_file():
-        raise FileNotFoundError(f"--autoencoder {autoencoder!r} is not a saved autoencoder folder (no config.json)")
-    return CALMForCausalLM.from_autoencoder(autoencoder, **backbone_config_kwargs(preset, tokenizer), **overrides)
+    return autoencoder_report(folder)
 
 
-FAMILIES: dict[str, Callable[..., PreTrainedModel]] = {
-    "ar": build_ar_baseline,
-    "plm": build_plm,
-    "calm-ae": build_calm_autoencoder,
-    "calm": build_calm,
-}
+register_family(FamilySpec(name="ar", build=build_ar_baseline))
 
-# Families whose models are language models (generate text); the others are components.
-LANGUAGE_MODEL_FAMILIES = ("ar", "plm", "calm")
+register_family(FamilySpec(
+    name="plm", build=build_plm, config_class=PLMConfig, model_class=PLMForCausalLM,
+    # The paper's N_aux = 512 / M = 128 are the config defaults (used by `base`); on 2 CPU cores fitting them at
+    # every position costs 5.3 s per `small` step (4080 positions) vs 0.63 s for N_aux = 128 / M = 32
+    # (`python scripts/time_voronoi.py`), so the CPU presets use the latter.
+    preset_overrides={
+        "tiny": {"block_size": 4, "k_pred": 4, "num_auxiliaries": 128, "auxiliary_top_m": 32},
+        "small": {"block_size": 8, "k_pred": 4, "num_auxiliaries": 128, "auxiliary_top_m": 32},
+        "base": {"block_size": 16, "k_pred": 6},
+    },
+))
 
+register_family(FamilySpec(
+    name="calm-ae", build=build_calm_autoencoder, config_class=CALMAutoencoderConfig, model_class=CALMAutoencoder,
+    language_model=False, training_report=_calm_autoencoder_report,
+    # `base` is the supplement's reference (hidden 512, intermediate 1280); `small` halves the width so an epoch of
+    # the embedded corpus takes minutes on 2 CPU cores. K = 4 and l = 128 throughout.
+    preset_overrides={
+        "tiny": {"hidden_size": 64, "intermediate_size": 128, "latent_size": 32, "num_encoder_layers": 1,
+                 "num_decoder_layers": 1},
+        "small": {"hidden_size": 256, "intermediate_size": 640, "latent_size": 128},
+        "base": {"hidden_size": 512, "intermediate_size": 1280, "latent_size": 128},
+    },
+))
 
-def build_model(family: str, preset: str | Preset, tokenizer, **overrides) -> PreTrainedModel:
-    """A fresh model of `family` at `preset`; `overrides` go to the family's config."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
-    if isinstance(preset, str):
-        preset = get_preset(preset)
-    return FAMILIES[family](preset, tokenizer, **overrides)
+register_family(FamilySpec(
+    name="calm", build=build_calm, config_class=CALMConfig, model_class=CALMForCausalLM,
+    components={"autoencoder": "calm-ae"},
+))

@@ -17,6 +17,8 @@ class Preset:
     (SwiGLU), `max_position_embeddings`, `rope_theta`.
     Training fields (defaults for `TrainConfig`, each overridable): `seq_len` (packed sequence
     length), `batch_size` (per device), `learning_rate` (peak), `warmup_steps`, `max_steps`.
+    `name`: the table key. Families look up their scale-dependent settings by it, so a preset derived with
+    `dataclasses.replace(PRESETS["small"], seq_len=128)` keeps the `small` settings.
     """
 
     hidden_size: int
@@ -31,6 +33,7 @@ class Preset:
     learning_rate: float
     warmup_steps: int
     max_steps: int
+    name: str = "custom"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -41,19 +44,19 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=176,
         max_position_embeddings=512, rope_theta=10000.0,
-        seq_len=64, batch_size=8, learning_rate=3e-3, warmup_steps=5, max_steps=50,
+        seq_len=64, batch_size=8, learning_rate=3e-3, warmup_steps=5, max_steps=50, name="tiny",
     ),
     # CPU benchmarks: ~2.85M non-embedding parameters (4.95M with a 4k vocabulary, untied).
     "small": Preset(
         hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=672,
         max_position_embeddings=2048, rope_theta=10000.0,
-        seq_len=256, batch_size=16, learning_rate=2e-3, warmup_steps=30, max_steps=300,
+        seq_len=256, batch_size=16, learning_rate=2e-3, warmup_steps=30, max_steps=300, name="small",
     ),
     # GPU runs (documented, not exercised in CI): ~85M non-embedding parameters.
     "base": Preset(
         hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048,
         max_position_embeddings=4096, rope_theta=10000.0,
-        seq_len=1024, batch_size=32, learning_rate=6e-4, warmup_steps=1000, max_steps=50000,
+        seq_len=1024, batch_size=32, learning_rate=6e-4, warmup_steps=1000, max_steps=50000, name="base",
     ),
 }
 

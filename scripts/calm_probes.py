@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from hf_latentlm.cli import autoencoder_report
+from hf_latentlm.eval.autoencoder import autoencoder_report
 from hf_latentlm.eval.harness import nll_rows, split_stream
 from hf_latentlm.families import build_model
 from hf_latentlm.training.corpus import load_default_tokenizer

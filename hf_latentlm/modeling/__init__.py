@@ -9,18 +9,23 @@ from .configuration_plm import PLMConfig
 from .modeling_calm import CALMAutoencoder, CALMForCausalLM
 from .modeling_plm import PLMForCausalLM
 
-for _config, _model in ((PLMConfig, PLMForCausalLM), (CALMConfig, CALMForCausalLM)):
-    AutoConfig.register(_config.model_type, _config, exist_ok=True)
-    AutoModel.register(_config, _model, exist_ok=True)
-    AutoModelForCausalLM.register(_config, _model, exist_ok=True)
-    _config.register_for_auto_class()
-    _model.register_for_auto_class("AutoModelForCausalLM")
 
-# The autoencoder is not a language model: AutoModel only.
-AutoConfig.register(CALMAutoencoderConfig.model_type, CALMAutoencoderConfig, exist_ok=True)
-AutoModel.register(CALMAutoencoderConfig, CALMAutoencoder, exist_ok=True)
-CALMAutoencoderConfig.register_for_auto_class()
-CALMAutoencoder.register_for_auto_class("AutoModel")
+def register_auto_classes(config_class, model_class, language_model: bool = True) -> None:
+    """Make `config_class.model_type` resolve to `model_class` through the Auto classes in this process, and record
+    the Auto class in saved configs. Components (not language models) get `AutoModel` only."""
+    AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    AutoModel.register(config_class, model_class, exist_ok=True)
+    config_class.register_for_auto_class()
+    if language_model:
+        AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
+        model_class.register_for_auto_class("AutoModelForCausalLM")
+    else:
+        model_class.register_for_auto_class("AutoModel")
+
+
+register_auto_classes(PLMConfig, PLMForCausalLM)
+register_auto_classes(CALMConfig, CALMForCausalLM)
+register_auto_classes(CALMAutoencoderConfig, CALMAutoencoder, language_model=False)
 
 __all__ = ["PLMConfig", "PLMForCausalLM", "CALMAutoencoderConfig", "CALMAutoencoder", "CALMConfig",
-           "CALMForCausalLM"]
+           "CALMForCausalLM", "register_auto_classes"]

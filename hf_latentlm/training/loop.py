@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,8 +54,9 @@ class TrainConfig:
     train_files / validation_files: the user's own text files instead of the embedded corpus;
         tokenizer: a tokenizer folder or hub id instead of the embedded one.
     mixed_precision: passed to Accelerate ("no", "bf16", "fp16").
-    autoencoder: family "calm" only: folder of the trained CALM autoencoder (`--family calm-ae`) that is
-        frozen and copied into the model.
+    components: the trained components the family needs, name -> folder (e.g. `{"autoencoder": DIR}` for
+        `calm`; the family registry says which); each is frozen and copied into the model.
+    autoencoder: deprecated spelling of `components={"autoencoder": DIR}`.
     model_kwargs: overrides for the family's config.
     """
 
@@ -88,6 +90,7 @@ class TrainConfig:
     tokenizer: str | None = None
     mixed_precision: str = "no"
     progress_bar: bool = True
+    components: dict[str, str] = field(default_factory=dict)
     autoencoder: str | None = None
     model_kwargs: dict = field(default_factory=dict)
 
@@ -95,6 +98,10 @@ class TrainConfig:
         """A copy with every `None` filled from the preset, checked for bad values."""
         preset = get_preset(self.preset)
         values = asdict(self)
+        if values.pop("autoencoder") is not None:
+            warnings.warn("TrainConfig.autoencoder is deprecated; use components={'autoencoder': DIR}",
+                          FutureWarning, stacklevel=2)
+            values["components"] = {**values["components"], "autoencoder": self.autoencoder}
         for name in ("max_steps", "batch_size", "seq_len", "learning_rate"):
             if values[name] is None:
                 values[name] = getattr(preset, name)
@@ -216,8 +223,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
         val_rows = val_rows[: cfg.eval_batches * cfg.batch_size]
 
     if model is None:
-        extra = {"autoencoder": cfg.autoencoder} if cfg.autoencoder else {}
-        model = build_model(cfg.family, cfg.preset, tokenizer, **extra, **cfg.model_kwargs)
+        model = build_model(cfg.family, cfg.preset, tokenizer, **cfg.components, **cfg.model_kwargs)
     optimizer = make_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
 
