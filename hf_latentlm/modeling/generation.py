@@ -1,27 +1,63 @@
 # Copyright 2025 The hf-latentlm authors. Licensed under the Apache License, Version 2.0.
-"""Bookkeeping every family's custom `generate()` shares: reading the transformers-style arguments (EOS, padding,
-`max_new_tokens`, left-padded `attention_mask`) with clear errors, and committing each call's new tokens per row
-(stop at EOS, never past `max_new_tokens`, stream, pad finished rows).
+"""The `generate()` every multi-token family shares, in the spirit of diffusers' schedulers: the skeleton owns
+the transformers-style arguments (lengths, EOS, padding, left-padded `attention_mask`, streamer, output class) and
+the loop; a family supplies a typed options dataclass, a prefill that returns its decoding state, and a `step`
+that turns the state into the next candidate tokens.
 
-Copied into Hub checkpoints, so torch only.
+Copied into Hub checkpoints, so torch and transformers only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
+from transformers import GenerationMixin
+from transformers.utils import ModelOutput
+
+# transformers' fallback when neither `max_new_tokens` nor `max_length` is set anywhere.
+DEFAULT_MAX_LENGTH = 20
+
+# Options of transformers' generate() that these loops accept without acting on them: they concern outputs the
+# loops do not produce (scores, logits) or the cache, which is always used.
+HARMLESS_HF_OPTIONS = frozenset({"use_cache", "bos_token_id", "output_scores", "output_logits"})
+
+
+@dataclass
+class GenerateOutput(ModelOutput):
+    """What `generate(..., return_dict_in_generate=True)` returns for every multi-token family.
+
+    sequences: [B, T + new] prompt and new tokens; rows that stopped early are padded with `pad_token_id`.
+    model_calls: [B] network evaluations made while the row was unfinished, prompt prefill included.
+    num_new_tokens: [B] tokens generated per row (up to and including EOS).
+    """
+
+    sequences: torch.LongTensor | None = None
+    model_calls: torch.LongTensor | None = None
+    num_new_tokens: torch.LongTensor | None = None
 
 
 @dataclass
 class GenerationRequest:
-    """The resolved arguments of one `generate()` call."""
+    """The resolved transformers-wide arguments of one `generate()` call."""
 
     attention_mask: torch.Tensor  # [B, T], left padding, last column all ones
     max_new_tokens: int
+    min_new_tokens: int  # EOS does not stop a row before this many new tokens
     eos_ids: torch.Tensor  # [E] ids that stop a row (empty: never stop)
     pad_token_id: int
     prompt_lengths: torch.Tensor  # [B] real (unpadded) tokens per row
+
+
+class DecodingStep(NamedTuple):
+    """What a family's `_decoding_step` returns: candidate tokens [B, W], how many of each row's leading candidates
+    count ([B]; None: all W), and how many network evaluations the step made for each unfinished row."""
+
+    tokens: torch.Tensor
+    counts: torch.Tensor | None = None
+    model_calls: int = 1
 
 
 def check_prompt(input_ids: torch.Tensor | None) -> None:
@@ -29,63 +65,25 @@ def check_prompt(input_ids: torch.Tensor | None) -> None:
         raise ValueError("input_ids must be a non-empty [batch, length] tensor (empty batch or empty prompt)")
 
 
-def pop_special_token_options(kwargs: dict) -> dict:
-    """Remove `eos_token_id` / `pad_token_id` from `kwargs`; remember whether EOS was given (None = never stop)."""
-    return {"eos_given": "eos_token_id" in kwargs, "eos_token_id": kwargs.pop("eos_token_id", None),
-            "pad_token_id": kwargs.pop("pad_token_id", None)}
+def pop_options(options_class: type, kwargs: dict) -> Any:
+    """An `options_class` dataclass built from the entries of `kwargs` named after its fields (removed from kwargs)."""
+    names = [f.name for f in dataclasses.fields(options_class)]
+    return options_class(**{name: kwargs.pop(name) for name in names if name in kwargs})
 
 
-# Options of transformers' generate() that a custom loop can accept without acting on them: they only concern
-# outputs these loops do not produce (scores), the cache (always used) or the length limit (max_new_tokens wins).
-HARMLESS_HF_OPTIONS = frozenset({"use_cache", "max_length", "bos_token_id", "output_scores", "output_logits"})
-
-
-def base_generation_config(model, generation_config, kwargs: dict, family: str, no_beams_reason: str):
-    """The GenerationConfig to read defaults from; refuses beam search (from `kwargs` or the config) by name."""
-    gen = generation_config if generation_config is not None else model.generation_config
-    if kwargs.pop("num_beams", getattr(gen, "num_beams", 1) or 1) > 1:
-        raise ValueError(f"num_beams > 1 is not supported by {family}: {no_beams_reason}")
-    return gen
-
-
-def reject_unknown_options(kwargs: dict, family: str, also_accepted: frozenset = frozenset()) -> None:
-    """Call after a family has popped the options it honours: drop the harmless ones and name the rest."""
-    unknown = sorted(name for name in kwargs if name not in HARMLESS_HF_OPTIONS | also_accepted)
+def reject_unknown_options(kwargs: dict, family: str) -> None:
+    """Call after every honoured option was popped: drop the harmless ones and name the rest."""
+    unknown = sorted(name for name in kwargs if name not in HARMLESS_HF_OPTIONS)
     if unknown:
         raise ValueError(f"unsupported generation option(s) for {family}: {unknown}")
 
 
-def resolve_generation_request(family: str, config, generation_config, input_ids: torch.Tensor,
-                               attention_mask: torch.Tensor | None, max_new_tokens: int | None,
-                               special: dict, streamer=None) -> GenerationRequest:
-    """Defaults from `generation_config` then `config`, as transformers does, and a ValueError naming any problem
-    (no room for a token, mask shape, right padding, prompt + new tokens over `max_position_embeddings`, a
-    streamer with more than one row)."""
-    if streamer is not None and input_ids.shape[0] != 1:
-        raise ValueError("streamer supports batch size 1 only")
-    eos = special["eos_token_id"] if special["eos_given"] else generation_config.eos_token_id
-    eos_ids = torch.tensor([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), dtype=torch.long,
-                           device=input_ids.device)
-    pad = special["pad_token_id"]
-    if pad is None:
-        pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else (config.pad_token_id or 0)
-    if max_new_tokens is None:
-        max_new_tokens = (generation_config.max_new_tokens if generation_config.max_new_tokens is not None
-                          else max(generation_config.max_length - input_ids.shape[1], 0))
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
-                         f"{tuple(input_ids.shape)}")
-    if not bool(attention_mask[:, -1].all()):
-        raise ValueError(f"{family} generate needs left padding: the last column of attention_mask must be all ones")
-    lengths = attention_mask.long().sum(1)
-    if int(lengths.max()) + max_new_tokens > config.max_position_embeddings:
-        raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"max_position_embeddings ({config.max_position_embeddings})")
-    return GenerationRequest(attention_mask, max_new_tokens, eos_ids, int(pad), lengths)
+def refuse_token_filters(family: str, reason: str, top_k: int | None, top_p: float | None) -> None:
+    """top-k / top-p need token probabilities a family may not have; their no-op values (0 / 1.0) pass."""
+    if top_k not in (None, 0):
+        raise ValueError(f"top_k is not supported by {family} generate ({reason})")
+    if top_p not in (None, 1.0):
+        raise ValueError(f"top_p is not supported by {family} generate ({reason})")
 
 
 def row_seeds(seeds: list[int] | None, batch: int, name: str) -> list[int]:
@@ -98,9 +96,57 @@ def row_seeds(seeds: list[int] | None, batch: int, name: str) -> list[int]:
     return [int(s) for s in seeds]
 
 
+def resolve_generation_request(family: str, config, generation_config, input_ids: torch.Tensor,
+                               attention_mask: torch.Tensor | None, max_new_tokens: int | None, kwargs: dict,
+                               streamer=None) -> GenerationRequest:
+    """Pop and resolve the transformers-wide options (`eos_token_id`, `pad_token_id`, `max_length`,
+    `min_new_tokens`, `num_beams`) with defaults from `generation_config` then `config`, as transformers does, and
+    raise a ValueError naming any problem: beam search, no room for a token, mask shape, right padding, prompt +
+    new tokens over `max_position_embeddings`, a streamer with more than one row."""
+    gen = generation_config
+    if kwargs.pop("num_beams", gen.num_beams or 1) > 1:
+        raise ValueError(f"num_beams > 1 is not supported by {family}: its tokens are sampled several per call, "
+                         f"there are no per-token beams to search")
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ValueError("streamer supports batch size 1 only")
+    eos = kwargs.pop("eos_token_id") if "eos_token_id" in kwargs else gen.eos_token_id  # None: never stop
+    eos_ids = torch.tensor([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), dtype=torch.long,
+                           device=input_ids.device)
+    pad = kwargs.pop("pad_token_id", None)
+    if pad is None:
+        pad = gen.pad_token_id if gen.pad_token_id is not None else (config.pad_token_id or 0)
+    max_length = kwargs.pop("max_length", None)
+    if max_new_tokens is None:
+        max_new_tokens = gen.max_new_tokens
+    if max_new_tokens is None:
+        # Like transformers: `max_length` counts the prompt, and 20 is the default when nothing is set.
+        max_length = max_length if max_length is not None else (gen.max_length or DEFAULT_MAX_LENGTH)
+        max_new_tokens = max_length - input_ids.shape[1]
+        if max_new_tokens < 1:
+            raise ValueError(f"max_length ({max_length}) leaves no room after the {input_ids.shape[1]}-token prompt; "
+                             f"pass max_new_tokens")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    min_new_tokens = kwargs.pop("min_new_tokens", None)
+    if min_new_tokens is None:
+        min_new_tokens = gen.min_new_tokens or 0
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                         f"{tuple(input_ids.shape)}")
+    if not bool(attention_mask[:, -1].all()):
+        raise ValueError(f"{family} generate needs left padding: the last column of attention_mask must be all ones")
+    lengths = attention_mask.long().sum(1)
+    if int(lengths.max()) + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"max_position_embeddings ({config.max_position_embeddings})")
+    return GenerationRequest(attention_mask, max_new_tokens, int(min_new_tokens), eos_ids, int(pad), lengths)
+
+
 class NewTokens:
     """Per-row output buffer: `commit` takes each call's candidate tokens and keeps, per unfinished row, those
-    that fit in `max_new_tokens`, up to and including a first EOS."""
+    that fit in `max_new_tokens`, up to and including a first EOS (once `min_new_tokens` are out)."""
 
     def __init__(self, request: GenerationRequest, batch: int, device, streamer=None):
         self.request, self.streamer = request, streamer
@@ -115,7 +161,8 @@ class NewTokens:
         slot = torch.arange(width, device=candidates.device)[None]
         room = self.request.max_new_tokens - self.count
         fits = slot < (room if valid is None else torch.minimum(valid, room))[:, None]
-        is_eos = torch.isin(candidates, self.request.eos_ids) & fits
+        is_eos = (torch.isin(candidates, self.request.eos_ids) & fits
+                  & (self.count[:, None] + slot >= self.request.min_new_tokens))
         stop_at = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, width)
         keep = fits & (slot < stop_at[:, None]) & ~self.finished[:, None]
         rows, cols = keep.nonzero(as_tuple=True)
@@ -134,6 +181,65 @@ class NewTokens:
         return torch.cat([input_ids, self.tokens[:, : int(self.count.max())]], dim=1)
 
 
-__all__ = ["GenerationRequest", "NewTokens", "HARMLESS_HF_OPTIONS", "base_generation_config", "check_prompt",
-           "reject_unknown_options", "pop_special_token_options",
+class MultiTokenGenerationMixin(GenerationMixin):
+    """`generate()` for families that emit several tokens per network call.
+
+    A family sets `generation_options_class` (a dataclass of its own `generate()` options, each documented there,
+    with a `resolved(config, batch_size)` method that fills defaults from the config and validates) and
+    `generation_family` (its name in error messages), and implements:
+    - `_start_decoding(input_ids, request, options) -> (state, prefill_calls)`: encode the prompt and return the
+      family's typed decoding state and how many network calls that took (0 or 1);
+    - `_decoding_step(state, new_tokens) -> DecodingStep`: advance the state by one step; `new_tokens` (read
+      only) tells how many tokens each row has and which rows are finished.
+    """
+
+    generation_options_class: type
+    generation_family: str = "this model"
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                 generation_config=None, streamer=None, max_new_tokens: int | None = None,
+                 return_dict_in_generate: bool | None = None, **kwargs):
+        """Sample continuations of left-padded prompts `input_ids` [B, T].
+
+        Honours the transformers options `max_new_tokens` / `max_length` (default: the generation config's, else
+        a total length of 20), `min_new_tokens`, `eos_token_id` (None: never stop), `pad_token_id`,
+        `attention_mask` (left padding), `streamer` (batch 1) and `return_dict_in_generate` (a `GenerateOutput`
+        with model calls per row), plus the family's own options (its `generation_options_class`). Any other
+        option is refused by name.
+        """
+        check_prompt(input_ids)
+        gen = generation_config if generation_config is not None else self.generation_config
+        request = resolve_generation_request(self.generation_family, self.config, gen, input_ids, attention_mask,
+                                             max_new_tokens, kwargs, streamer)
+        options = pop_options(self.generation_options_class, kwargs)
+        reject_unknown_options(kwargs, self.generation_family)
+        options = options.resolved(self.config, input_ids.shape[0])
+
+        state, prefill_calls = self._start_decoding(input_ids, request, options)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        new = NewTokens(request, input_ids.shape[0], input_ids.device, streamer)
+        calls = torch.full((input_ids.shape[0],), prefill_calls, dtype=torch.long, device=input_ids.device)
+        while not new.done:
+            step = self._decoding_step(state, new)
+            calls += step.model_calls * (~new.finished).long()
+            new.commit(step.tokens, step.counts)
+        if streamer is not None:
+            streamer.end()
+
+        sequences = new.sequences(input_ids)
+        if return_dict_in_generate if return_dict_in_generate is not None else gen.return_dict_in_generate:
+            return GenerateOutput(sequences=sequences, model_calls=calls, num_new_tokens=new.count)
+        return sequences
+
+    def _start_decoding(self, input_ids: torch.Tensor, request: GenerationRequest, options) -> tuple[Any, int]:
+        raise NotImplementedError
+
+    def _decoding_step(self, state, new_tokens: NewTokens) -> DecodingStep:
+        raise NotImplementedError
+
+
+__all__ = ["DecodingStep", "GenerateOutput", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",
+           "HARMLESS_HF_OPTIONS", "check_prompt", "pop_options", "refuse_token_filters", "reject_unknown_options",
            "resolve_generation_request", "row_seeds"]

@@ -12,26 +12,17 @@ Two models:
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
 
 from .configuration_calm import TEMPERATURE_SAMPLERS, CALMAutoencoderConfig, CALMConfig
 from .energy import energy_loss, exact_temperature_choice, exact_temperature_n, pool_temperature_choice
-from .generation import (
-    NewTokens,
-    base_generation_config,
-    check_prompt,
-    pop_special_token_options,
-    reject_unknown_options,
-    resolve_generation_request,
-    row_seeds,
-)
+from .generation import DecodingStep, GenerateOutput, MultiTokenGenerationMixin, refuse_token_filters, row_seeds
 from .layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -70,14 +61,69 @@ class CALMOutput(ModelOutput):
     energy_diversity: torch.Tensor | None = None
 
 
-@dataclass
-class CALMGenerateOutput(ModelOutput):
-    """`sequences` [B, T + new]; `model_calls` [B]: backbone calls made while the row was unfinished (the prompt
-    prefill, which also yields the first chunk, included); `num_new_tokens` [B] (up to and including EOS)."""
+# One output class for every multi-token family (model_calls: backbone calls; the prefill, which also yields the
+# first chunk, included); the family name is kept for existing imports.
+CALMGenerateOutput = GenerateOutput
 
-    sequences: torch.LongTensor | None = None
-    model_calls: torch.LongTensor | None = None
-    num_new_tokens: torch.LongTensor | None = None
+
+@dataclass
+class CALMGenerationOptions:
+    """CALM's own `generate()` options (next to the transformers ones the shared skeleton honours).
+
+    Prompt alignment rule: chunks are counted from the END of the prompt, so the last prompt token closes a chunk.
+    A prompt whose length is not a multiple of K is left-filled with `eos_token_id` (the document separator;
+    `pad_token_id` if there is none) up to the next multiple, i.e. it is read as the start of a new document, which
+    is how every document appears in the training stream. Left padding (attention_mask 0) is filled the same way;
+    chunks with no real token are masked out. Exactly `max_new_tokens` tokens come back unless EOS stops a row
+    (inside a chunk if need be).
+
+    temperature (default config.generation_temperature = 1): T in (0, 1]. T = 1 draws one latent per step.
+    temperature_sampler "pool" (default): draw `temperature_pool_size` latents, decode them, pick a chunk with
+        weight C(count, 1/T) (any T). "exact": draw n = 1/T latents, accept when all decode to the same chunk, else
+        retry (T must be 1/n).
+    do_sample=False takes the most frequent chunk of the pool (T -> 0).
+    noise_seeds: one int per row; row b draws all its noise from a generator seeded with it, so a row gives the
+        same tokens alone or in any batch. Default: seeds drawn from the global torch RNG.
+    top_k / top_p: refused unless 0 / 1.0 (CALM has no token probabilities).
+    """
+
+    temperature: float | None = None
+    temperature_sampler: str | None = None
+    temperature_pool_size: int | None = None
+    noise_seeds: list[int] | None = None
+    do_sample: bool = True
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def resolved(self, config: CALMConfig, batch_size: int) -> "CALMGenerationOptions":
+        """Defaults from `config`, every value checked (ValueError naming the option), one seed per row."""
+        refuse_token_filters("CALM", "no token probabilities; use temperature", self.top_k, self.top_p)
+        temperature = config.generation_temperature if self.temperature is None else float(self.temperature)
+        if not 0 < temperature <= 1:
+            raise ValueError(f"temperature must be in (0, 1] for CALM (T > 1 cannot be drawn from an implicit "
+                             f"sampler), got {temperature}")
+        sampler = config.temperature_sampler if self.temperature_sampler is None else self.temperature_sampler
+        if sampler not in TEMPERATURE_SAMPLERS:
+            raise ValueError(f"temperature_sampler must be one of {TEMPERATURE_SAMPLERS}, got {sampler!r}")
+        if sampler == "exact" and self.do_sample:
+            exact_temperature_n(temperature)  # refuses T other than 1/n by name
+        pool_size = config.temperature_pool_size if self.temperature_pool_size is None else self.temperature_pool_size
+        if pool_size < 1:
+            raise ValueError(f"temperature_pool_size must be at least 1, got {pool_size}")
+        return replace(self, temperature=temperature, temperature_sampler=sampler, temperature_pool_size=pool_size,
+                       noise_seeds=row_seeds(self.noise_seeds, batch_size, "noise_seeds"))
+
+
+@dataclass
+class CALMDecodingState:
+    """What CALM decoding carries from one step to the next."""
+
+    cache: DynamicCache  # backbone keys of every chunk so far
+    attention_mask: torch.Tensor  # [B, tokens so far] token-level mask (prompt left-fill and padding are 0)
+    hidden: torch.Tensor  # [B, d] last hidden state: the energy head draws the next chunk from it
+    last_chunk: torch.Tensor | None  # [B, K] chunk drawn last step, fed back at the start of the next one
+    generators: list[torch.Generator]  # one noise generator per row
+    options: CALMGenerationOptions
 
 
 class ResidualMLP(nn.Module):
@@ -287,13 +333,15 @@ class CALMModel(CALMPreTrainedModel):
         return self.norm(hidden)
 
 
-class CALMForCausalLM(CALMPreTrainedModel, GenerationMixin):
+class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
     """CALM: backbone + energy head + frozen autoencoder. `forward(input_ids)` returns one hidden state per chunk;
     `forward(input_ids, labels=...)` the energy loss; `generate()` samples K tokens per backbone call.
     Build a trainable model around a trained autoencoder with `from_autoencoder`."""
 
     full_auto_map = {"AutoConfig": "configuration_calm.CALMConfig", "AutoModel": "modeling_calm.CALMForCausalLM",
                      "AutoModelForCausalLM": "modeling_calm.CALMForCausalLM"}
+    generation_family = "CALM"
+    generation_options_class = CALMGenerationOptions
 
     def __init__(self, config: CALMConfig):
         super().__init__(config)
@@ -411,96 +459,42 @@ class CALMForCausalLM(CALMPreTrainedModel, GenerationMixin):
     # generate
     # ------------------------------------------------------------------------------------------------------------
 
-    def _checked_generation_config(self, generation_config, kwargs) -> tuple:
-        """The GenerationConfig to read defaults from and whether sampling is greedy-like (do_sample=False), after
-        rejecting (by name) every option in `kwargs` that CALM cannot honour."""
-        gen = base_generation_config(self, generation_config, kwargs, "CALM", "there are no token scores to search over")
-        greedy = kwargs.pop("do_sample", True) is False
-        if kwargs.pop("top_k", None) not in (None, 0):
-            raise ValueError("top_k is not supported by CALM generate (no token probabilities); use temperature")
-        if kwargs.pop("top_p", None) not in (None, 1.0):
-            raise ValueError("top_p is not supported by CALM generate (no token probabilities); use temperature")
-        reject_unknown_options(kwargs, "CALM")
-        return gen, greedy
-
-    @torch.no_grad()
-    def generate(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                 generation_config=None, streamer=None, max_new_tokens: int | None = None,
-                 temperature: float | None = None, temperature_sampler: str | None = None,
-                 temperature_pool_size: int | None = None, noise_seeds: list[int] | None = None,
-                 return_dict_in_generate: bool | None = None, **kwargs):
-        """Sample continuations, K tokens per backbone call.
-
-        Prompt alignment rule: chunks are counted from the END of the prompt, so the last prompt token closes a
-        chunk. A prompt whose length is not a multiple of K is left-filled with `eos_token_id` (the document
-        separator; `pad_token_id` if there is none) up to the next multiple, i.e. it is read as the start of a new
-        document, which is how every document appears in the training stream. Left padding (attention_mask 0)
-        is filled the same way; chunks with no real token are masked out.
-
-        temperature (default config.generation_temperature = 1): T in (0, 1]. T = 1 draws one latent per step.
-            temperature_sampler "pool" (default): draw `temperature_pool_size` latents, decode them, pick a chunk
-            with weight C(count, 1/T) (any T). "exact": draw n = 1/T latents, accept when all decode to the same
-            chunk, else retry (T must be 1/n). `do_sample=False` takes the most frequent chunk of the pool (T -> 0).
-        noise_seeds: one int per row; row b draws all its noise from a generator seeded with it, so a row gives
-            the same tokens alone or in any batch. Default: seeds drawn from the global torch RNG.
-        Also honours `max_new_tokens` (exactly this many unless EOS), `eos_token_id` (stops inside a chunk; None:
-        never stop), `pad_token_id`, `attention_mask` (left padding), `streamer` (batch 1),
-        `return_dict_in_generate` (returns `CALMGenerateOutput` with model calls per row).
-        """
+    def _start_decoding(self, input_ids, request, options: CALMGenerationOptions):
+        """Left-fill the prompt to whole chunks (see `CALMGenerationOptions`) and encode it; the prefill's last
+        hidden state yields the first chunk."""
         cfg = self.config
-        check_prompt(input_ids)
-        special = pop_special_token_options(kwargs)
-        gen, greedy = self._checked_generation_config(generation_config, kwargs)
-        request = resolve_generation_request("CALM", cfg, gen, input_ids, attention_mask, max_new_tokens, special,
-                                             streamer)
         batch, prompt_len = input_ids.shape
-        temperature = cfg.generation_temperature if temperature is None else float(temperature)
-        if not 0 < temperature <= 1:
-            raise ValueError(f"temperature must be in (0, 1] for CALM (T > 1 cannot be drawn from an implicit "
-                             f"sampler), got {temperature}")
-        sampler = cfg.temperature_sampler if temperature_sampler is None else temperature_sampler
-        if sampler not in TEMPERATURE_SAMPLERS:
-            raise ValueError(f"temperature_sampler must be one of {TEMPERATURE_SAMPLERS}, got {sampler!r}")
-        exact_n = exact_temperature_n(temperature) if sampler == "exact" and not greedy else None
-        pool_size = cfg.temperature_pool_size if temperature_pool_size is None else temperature_pool_size
-        if pool_size < 1:
-            raise ValueError(f"temperature_pool_size must be at least 1, got {pool_size}")
-        generators = [torch.Generator().manual_seed(s) for s in row_seeds(noise_seeds, batch, "noise_seeds")]
-
-        K, device = cfg.chunk_size, input_ids.device
         fill_token = cfg.eos_token_id if cfg.eos_token_id is not None else request.pad_token_id
-        fill = (-prompt_len) % K
+        fill = (-prompt_len) % cfg.chunk_size
         ids = torch.cat([input_ids.new_full((batch, fill), fill_token), input_ids], dim=1)
         mask = torch.cat([request.attention_mask.new_zeros((batch, fill)), request.attention_mask], dim=1)
         ids = torch.where(mask.bool(), ids, torch.full_like(ids, fill_token))
         cache = DynamicCache(config=cfg)
         hidden = self(input_ids=ids, attention_mask=mask, cache=cache).last_hidden_state[:, -1]
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
+        generators = [torch.Generator().manual_seed(s) for s in options.noise_seeds]
+        return CALMDecodingState(cache, mask, hidden, None, generators, options), 1
 
-        new = NewTokens(request, batch, device, streamer)
-        calls = torch.ones(batch, dtype=torch.long, device=device)  # the prefill yields the first chunk
-        while True:
-            if greedy:
-                chunk = self._pool_step(hidden, generators, pool_size, 0.0)
-            elif temperature == 1.0:
-                chunk = self.autoencoder.decode(self.sample_latents(hidden, self._noise(generators, 1, device))[:, 0])
-            elif sampler == "pool":
-                chunk = self._pool_step(hidden, generators, pool_size, temperature)
-            else:
-                chunk = self._exact_step(hidden, generators, exact_n, ~new.finished)
-            new.commit(chunk)
-            if new.done:
-                break
-            calls += (~new.finished).long()
-            mask = torch.cat([mask, mask.new_ones((batch, K))], dim=1)
-            hidden = self(input_ids=chunk, attention_mask=mask, cache=cache).last_hidden_state[:, -1]
-        if streamer is not None:
-            streamer.end()
-        sequences = new.sequences(input_ids)
-        if return_dict_in_generate if return_dict_in_generate is not None else gen.return_dict_in_generate:
-            return CALMGenerateOutput(sequences=sequences, model_calls=calls, num_new_tokens=new.count)
-        return sequences
+    def _decoding_step(self, state: CALMDecodingState, new_tokens) -> DecodingStep:
+        """Feed the previous chunk back (one backbone call; the first chunk comes from the prefill), then draw
+        the next chunk of K tokens."""
+        called = state.last_chunk is not None
+        if called:
+            state.attention_mask = torch.cat([state.attention_mask, state.attention_mask.new_ones(
+                state.last_chunk.shape)], dim=1)
+            state.hidden = self(input_ids=state.last_chunk, attention_mask=state.attention_mask,
+                                cache=state.cache).last_hidden_state[:, -1]
+        opt, hidden, generators = state.options, state.hidden, state.generators
+        if not opt.do_sample:
+            chunk = self._pool_step(hidden, generators, opt.temperature_pool_size, 0.0)
+        elif opt.temperature == 1.0:
+            chunk = self.autoencoder.decode(self.sample_latents(hidden, self._noise(generators, 1, hidden.device))[:, 0])
+        elif opt.temperature_sampler == "pool":
+            chunk = self._pool_step(hidden, generators, opt.temperature_pool_size, opt.temperature)
+        else:
+            chunk = self._exact_step(hidden, generators, exact_temperature_n(opt.temperature),
+                                     ~new_tokens.finished)
+        state.last_chunk = chunk
+        return DecodingStep(chunk, model_calls=int(called))
 
     def _noise(self, generators: list[torch.Generator], count: int, device, rows: list[int] | None = None):
         """[len(rows), count, d_noise] uniform noise in [-0.5, 0.5], each row from its own generator."""
@@ -538,4 +532,4 @@ class CALMForCausalLM(CALMPreTrainedModel, GenerationMixin):
 
 
 __all__ = ["CALMAutoencoder", "CALMAutoencoderOutput", "CALMForCausalLM", "CALMModel", "CALMPreTrainedModel",
-           "CALMOutput", "CALMGenerateOutput", "EnergyHead", "chunk_tokens"]
+           "CALMOutput", "CALMGenerateOutput", "CALMGenerationOptions", "CALMDecodingState", "EnergyHead", "chunk_tokens"]

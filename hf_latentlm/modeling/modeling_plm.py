@@ -11,12 +11,11 @@ quadratic decoding (paper Algorithm 1): one call scores K_pred verify rows and K
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import ModelOutput
@@ -29,15 +28,7 @@ from .auxiliaries import (
     voronoi_owners,
 )
 from .configuration_plm import ACCEPTANCE_RULES, PLMConfig
-from .generation import (
-    NewTokens,
-    base_generation_config,
-    check_prompt,
-    pop_special_token_options,
-    reject_unknown_options,
-    resolve_generation_request,
-    row_seeds,
-)
+from .generation import DecodingStep, GenerateOutput, MultiTokenGenerationMixin, row_seeds
 from .layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -66,15 +57,107 @@ class PLMOutput(ModelOutput):
     mask_auxiliary_fraction: torch.Tensor | None = None
 
 
-@dataclass
-class PLMGenerateOutput(ModelOutput):
-    """`sequences` [B, T + new]; `model_calls` [B]: forward calls made while the row was unfinished
-    (prompt prefill included);
-    `num_new_tokens` [B]: tokens generated per row (up to and including EOS)."""
+# One output class for every multi-token family; the family name is kept for existing imports.
+PLMGenerateOutput = GenerateOutput
 
-    sequences: torch.LongTensor | None = None
-    model_calls: torch.LongTensor | None = None
-    num_new_tokens: torch.LongTensor | None = None
+
+@dataclass
+class AcceptanceRule:
+    """When quadratic decoding keeps a pending (proposed) token x at a verify row with encoder distribution q.
+
+    "exact": only when x equals the token the Voronoi sampler draws there, so decoding is lossless (identical to
+    one token per call for the same auxiliaries). "epsilon": also when q(x) > `epsilon`. "nucleus": also when x
+    lies inside the top-`nucleus` probability mass (the mass of tokens more likely than x is below it).
+    """
+
+    rule: str = "exact"
+    epsilon: float = 2e-3
+    nucleus: float = 0.94
+
+    def __post_init__(self):
+        if self.rule not in ACCEPTANCE_RULES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {self.rule!r}")
+        if not 0 < self.epsilon < 1:
+            raise ValueError(f"acceptance_epsilon must be in (0, 1), got {self.epsilon}")
+        if not 0 < self.nucleus < 1:
+            raise ValueError(f"acceptance_nucleus must be in (0, 1), got {self.nucleus}")
+
+    def accepts(self, pending: torch.Tensor, sampled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """pending, sampled [B, W]; logits [B, W, V] of the verify rows that score them -> bool [B, W]."""
+        accept = pending == sampled
+        if self.rule == "exact":
+            return accept
+        probs = logits.softmax(-1)
+        p_pending = probs.gather(-1, pending[..., None]).squeeze(-1)
+        if self.rule == "epsilon":
+            return accept | (p_pending > self.epsilon)
+        above = (probs * (probs > p_pending[..., None])).sum(-1)
+        return accept | (above < self.nucleus)
+
+
+@dataclass
+class PLMGenerationOptions:
+    """PLM's own `generate()` options (next to the transformers ones the shared skeleton honours).
+
+    decoding: "quadratic" (paper Algorithm 1: K_pred verify rows + K_pred proposal blocks per call) or "voronoi"
+        (one token per call through the same Voronoi sampler; the lossless reference).
+    k_pred / acceptance ("exact" | "epsilon" | "nucleus") / acceptance_epsilon / acceptance_nucleus: default to
+        the config's values. "exact" yields exactly the tokens of "voronoi" decoding for the same auxiliary draws.
+    auxiliary_seeds: one int per row; row b draws its auxiliary u_t (t = generated index) from a generator seeded
+        with it, so a row gives the same tokens alone or in any batch. Default: seeds drawn from the global torch
+        RNG (`torch.manual_seed` makes runs repeatable).
+    do_sample / temperature / top_k / top_p: only plain sampling (True / 1.0 / 0 / 1.0): Voronoi sampling is at
+        temperature 1 over the top-`auxiliary_top_m` tokens.
+    """
+
+    decoding: str = "quadratic"
+    k_pred: int | None = None
+    acceptance: str | None = None
+    acceptance_epsilon: float | None = None
+    acceptance_nucleus: float | None = None
+    auxiliary_seeds: list[int] | None = None
+    do_sample: bool = True
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    acceptance_rule: AcceptanceRule | None = None  # filled by `resolved`
+
+    def resolved(self, config: PLMConfig, batch_size: int) -> "PLMGenerationOptions":
+        """Defaults from `config`, every value checked (ValueError naming the option), one seed per row."""
+        if self.do_sample is False:
+            raise ValueError("do_sample=False is not supported by PLM: tokens are drawn through Voronoi auxiliaries")
+        for name, plain in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0)):
+            if getattr(self, name) not in (None, plain):
+                raise ValueError(f"{name} is not supported by PLM generate (Voronoi sampling is at temperature 1 "
+                                 f"over the top-{config.auxiliary_top_m} tokens)")
+        if self.decoding not in ("quadratic", "voronoi"):
+            raise ValueError(f"decoding must be 'quadratic' or 'voronoi', got {self.decoding!r}")
+        k_pred = config.k_pred if self.k_pred is None else self.k_pred
+        if not 1 <= k_pred <= config.block_size:
+            raise ValueError(f"k_pred must be between 1 and block_size={config.block_size}, got {k_pred}")
+        rule = AcceptanceRule(
+            config.acceptance if self.acceptance is None else self.acceptance,
+            config.acceptance_epsilon if self.acceptance_epsilon is None else self.acceptance_epsilon,
+            config.acceptance_nucleus if self.acceptance_nucleus is None else self.acceptance_nucleus)
+        return replace(self, k_pred=k_pred, acceptance=rule.rule, acceptance_rule=rule,
+                       auxiliary_seeds=row_seeds(self.auxiliary_seeds, batch_size, "auxiliary_seeds"))
+
+
+@dataclass
+class PLMDecodingState:
+    """What quadratic decoding carries from one call to the next, per row."""
+
+    cache: DynamicCache  # keys of the prompt and of every verify row so far
+    key_pos: torch.Tensor  # [B, S] position of each cached key
+    key_valid: torch.Tensor  # [B, S] False for padding and for rejected verify rows
+    last_token: torch.Tensor  # [B] last committed token (input of the first verify row)
+    next_pos: torch.Tensor  # [B] position of the next token to commit
+    pending: torch.Tensor  # [B, width - 1] proposed tokens awaiting verification
+    pending_ok: torch.Tensor  # [B] False until a proposal exists (first round)
+    aux_table: torch.Tensor  # [B, max_new_tokens + 2 width] auxiliary index u_t per generated index t
+    width: int  # K_pred for quadratic decoding, 1 for Voronoi decoding
+    propose: bool  # quadratic decoding: also run the proposal blocks
+    acceptance: AcceptanceRule
 
 
 class PLMPreTrainedModel(BackbonePreTrainedModel):
@@ -132,7 +215,7 @@ class PLMModel(PLMPreTrainedModel):
                                        hidden_states=tuple(captured[i] for i in capture_layers) or None)
 
 
-class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
+class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
     """PLM with an LM head. `forward(input_ids)` is the encoder (an ordinary causal LM, so NLL,
     PEFT and TRL work unchanged); `forward(input_ids, labels=...)` is the PLM training objective;
     `generate()` is quadratic decoding (or one-token-per-call Voronoi sampling with
@@ -141,6 +224,8 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     full_auto_map = {"AutoConfig": "configuration_plm.PLMConfig", "AutoModel": "modeling_plm.PLMForCausalLM",
                      "AutoModelForCausalLM": "modeling_plm.PLMForCausalLM"}
+    generation_family = "PLM"
+    generation_options_class = PLMGenerationOptions
 
     def __init__(self, config: PLMConfig):
         super().__init__(config)
@@ -322,127 +407,52 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
         return per_block[scored].float().mean() if scored.any() else per_block.new_zeros((), dtype=torch.float)
 
     # ------------------------------------------------------------------------------------------------
-    # generation
+    # generation (the loop is `MultiTokenGenerationMixin.generate`; options are `PLMGenerationOptions`)
     # ------------------------------------------------------------------------------------------------
 
-    _SAMPLING_DEFAULTS = {"temperature": (None, 1.0), "top_k": (None, 0), "top_p": (None, 1.0)}
-
-    def _checked_generation_config(self, generation_config, kwargs):
-        """The GenerationConfig to read defaults from, after rejecting (by name) every option in `kwargs`
-        that quadratic decoding cannot honour."""
-        gen = base_generation_config(self, generation_config, kwargs, "PLM", "decoding samples through auxiliaries")
-        if kwargs.pop("do_sample", True) is False:
-            raise ValueError("do_sample=False is not supported by PLM: tokens are drawn through Voronoi auxiliaries")
-        for name, allowed in self._SAMPLING_DEFAULTS.items():
-            if name in kwargs and kwargs.pop(name) not in allowed:
-                raise ValueError(f"{name} is not supported by PLM generate (Voronoi sampling is at temperature 1 "
-                                 f"over the top-{self.config.auxiliary_top_m} tokens)")
-        reject_unknown_options(kwargs, "PLM", also_accepted=frozenset({"min_new_tokens"}))
-        return gen
-
-    @torch.no_grad()
-    def generate(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                 generation_config=None, streamer=None, max_new_tokens: int | None = None,
-                 decoding: str = "quadratic", k_pred: int | None = None, acceptance: str | None = None,
-                 acceptance_epsilon: float | None = None, acceptance_nucleus: float | None = None,
-                 auxiliary_seeds: list[int] | None = None, return_dict_in_generate: bool | None = None,
-                 **kwargs):
-        """Sample continuations.
-
-        decoding: "quadratic" (paper Algorithm 1: K_pred verify rows + K_pred proposal blocks per call)
-            or "voronoi" (one token per call through the same Voronoi sampler; the lossless reference).
-        k_pred / acceptance ("exact" | "epsilon" | "nucleus") / acceptance_epsilon / acceptance_nucleus:
-            default to the config's values. "exact" yields exactly the tokens of "voronoi" decoding for
-            the same auxiliary draws.
-        auxiliary_seeds: one int per row; row b draws its auxiliary u_t (t = generated index) from a
-            generator seeded with it, so a row gives the same tokens alone or in any batch. Default: seeds
-            drawn from the global torch RNG (`torch.manual_seed` makes runs repeatable).
-        Also honours `max_new_tokens`, `eos_token_id` (None: never stop), `pad_token_id`,
-        `attention_mask` (left padding), `streamer` (batch 1), `return_dict_in_generate` (returns
-        `PLMGenerateOutput` with model calls per row).
-        """
+    def _start_decoding(self, input_ids, request, options: PLMGenerationOptions):
+        """Encode all prompt tokens but the last into a fresh cache (the last one opens the first round) and draw
+        u_t for every generated index t of every row up front (Algorithm 1, first line)."""
         cfg = self.config
-        check_prompt(input_ids)
-        special = pop_special_token_options(kwargs)
-        gen = self._checked_generation_config(generation_config, kwargs)
-        request = resolve_generation_request("PLM", cfg, gen, input_ids, attention_mask, max_new_tokens, special,
-                                             streamer)
-        batch, max_new_tokens = input_ids.shape[0], request.max_new_tokens
-        if decoding not in ("quadratic", "voronoi"):
-            raise ValueError(f"decoding must be 'quadratic' or 'voronoi', got {decoding!r}")
-        k_pred = cfg.k_pred if k_pred is None else k_pred
-        if not 1 <= k_pred <= cfg.block_size:
-            raise ValueError(f"k_pred must be between 1 and block_size={cfg.block_size}, got {k_pred}")
-        acceptance = cfg.acceptance if acceptance is None else acceptance
-        if acceptance not in ACCEPTANCE_RULES:
-            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
-        epsilon = cfg.acceptance_epsilon if acceptance_epsilon is None else acceptance_epsilon
-        rho = cfg.acceptance_nucleus if acceptance_nucleus is None else acceptance_nucleus
-        if not 0 < epsilon < 1:
-            raise ValueError(f"acceptance_epsilon must be in (0, 1), got {epsilon}")
-        if not 0 < rho < 1:
-            raise ValueError(f"acceptance_nucleus must be in (0, 1), got {rho}")
         if cfg.auxiliary_type == "none":
             raise ValueError("a PLM trained with auxiliary_type='none' has no auxiliary sampler to decode with")
-        auxiliary_seeds = row_seeds(auxiliary_seeds, batch, "auxiliary_seeds")
-
-        width = k_pred if decoding == "quadratic" else 1
-        device = input_ids.device
-        # u_t for every generated index t of every row, drawn up front (Algorithm 1, first line).
+        batch, device = input_ids.shape[0], input_ids.device
+        width = options.k_pred if options.decoding == "quadratic" else 1
         aux_table = torch.stack([
-            torch.randint(cfg.num_auxiliaries, (max_new_tokens + 2 * width,), generator=torch.Generator().manual_seed(int(s)))
-            for s in auxiliary_seeds]).to(device)
-
-        state = self._prefill(input_ids, request.attention_mask)
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        new = NewTokens(request, batch, device, streamer)
-        # The prefill is a model call too (it commits no token), so it is counted.
-        calls = torch.full((batch,), int(input_ids.shape[1] > 1), dtype=torch.long, device=device)
-        pending = torch.zeros(batch, max(width - 1, 0), dtype=torch.long, device=device)
-        pending_ok = torch.zeros(batch, dtype=torch.bool, device=device)  # False forces m = 0 (first round)
-        while not new.done:
-            calls += (~new.finished).long()
-            committed, count, pending, pending_ok = self._decoding_round(
-                state, pending, pending_ok, aux_table, new.count, width, decoding == "quadratic",
-                acceptance, epsilon, rho)
-            new.commit(committed, count)
-        if streamer is not None:
-            streamer.end()
-        sequences = new.sequences(input_ids)
-        if return_dict_in_generate if return_dict_in_generate is not None else gen.return_dict_in_generate:
-            return PLMGenerateOutput(sequences=sequences, model_calls=calls, num_new_tokens=new.count)
-        return sequences
-
-    def _prefill(self, input_ids, attention_mask) -> dict:
-        """Encode all prompt tokens but the last into a fresh cache; the last one opens the first round."""
-        cache = DynamicCache(config=self.config)
-        positions = make_padding_position_ids(attention_mask)
-        state = {"cache": cache, "key_pos": positions[:, :-1], "key_valid": attention_mask[:, :-1].bool(),
-                 "last_token": input_ids[:, -1], "next_pos": attention_mask.long().sum(1)}
+            torch.randint(cfg.num_auxiliaries, (request.max_new_tokens + 2 * width,),
+                          generator=torch.Generator().manual_seed(seed))
+            for seed in options.auxiliary_seeds]).to(device)
+        cache = DynamicCache(config=cfg)
+        positions = make_padding_position_ids(request.attention_mask)
         if input_ids.shape[1] > 1:
-            self(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], position_ids=positions[:, :-1],
-                 cache=cache)
-        return state
+            self(input_ids=input_ids[:, :-1], attention_mask=request.attention_mask[:, :-1],
+                 position_ids=positions[:, :-1], cache=cache)
+        state = PLMDecodingState(
+            cache=cache, key_pos=positions[:, :-1], key_valid=request.attention_mask[:, :-1].bool(),
+            last_token=input_ids[:, -1], next_pos=request.attention_mask.long().sum(1),
+            pending=torch.zeros(batch, width - 1, dtype=torch.long, device=device),
+            pending_ok=torch.zeros(batch, dtype=torch.bool, device=device),  # False forces m = 0 (first round)
+            aux_table=aux_table, width=width, propose=options.decoding == "quadratic",
+            acceptance=options.acceptance_rule)
+        # The prefill is a model call too (it commits no token), so it is counted.
+        return state, int(input_ids.shape[1] > 1)
 
-    def _decoding_round(self, state, pending, pending_ok, aux_table, num_new, width, propose, acceptance,
-                        epsilon, rho):
+    def _decoding_step(self, state: PLMDecodingState, new_tokens) -> DecodingStep:
         """One model call. Verify rows r = 0..width-1 read [last token, pending tokens] and give q_{i+r};
-        proposal block m (if `propose`) decodes positions i+m .. i+m+width-1 from prefix x_<i+m and
-        u_{i+m..}. Returns the committed tokens [B, width], how many of them count [B], the next pending
-        hypothesis and its validity."""
-        cache, device = state["cache"], pending.device
-        batch = pending.shape[0]
-        i = state["next_pos"]  # [B] position of the first token to commit
+        proposal block m (if `state.propose`) decodes positions i+m .. i+m+width-1 from prefix x_<i+m and
+        u_{i+m..}. Commits m + 1 tokens per row (m = accepted pending tokens) and updates the state."""
+        cache, num_new, width = state.cache, new_tokens.count, state.width
+        batch, device = state.pending.shape[0], state.pending.device
+        i = state.next_pos  # [B] position of the first token to commit
         r = torch.arange(width, device=device)
-        verify_tokens = torch.cat([state["last_token"][:, None], pending], dim=1)  # [B, width]
+        verify_tokens = torch.cat([state.last_token[:, None], state.pending], dim=1)  # [B, width]
         verify_pos = i[:, None] - 1 + r  # input token x_{i-1+r} sits at position i-1+r
         embeds = [self.model.embed_tokens(verify_tokens)]
         q_pos, q_limit, q_group = [verify_pos], [verify_pos + 1], [torch.full_like(verify_pos, -1)]
-        if propose:
+        if state.propose:
             m, k = torch.meshgrid(r, r, indexing="ij")  # proposal row (m, k) predicts position i+m+k
             m, k = m.reshape(-1), k.reshape(-1)
-            aux = aux_table.gather(1, num_new[:, None] + m + k)  # [B, width²]
+            aux = state.aux_table.gather(1, num_new[:, None] + m + k)  # [B, width²]
             embeds.append(self.model.embed_auxiliaries(aux))
             q_pos.append(i[:, None] + m + k)
             q_limit.append(i[:, None] + m)
@@ -450,47 +460,38 @@ class PLMForCausalLM(PLMPreTrainedModel, GenerationMixin):
         q_pos, q_limit, q_group = (torch.cat(t, dim=1) for t in (q_pos, q_limit, q_group))
         mask = visibility_mask(
             query_pos=q_pos, query_limit=q_limit, query_group=q_group,
-            key_pos=torch.cat([state["key_pos"], q_pos], dim=1),
-            key_group=torch.cat([torch.full_like(state["key_pos"], -1), q_group], dim=1),
-            key_valid=torch.cat([state["key_valid"], torch.ones_like(q_pos, dtype=torch.bool)], dim=1))
+            key_pos=torch.cat([state.key_pos, q_pos], dim=1),
+            key_group=torch.cat([torch.full_like(state.key_pos, -1), q_group], dim=1),
+            key_valid=torch.cat([state.key_valid, torch.ones_like(q_pos, dtype=torch.bool)], dim=1))
         logits = self(inputs_embeds=torch.cat(embeds, dim=1), attention_mask=mask, position_ids=q_pos,
                       cache=cache).logits.float()
-        if propose:
+        if state.propose:
             cache.crop(-width * width)  # keep the verify rows' keys; proposal keys are never reused
 
         q = logits[:, :width]  # [B, width, V]
         owners, _ = self.auxiliary_owners(q.reshape(batch * width, -1))
-        sampled = decode_auxiliary(owners, aux_table.gather(1, num_new[:, None] + r).reshape(-1)).view(batch, width)
-
-        accept = torch.zeros(batch, max(width - 1, 0), dtype=torch.bool, device=device)
+        sampled = decode_auxiliary(owners, state.aux_table.gather(1, num_new[:, None] + r).reshape(-1))
+        sampled = sampled.view(batch, width)
         if width > 1:
-            accept = pending == sampled[:, :-1]
-            if acceptance != "exact":
-                probs = q[:, :-1].softmax(-1)
-                p_pending = probs.gather(-1, pending[..., None]).squeeze(-1)
-                if acceptance == "epsilon":
-                    accept |= p_pending > epsilon
-                else:
-                    above = (probs * (probs > p_pending[..., None])).sum(-1)
-                    accept |= above < rho
-            accept &= pending_ok[:, None]
-        # m = number of accepted pending tokens before the first rejection.
-        m_acc = accept.long().cumprod(1).sum(1) if width > 1 else torch.zeros(batch, dtype=torch.long, device=device)
-        committed = torch.cat([pending, pending.new_zeros(batch, 1)], dim=1)
-        committed.scatter_(1, m_acc[:, None], sampled.gather(1, m_acc[:, None]))
-        count = m_acc + 1
-
-        state["key_pos"] = torch.cat([state["key_pos"], verify_pos], dim=1)
-        state["key_valid"] = torch.cat([state["key_valid"], r[None] <= m_acc[:, None]], dim=1)
-        state["last_token"] = committed.gather(1, m_acc[:, None]).squeeze(1)
-        state["next_pos"] = i + count
-        if propose and width > 1:
-            proposals = logits[:, width:].argmax(-1).view(batch, width, width)  # [B, m, k]
-            new_pending = proposals.gather(1, m_acc[:, None, None].expand(-1, 1, width)).squeeze(1)[:, 1:]
-            new_ok = torch.ones(batch, dtype=torch.bool, device=device)
+            accept = state.acceptance.accepts(state.pending, sampled[:, :-1], q[:, :-1]) & state.pending_ok[:, None]
+            m_acc = accept.long().cumprod(1).sum(1)  # accepted pending tokens before the first rejection
         else:
-            new_pending, new_ok = pending, torch.zeros(batch, dtype=torch.bool, device=device)
-        return committed, count, new_pending, new_ok
+            m_acc = torch.zeros(batch, dtype=torch.long, device=device)
+        committed = torch.cat([state.pending, state.pending.new_zeros(batch, 1)], dim=1)
+        committed.scatter_(1, m_acc[:, None], sampled.gather(1, m_acc[:, None]))
+
+        state.key_pos = torch.cat([state.key_pos, verify_pos], dim=1)
+        state.key_valid = torch.cat([state.key_valid, r[None] <= m_acc[:, None]], dim=1)
+        state.last_token = committed.gather(1, m_acc[:, None]).squeeze(1)
+        state.next_pos = i + m_acc + 1
+        if state.propose and width > 1:
+            proposals = logits[:, width:].argmax(-1).view(batch, width, width)  # [B, m, k]
+            state.pending = proposals.gather(1, m_acc[:, None, None].expand(-1, 1, width)).squeeze(1)[:, 1:]
+            state.pending_ok = torch.ones(batch, dtype=torch.bool, device=device)
+        else:
+            state.pending_ok = torch.zeros(batch, dtype=torch.bool, device=device)
+        return DecodingStep(committed, m_acc + 1)
 
 
-__all__ = ["PLMForCausalLM", "PLMModel", "PLMPreTrainedModel", "PLMOutput", "PLMGenerateOutput"]
+__all__ = ["AcceptanceRule", "PLMDecodingState", "PLMForCausalLM", "PLMGenerationOptions", "PLMModel",
+           "PLMPreTrainedModel", "PLMOutput", "PLMGenerateOutput"]
