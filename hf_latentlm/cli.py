@@ -106,24 +106,26 @@ def cmd_train(args) -> int:
     if finished and spec.training_report is not None and int(os.environ.get("RANK", "0")) == 0:
         print(spec.training_report(args.output_dir))
     if finished and spec.language_model and not args.no_sample and int(os.environ.get("RANK", "0")) == 0:
-        from .eval.speed import measure_generation_speed
+        from .eval.speed import measure_generation_speed, speed_versus_fresh_baseline
         from .loading import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(args.output_dir)
         text, _ = generate_text(model, tokenizer, args.sample_prompt, max_new_tokens=100, seed=args.seed)
         ids = tokenizer(args.sample_prompt, return_tensors="pt", add_special_tokens=False).input_ids
-        speed = measure_generation_speed(model, ids, max_new_tokens=64, repeats=1)
+        options = dict(max_new_tokens=64, repeats=1)
+        if cfg.family == BASELINE_FAMILY:
+            speed, compared = measure_generation_speed(model, ids, **options), None
+        else:
+            # The matched reference: a fresh baseline of the same preset, timed on the same prompt in this process.
+            compared = speed_versus_fresh_baseline(model, cfg.preset, tokenizer, ids, **options)
+            speed = compared["model"]["batch_1"]
         line = (f"{cfg.family}: {speed['tokens_per_s']:.0f} tokens/s, "
                 f"{1 / speed['model_calls_per_token']:.2f} tokens per model call")
-        if cfg.family != BASELINE_FAMILY:
-            # Generation speed of the AR baseline does not depend on its weights: a fresh model of the same
-            # preset, timed on the same prompt in this process, is the matched reference.
-            from .families import build_model
-
-            baseline = build_model(BASELINE_FAMILY, cfg.preset, tokenizer).eval()
-            ar = measure_generation_speed(baseline, ids, max_new_tokens=64, repeats=1)
-            line += (f" | AR baseline ({cfg.preset}): {ar['tokens_per_s']:.0f} tokens/s, 1.00 tokens per call"
-                     f" | speed ratio {speed['tokens_per_s'] / ar['tokens_per_s']:.2f}x")
+        if compared:
+            ar = compared["baseline"]["batch_1"]
+            line += (f" | AR baseline ({cfg.preset}): {ar['tokens_per_s']:.0f} tokens/s, "
+                     f"{1 / ar['model_calls_per_token']:.2f} tokens per call"
+                     f" | speed ratio {compared['ratio']['batch_1']:.2f}x")
         print(f"\n--- sample ({line}) ---\n{args.sample_prompt}{text}\n---")
     return 0
 

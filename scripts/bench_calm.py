@@ -22,7 +22,7 @@ from hf_latentlm.eval.bench import benchmark_models, markdown_table
 from hf_latentlm.eval.brier import evaluate_brier, headline
 from hf_latentlm.eval.harness import nll_rows, split_stream
 from hf_latentlm.eval.sampling import evaluation_windows, sample_continuations
-from hf_latentlm.eval.speed import measure_generation_speed, training_step_time
+from hf_latentlm.eval.speed import measure_generation_speed, speed_versus_fresh_baseline, training_step_time
 from hf_latentlm.families import build_model
 from hf_latentlm.loading import load_model_and_tokenizer
 from hf_latentlm.presets import get_preset
@@ -66,8 +66,7 @@ def main():
         row = {f"tokens_per_s_batch_{b}": measure_generation_speed(calm, prompts[:b], args.new_tokens, repeats=3,
                                                                    generate_kwargs=kwargs)["tokens_per_s"]
                for b in (1, 8)}
-        sampler = WithOptions(calm, kwargs)
-        row["brier"] = evaluate_brier(sampler, stream, args.temperature_positions)
+        row["brier"] = evaluate_brier(calm, stream, args.temperature_positions, generate_kwargs=kwargs)
         extras["temperature"][name] = row
 
     contexts, _ = evaluation_windows(stream, 1000, 128, 4)
@@ -101,30 +100,17 @@ def main():
 
 
 def fresh_model_speed(preset: str, tokenizer, prompts: torch.Tensor, new_tokens: int) -> dict:
-    """Generation tokens/s of freshly initialised AR and CALM models of `preset` (autoencoder of the same preset)."""
+    """Generation tokens/s of freshly initialised CALM (autoencoder of the same preset) and AR models of `preset`."""
     torch.manual_seed(0)
-    models = {"ar": build_model("ar", preset, tokenizer)}
-    models["calm"] = build_model("calm", preset, tokenizer, autoencoder=build_model("calm-ae", preset, tokenizer))
+    calm = build_model("calm", preset, tokenizer, autoencoder=build_model("calm-ae", preset, tokenizer))
+    speed = speed_versus_fresh_baseline(calm.eval(), preset, tokenizer, prompts, batch_sizes=(1, 8),
+                                        max_new_tokens=new_tokens, repeats=3)
     row = {}
-    for name, model in models.items():
-        row[name] = {"num_parameters": sum(p.numel() for p in model.parameters())}
-        for b in (1, 8):
-            row[name][f"tokens_per_s_batch_{b}"] = measure_generation_speed(model.eval(), prompts[:b], new_tokens,
-                                                                            repeats=3)["tokens_per_s"]
-    for b in (1, 8):
-        row[f"calm_over_ar_batch_{b}"] = row["calm"][f"tokens_per_s_batch_{b}"] / row["ar"][f"tokens_per_s_batch_{b}"]
+    for name, side in (("ar", "baseline"), ("calm", "model")):
+        row[name] = {"num_parameters": speed["num_parameters"][side],
+                     **{f"tokens_per_s_{k}": v["tokens_per_s"] for k, v in speed[side].items()}}
+    row.update({f"calm_over_ar_{k}": ratio for k, ratio in speed["ratio"].items()})
     return row
-
-
-class WithOptions(torch.nn.Module):
-    """The model with fixed extra `generate()` options (e.g. a temperature), for the Brier harness."""
-
-    def __init__(self, model, options: dict):
-        super().__init__()
-        self.model, self.options = model, options
-
-    def generate(self, *args, **kwargs):
-        return self.model.generate(*args, **{**kwargs, **self.options})
 
 
 if __name__ == "__main__":

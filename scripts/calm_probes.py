@@ -49,7 +49,8 @@ def learning_rate(args, tokenizer):
                              ("lr=2e-3, 2 head blocks", 2e-3, 2)):
         cfg = TrainConfig(family="calm", preset="small", output_dir=f"/tmp/calm-probe-{lr}-{blocks}",
                           max_steps=args.steps, eval_every=args.steps, save_every=10**9, learning_rate=lr,
-                          autoencoder=args.autoencoder, model_kwargs={"num_head_blocks": blocks}, progress_bar=False)
+                          components={"autoencoder": args.autoencoder}, model_kwargs={"num_head_blocks": blocks},
+                          progress_bar=False)
         result[name] = train(cfg, tokenizer=tokenizer)["val_loss"]
     return result
 

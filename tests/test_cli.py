@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -67,6 +68,12 @@ def test_train_plm_prints_tokens_per_call_next_to_the_ar_baseline(tmp_path, caps
     assert code == 0
     assert "plm:" in stdout and "tokens per model call" in stdout and "AR baseline (tiny)" in stdout
     assert json.loads((tmp_path / "plm" / "config.json").read_text())["model_type"] == "plm"
+    found = re.search(r"plm: (\d+) tokens/s, .* \| AR baseline \(tiny\): (\d+) tokens/s, 1\.00 tokens per call "
+                      r"\| speed ratio (\d+\.\d\d)x", stdout)
+    assert found, stdout
+    plm, ar, ratio = int(found[1]), int(found[2]), float(found[3])
+    # tokens/s are printed rounded to integers and the ratio to two decimals
+    assert abs(ratio - plm / ar) <= 0.005 + 0.5 * (1 + plm / ar) / (ar - 0.5) + 1e-9
 
 
 def test_train_calm_autoencoder_then_calm_then_generate(tmp_path, capsys):

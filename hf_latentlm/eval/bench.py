@@ -2,7 +2,8 @@
 
 Absolute speed on shared machines drifts, so the headline is each model's ratio to the
 baseline measured in the same run: tokens/s at batch 1 and batch 8 (same prompts, same number
-of new tokens), model calls per token, and quality (BrierLM-2, NLL, MAUVE).
+of new tokens; the baseline is timed again next to each model), model calls per token, and
+quality (BrierLM-2, NLL, MAUVE).
 """
 
 from __future__ import annotations
@@ -19,36 +20,48 @@ import torch
 from ..loading import load_model_and_tokenizer
 from .harness import evaluate_model, split_stream
 from .sampling import evaluation_windows
-from .speed import measure_generation_speed
+from .speed import speed_versus_baseline
 
 
 def benchmark_models(models: dict[str, str], baseline: str, num_positions: int = 20000, context_len: int = 128,
                      speed_prompt_len: int = 64, max_new_tokens: int = 64, repeats: int = 3,
                      batch_sizes: tuple[int, ...] = (1, 8), mauve: bool = False, seed: int = 0,
-                     progress: bool = True) -> dict:
+                     progress: bool = True, generate_kwargs: dict[str, dict] | None = None) -> dict:
+    """Speed (`speed_versus_baseline`) and quality (`evaluate_model`) of each model, name -> folder.
+
+    All models must share the baseline's tokenizer: speed and quality are compared on the same token ids.
+    `generate_kwargs`: model name -> extra `generate()` options for its speed, Brier and MAUVE runs, merged over
+    the unbiased-sampling defaults. Each row's `baseline_speed` is the baseline timing its ratio divides by.
+    """
     if not models:
         raise ValueError("no models to benchmark")
     if baseline not in models:
         raise ValueError(f"baseline {baseline!r} is not among the models {sorted(models)}")
+    generate_kwargs = generate_kwargs or {}
+    if set(generate_kwargs) - set(models):
+        raise ValueError(f"generate_kwargs names models {sorted(set(generate_kwargs) - set(models))} that are not "
+                         f"among {sorted(models)}")
+    base_model, base_tokenizer = load_model_and_tokenizer(models[baseline])
+    prompts, _ = evaluation_windows(split_stream(base_tokenizer, "validation"), max(batch_sizes), speed_prompt_len, 1)
     rows = {}
     for name, path in models.items():
-        model, tokenizer = load_model_and_tokenizer(path)
-        stream = split_stream(tokenizer, "validation")
-        prompts, _ = evaluation_windows(stream, max(batch_sizes), speed_prompt_len, 1)
-        speed = {f"batch_{b}": measure_generation_speed(model, prompts[:b], max_new_tokens, repeats, seed)
-                 for b in batch_sizes}
+        model, tokenizer = (base_model, base_tokenizer) if name == baseline else load_model_and_tokenizer(path)
+        if tokenizer.get_vocab() != base_tokenizer.get_vocab():
+            raise ValueError(f"model {name!r} has another tokenizer than the baseline {baseline!r}; the benchmark "
+                             f"compares models on the same token ids")
+        speed = speed_versus_baseline(model, base_model, prompts, batch_sizes, max_new_tokens, repeats, seed,
+                                      generate_kwargs.get(name), generate_kwargs.get(baseline))
         quality = evaluate_model(model, tokenizer, "validation", num_positions, context_len, seed=seed, mauve=mauve,
-                                 progress=progress)
-        rows[name] = {"path": str(path), "num_parameters": sum(p.numel() for p in model.parameters()),
-                      "model_type": model.config.model_type, "speed": speed, **quality}
+                                 progress=progress, generate_kwargs=generate_kwargs.get(name))
+        rows[name] = {"path": str(path), "num_parameters": speed["num_parameters"]["model"],
+                      "model_type": model.config.model_type, "speed": speed["model"],
+                      "baseline_speed": speed["baseline"], **quality,
+                      "ratio_to_baseline": {f"tokens_per_s_{k}": r for k, r in speed["ratio"].items()}}
         del model
     base = rows[baseline]
     for row in rows.values():
-        row["ratio_to_baseline"] = {
-            **{f"tokens_per_s_{k}": row["speed"][k]["tokens_per_s"] / base["speed"][k]["tokens_per_s"]
-               for k in row["speed"]},
-            "brierlm_2": _safe_ratio(row["brier"]["brierlm_2"]["value"], base["brier"]["brierlm_2"]["value"]),
-        }
+        row["ratio_to_baseline"]["brierlm_2"] = _safe_ratio(row["brier"]["brierlm_2"]["value"],
+                                                            base["brier"]["brierlm_2"]["value"])
     return {
         "command": " ".join(["hf-latentlm", *sys.argv[1:]]) if sys.argv and "hf-latentlm" in sys.argv[0] else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -56,7 +69,8 @@ def benchmark_models(models: dict[str, str], baseline: str, num_positions: int =
                     "torch_threads": torch.get_num_threads()},
         "baseline": baseline,
         "settings": {"num_positions": num_positions, "context_len": context_len, "speed_prompt_len": speed_prompt_len,
-                     "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed},
+                     "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed,
+                     **({"generate_kwargs": generate_kwargs} if generate_kwargs else {})},
         "models": rows,
     }
 

@@ -58,11 +58,13 @@ def summarize_brier(terms: torch.Tensor, num_bootstrap: int = 1000, seed: int = 
 
 
 def evaluate_brier(model, stream: torch.Tensor, num_positions: int = 20000, context_len: int = 128,
-                   batch_size: int = 64, seed: int = 0, num_bootstrap: int = 1000, progress: bool = False) -> dict:
+                   batch_size: int = 64, seed: int = 0, num_bootstrap: int = 1000, progress: bool = False,
+                   generate_kwargs: dict | None = None) -> dict:
     """Brier-1..4, BrierLM, BrierLM-2 of `model` over evenly spaced windows of a token stream.
 
     Each batch of contexts is sampled twice in one call ([contexts; contexts]) so the two draws
-    are independent samples given the same context.
+    are independent samples given the same context. `generate_kwargs`: extra `generate()` options (e.g. a
+    temperature), merged over the unbiased-sampling defaults.
     """
     contexts, targets = evaluation_windows(stream, num_positions, context_len, MAX_N)
     all_terms = []
@@ -72,7 +74,8 @@ def evaluate_brier(model, stream: torch.Tensor, num_positions: int = 20000, cont
         batches = tqdm(batches, desc="brier", dynamic_ncols=True)
     for i, start in enumerate(batches):
         ctx = contexts[start:start + batch_size]
-        draws = sample_continuations(model, torch.cat([ctx, ctx]), MAX_N, seed=seed * 1_000_003 + i)
+        draws = sample_continuations(model, torch.cat([ctx, ctx]), MAX_N, seed=seed * 1_000_003 + i,
+                                     generate_kwargs=generate_kwargs)
         all_terms.append(brier_terms(draws[:len(ctx)], draws[len(ctx):], targets[start:start + batch_size]))
     result = summarize_brier(torch.cat(all_terms), num_bootstrap=num_bootstrap, seed=seed)
     result["context_len"] = context_len

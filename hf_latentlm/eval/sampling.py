@@ -3,7 +3,9 @@
 `sample_continuations(model, contexts, num_tokens, seed)` works for any model with a
 `generate()` that follows the transformers contract (`do_sample`, `max_new_tokens`,
 `attention_mask`). Pure ancestral sampling (temperature 1, no top-k/top-p) and no early stop at
-the end-of-document token, so every row yields exactly `num_tokens` draws from the model.
+the end-of-document token, so every row yields exactly `num_tokens` draws from the model. Every helper that
+calls `generate()` (here, Brier, MAUVE, speed) takes `generate_kwargs`, merged over these defaults, to measure
+the model under other options (a temperature, an acceptance rule).
 """
 
 from __future__ import annotations
@@ -11,17 +13,21 @@ from __future__ import annotations
 import torch
 
 
-def unbiased_sampling_kwargs(num_tokens: int) -> dict:
-    """generate() options for plain draws from the model's distribution, exactly `num_tokens` long.
-    `eos_token_id=None` keeps EOS as an ordinary token instead of a stop signal."""
-    return dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=num_tokens,
-                eos_token_id=None)
+def unbiased_sampling_kwargs(num_tokens: int, generate_kwargs: dict | None = None) -> dict:
+    """generate() options for plain draws from the model's distribution, exactly `num_tokens` long, with
+    `generate_kwargs` (if any) merged over them. `eos_token_id=None` keeps EOS as an ordinary token instead of a
+    stop signal."""
+    return {**dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=num_tokens,
+                   eos_token_id=None), **(generate_kwargs or {})}
 
 
 @torch.no_grad()
 def sample_continuations(model, contexts: torch.Tensor, num_tokens: int, seed: int,
-                         attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Return [B, num_tokens] sampled ids continuing each row of `contexts` [B, T]."""
+                         attention_mask: torch.Tensor | None = None,
+                         generate_kwargs: dict | None = None) -> torch.Tensor:
+    """Return [B, num_tokens] sampled ids continuing each row of `contexts` [B, T].
+
+    `generate_kwargs`: extra `generate()` options, merged over the unbiased-sampling defaults."""
     if contexts.dim() != 2 or contexts.shape[0] == 0:
         raise ValueError(f"contexts must be a non-empty [batch, length] tensor, got shape {tuple(contexts.shape)}")
     device = next(model.parameters()).device
@@ -29,7 +35,8 @@ def sample_continuations(model, contexts: torch.Tensor, num_tokens: int, seed: i
     if attention_mask is None:
         attention_mask = torch.ones_like(contexts)
     torch.manual_seed(seed)
-    out = model.generate(contexts, attention_mask=attention_mask.to(device), **unbiased_sampling_kwargs(num_tokens))
+    out = model.generate(contexts, attention_mask=attention_mask.to(device),
+                         **unbiased_sampling_kwargs(num_tokens, generate_kwargs))
     sequences = out.sequences if hasattr(out, "sequences") else out
     new = sequences[:, contexts.shape[1]:]
     if new.shape[1] != num_tokens:

@@ -3,6 +3,9 @@
 Model calls are counted with a forward hook on the model itself, so the count is honest for any
 decoding scheme (one call per token for AR, fewer for multi-token families). A warm-up run is
 discarded; the reported figure is the median of `repeats` timed runs.
+
+Absolute tokens/s drift on shared machines, so a family's speed is reported as a ratio to the AR baseline
+(`speed_versus_baseline`): both models timed on the same prompts, with the same settings, in the same process.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
     """Time `model.generate` on a batch of equal-length prompts [B, T] (B rows generate in parallel).
 
     Returns tokens_per_s (new tokens over all rows / median wall time), model_calls_per_token
-    (forward calls / new tokens per row), the per-run times and the batch size.
+    (forward calls / new tokens per row), the per-run times and the batch size. `generate_kwargs`: extra
+    `generate()` options, merged over the unbiased-sampling defaults.
     """
     if prompts.dim() != 2 or prompts.shape[0] == 0:
         raise ValueError(f"prompts must be a non-empty [batch, length] tensor, got {tuple(prompts.shape)}")
@@ -48,8 +52,7 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     device = next(model.parameters()).device
     prompts = prompts.to(device)
-    kwargs = unbiased_sampling_kwargs(max_new_tokens)
-    kwargs.update(generate_kwargs or {})
+    kwargs = unbiased_sampling_kwargs(max_new_tokens, generate_kwargs)
     was_training = model.training
     model.eval()
 
@@ -77,6 +80,48 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
         "median_s": median,
         "times_s": times,
     }
+
+
+def speed_versus_baseline(model, baseline, prompts: torch.Tensor, batch_sizes: tuple[int, ...] | None = None,
+                          max_new_tokens: int = 64, repeats: int = 3, seed: int = 0,
+                          generate_kwargs: dict | None = None, baseline_generate_kwargs: dict | None = None) -> dict:
+    """Generation speed of `model` and of `baseline` on the same prompts, with the same settings, and their ratio.
+
+    For each batch size b (default: all rows of `prompts`) both models generate `max_new_tokens` for the first b
+    prompts (`measure_generation_speed`; each with its own `generate_kwargs`, merged over the unbiased-sampling
+    defaults). Returns {"model": {"batch_<b>": speed}, "baseline": {...}, "ratio": {"batch_<b>": model tokens/s
+    / baseline tokens/s}, "num_parameters": {"model": n, "baseline": n}}. A model compared with itself under the
+    same options is timed once (ratio 1): a second timing would only measure noise.
+    """
+    batch_sizes = batch_sizes or (len(prompts),)
+    if max(batch_sizes) > len(prompts):
+        raise ValueError(f"batch sizes {tuple(batch_sizes)} need {max(batch_sizes)} prompts, got {len(prompts)}")
+    same = model is baseline and (generate_kwargs or {}) == (baseline_generate_kwargs or {})
+    result = {"model": {}, "baseline": {}, "ratio": {},
+              "num_parameters": {name: sum(p.numel() for p in m.parameters())
+                                 for name, m in (("model", model), ("baseline", baseline))}}
+    for b in batch_sizes:
+        key = f"batch_{b}"
+        result["model"][key] = measure_generation_speed(model, prompts[:b], max_new_tokens, repeats, seed,
+                                                        generate_kwargs)
+        result["baseline"][key] = result["model"][key] if same else measure_generation_speed(
+            baseline, prompts[:b], max_new_tokens, repeats, seed, baseline_generate_kwargs)
+        result["ratio"][key] = result["model"][key]["tokens_per_s"] / result["baseline"][key]["tokens_per_s"]
+    return result
+
+
+def speed_versus_fresh_baseline(model, preset, tokenizer, prompts: torch.Tensor, **options) -> dict:
+    """`speed_versus_baseline` against a freshly built baseline-family model of `preset` (same device and dtype).
+
+    With EOS ignored every run generates the same number of tokens whatever the weights, so an untrained baseline
+    of the same size times exactly like a trained one: no trained baseline is needed. `options`: those of
+    `speed_versus_baseline` (batch_sizes, max_new_tokens, repeats, seed, generate_kwargs, ...).
+    """
+    from ..families import BASELINE_FAMILY, build_model
+
+    reference = next(model.parameters())
+    baseline = build_model(BASELINE_FAMILY, preset, tokenizer).to(device=reference.device, dtype=reference.dtype)
+    return speed_versus_baseline(model, baseline.eval(), prompts, **options)
 
 
 @contextmanager
