@@ -186,7 +186,8 @@ class MultiTokenGenerationMixin(GenerationMixin):
 
     A family sets `generation_options_class` (a dataclass of its own `generate()` options, each documented there,
     with a `resolved(config, batch_size)` method that fills defaults from the config and validates) and
-    `generation_family` (its name in error messages), and implements:
+    `generation_family` (its name in error messages) and `row_seeds_option` (the option holding one RNG seed per
+    row, so that a row gives the same tokens alone or in any batch), and implements:
     - `_start_decoding(input_ids, request, options) -> (state, prefill_calls)`: encode the prompt and return the
       family's typed decoding state and how many network calls that took (0 or 1);
     - `_decoding_step(state, new_tokens) -> DecodingStep`: advance the state by one step; `new_tokens` (read
@@ -195,6 +196,7 @@ class MultiTokenGenerationMixin(GenerationMixin):
 
     generation_options_class: type
     generation_family: str = "this model"
+    row_seeds_option: str | None = None
 
     @torch.no_grad()
     def generate(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,

@@ -342,6 +342,7 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
                      "AutoModelForCausalLM": "modeling_calm.CALMForCausalLM"}
     generation_family = "CALM"
     generation_options_class = CALMGenerationOptions
+    row_seeds_option = "noise_seeds"
 
     def __init__(self, config: CALMConfig):
         super().__init__(config)

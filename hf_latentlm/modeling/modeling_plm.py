@@ -226,6 +226,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
                      "AutoModelForCausalLM": "modeling_plm.PLMForCausalLM"}
     generation_family = "PLM"
     generation_options_class = PLMGenerationOptions
+    row_seeds_option = "auxiliary_seeds"
 
     def __init__(self, config: PLMConfig):
         super().__init__(config)

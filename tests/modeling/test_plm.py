@@ -1,12 +1,13 @@
-"""PLM: objective, masks, Voronoi decoding, quadratic decoding (lossless), batching, Hub contract."""
+"""PLM: objective, masks, Voronoi decoding, quadratic decoding (lossless), batching. The contract every family
+shares (EOS, streamer, bad input, Hub load without the package, CLI) is in tests/test_family_contract.py."""
 
-import json
 
 import pytest
 import torch
 
 from hf_latentlm.families import build_model
 from hf_latentlm.modeling import PLMConfig, PLMForCausalLM
+from hf_latentlm.modeling.modeling_plm import AcceptanceRule
 from hf_latentlm.training.loop import TrainConfig, train
 
 TINY_PLM = dict(block_size=4, k_pred=4, num_auxiliaries=128, auxiliary_top_m=32)
@@ -54,13 +55,6 @@ def test_bad_generation_options_are_named(tokenizer, kwargs, needle):
     model = tiny_plm(tokenizer).eval()
     with pytest.raises(ValueError, match=needle):
         model.generate(torch.tensor([[5, 6, 7]]), **{"max_new_tokens": 4, **kwargs})
-
-
-def test_empty_batch_or_prompt_is_an_error(tokenizer):
-    model = tiny_plm(tokenizer).eval()
-    for bad in (torch.zeros(0, 3, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)):
-        with pytest.raises(ValueError, match="empty"):
-            model.generate(bad, max_new_tokens=3)
 
 
 # ---------------------------------------------------------------------------------------------- training objective
@@ -171,59 +165,7 @@ def test_relaxed_acceptance_takes_several_tokens_per_call(trained_plm, tiny_rows
     assert out.model_calls.item() <= 1 + 1 + 10 + 2  # prefill, first round, then ~K_pred tokens per call
 
 
-def test_eos_stops_a_row_and_pads_it(trained_plm, tiny_rows, tokenizer):
-    prompt = tiny_rows[1600:1602, :8]
-    free = trained_plm.generate(prompt, max_new_tokens=20, auxiliary_seeds=[1, 2], eos_token_id=None)
-    stop_token = free[0, 8 + 5].item()  # row 0's 6th new token becomes its end-of-sequence
-    out = trained_plm.generate(prompt, max_new_tokens=20, auxiliary_seeds=[1, 2], eos_token_id=stop_token,
-                               pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True)
-    first = free[0, 8:].tolist().index(stop_token)
-    assert out.num_new_tokens[0].item() == first + 1
-    assert out.sequences[0, 8:8 + first + 1].tolist() == free[0, 8:8 + first + 1].tolist()
-    assert (out.sequences[0, 8 + first + 1:] == tokenizer.pad_token_id).all()
-
-
-def test_streamer_receives_prompt_then_every_new_token(trained_plm, tiny_rows, streamer):
-    prompt = tiny_rows[1600, :6][None]
-    out = trained_plm.generate(prompt, max_new_tokens=15, auxiliary_seeds=[4], eos_token_id=None, streamer=streamer)
-    assert streamer.ended and streamer.chunks[0] == prompt[0].tolist()
-    assert sum(streamer.chunks[1:], []) == out[0, 6:].tolist()
-
-
-def test_harness_sampling_interface_works_for_plm(trained_plm, tiny_rows):
-    from hf_latentlm.eval.sampling import sample_continuations
-    from hf_latentlm.eval.speed import measure_generation_speed
-
-    draws = sample_continuations(trained_plm, tiny_rows[1600:1604, :16], 4, seed=0)
-    assert draws.shape == (4, 4)
-    prompts = tiny_rows[1600:1602, :16]
-    speed = measure_generation_speed(trained_plm, prompts, max_new_tokens=16, repeats=1, seed=0)
-    torch.manual_seed(0)  # the harness seeds the global RNG, from which PLM draws its per-row auxiliary seeds
-    own = trained_plm.generate(prompts, max_new_tokens=16, eos_token_id=None, return_dict_in_generate=True)
-    # The harness counts forward calls with a hook; PLM reports calls per row: the batch makes max(row) calls.
-    assert speed["new_tokens_per_row"] == 16
-    assert speed["model_calls_per_token"] == pytest.approx(own.model_calls.max().item() / 16)
-
-
-# ---------------------------------------------------------------------------------------------- Hub contract
-
-def test_saved_checkpoint_loads_without_the_package_and_generates_identically(trained_plm, tmp_path, tokenizer,
-                                                                              isolated_generate):
-    trained_plm.save_pretrained(tmp_path / "ckpt")
-    tokenizer.save_pretrained(tmp_path / "ckpt")
-    files = {p.name for p in (tmp_path / "ckpt").iterdir()}
-    assert {"modeling_plm.py", "configuration_plm.py", "configuration_backbone.py", "modeling_backbone.py", "layers.py",
-            "generation.py", "auxiliaries.py", "model.safetensors"} <= files
-    auto_map = json.loads((tmp_path / "ckpt" / "config.json").read_text())["auto_map"]
-    assert set(auto_map) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
-    prompt = [[5, 60, 700, 42, 9]]
-    expected = trained_plm.generate(torch.tensor(prompt), max_new_tokens=12, auxiliary_seeds=[11],
-                                    eos_token_id=None)[0, 5:].tolist()
-    for auto_class in ("AutoModelForCausalLM", "AutoModel"):
-        result = isolated_generate(tmp_path / "ckpt", auto_class, prompt, 12,
-                                   {"auxiliary_seeds": [11], "eos_token_id": None}, tmp_path / "hf_home")
-        assert result["tokens"] == expected
-
+# ---------------------------------------------------------------------------------------------- checkpoints and measurements
 
 def test_reload_restores_bank_and_rotary(trained_plm, tmp_path):
     trained_plm.save_pretrained(tmp_path / "ckpt")
@@ -247,3 +189,24 @@ def test_plm_measurements_match_generate_and_forward(trained_plm, tiny_rows):
     assert tokens_per_call(trained_plm, rows[:2, :16], 12, seed=0) == pytest.approx(
         float(own.num_new_tokens.sum() / own.model_calls.sum()))
     assert out.encoder_nll.item() > 0
+
+
+@pytest.mark.parametrize("rule,expected", [
+    # probabilities 0.5 / 0.3 / 0.15 / 0.05; the sampler drew token 0 at every row; pending tokens 0, 1, 2, 3.
+    (AcceptanceRule("exact"), [True, False, False, False]),
+    (AcceptanceRule("epsilon", epsilon=0.1), [True, True, True, False]),  # q(x) > 0.1
+    (AcceptanceRule("epsilon", epsilon=0.01), [True, True, True, True]),
+    (AcceptanceRule("nucleus", nucleus=0.94), [True, True, True, False]),  # mass above x: 0, .5, .8, .95
+    (AcceptanceRule("nucleus", nucleus=0.7), [True, True, False, False]),
+])
+def test_acceptance_rules_on_a_known_distribution(rule, expected):
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(1, 4, 4)
+    pending = torch.tensor([[0, 1, 2, 3]])
+    assert rule.accepts(pending, torch.zeros_like(pending), logits)[0].tolist() == expected
+
+
+def test_bad_acceptance_rules_are_named():
+    for kwargs, needle in ((dict(rule="greedy"), "acceptance must be"), (dict(epsilon=0.0), "acceptance_epsilon"),
+                           (dict(nucleus=1.0), "acceptance_nucleus")):
+        with pytest.raises(ValueError, match=needle):
+            AcceptanceRule(**kwargs)

@@ -1,0 +1,189 @@
+"""The contract every multi-token language-model family of the registry must honour, written once.
+
+Each `check_*` function takes a family name; `tests/test_family_contract.py` runs them for every registered family
+(so a new family gets them by registering), and `tests/test_adding_a_family.py` runs them for a throwaway toy family
+built by following docs/adding_a_family.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_latentlm.families import FAMILIES, build_model, get_family
+from hf_latentlm.modeling.generation import GenerateOutput, MultiTokenGenerationMixin
+
+
+def multi_token_families() -> list[str]:
+    return [name for name, spec in FAMILIES.items()
+            if spec.language_model and isinstance(spec.model_class, type)
+            and issubclass(spec.model_class, MultiTokenGenerationMixin)]
+
+
+def build_tiny(family: str, tokenizer, seed: int = 0):
+    """A fresh `tiny` model of `family`, with fresh tiny models of the components it needs (built the same way)."""
+    spec = get_family(family)
+    components = {name: build_tiny(source, tokenizer, seed) for name, source in spec.components.items()}
+    torch.manual_seed(seed)
+    model = build_model(family, "tiny", tokenizer, **components)
+    # Zero-initialised output layers (CALM's energy head) make every draw of an untrained model identical; small
+    # random weights there make it sample varied tokens, which the EOS and batching checks need.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2 and not param.any():
+                param.normal_(0.0, 0.02)
+    return model
+
+
+def seeded(model, seeds: list[int]) -> dict:
+    """The generate() option that gives each row its own RNG seed."""
+    assert model.row_seeds_option, f"{type(model).__name__} must name its per-row seed option"
+    return {model.row_seeds_option: seeds}
+
+
+def prompts(rows, lengths):
+    return [rows[1600 + i, :n] for i, n in enumerate(lengths)]
+
+
+def check_batched_rows_match_running_each_alone(model, rows, tokenizer, left_pad):
+    batch = prompts(rows, (3, 17, 9))
+    ids, mask = left_pad(batch, tokenizer.pad_token_id)
+    seeds = [7, 8, 9]
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None, **seeded(model, seeds))
+    assert batched.shape == (3, ids.shape[1] + 10)
+    for b, p in enumerate(batch):
+        alone = model.generate(p[None], max_new_tokens=10, eos_token_id=None, **seeded(model, [seeds[b]]))
+        assert batched[b, ids.shape[1]:].tolist() == alone[0, p.numel():].tolist(), b
+
+
+def check_eos_stops_a_row_and_pads_it(model, rows, tokenizer):
+    prompt = rows[1600:1602, :8]
+    free = model.generate(prompt, max_new_tokens=20, eos_token_id=None, **seeded(model, [1, 2]))[0, 8:]
+    # The first token that did not occur before in row 0, at index >= 5, becomes row 0's end-of-sequence.
+    first = next(i for i in range(5, 20) if free[i] not in free[:i])
+    stop = int(free[first])
+    out = model.generate(prompt, max_new_tokens=20, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id,
+                         return_dict_in_generate=True, **seeded(model, [1, 2]))
+    assert isinstance(out, GenerateOutput)
+    assert out.num_new_tokens[0].item() == first + 1
+    assert out.sequences[0, 8:8 + first + 1].tolist() == free[:first + 1].tolist()
+    assert (out.sequences[0, 8 + first + 1:] == tokenizer.pad_token_id).all()
+    assert out.model_calls.shape == (2,) and (out.model_calls >= 1).all()
+    # min_new_tokens: the same EOS does not stop the row before that many tokens.
+    later = model.generate(prompt, max_new_tokens=20, eos_token_id=stop, min_new_tokens=first + 2,
+                           return_dict_in_generate=True, **seeded(model, [1, 2]))
+    assert later.num_new_tokens[0].item() >= first + 2
+    assert later.sequences[0, 8:8 + first + 2].tolist() == free[:first + 2].tolist()
+
+
+def check_streamer_receives_prompt_then_every_new_token(model, rows, streamer):
+    prompt = rows[1600, :6][None]
+    out = model.generate(prompt, max_new_tokens=10, eos_token_id=None, streamer=streamer, **seeded(model, [4]))
+    assert streamer.ended and streamer.chunks[0] == prompt[0].tolist()
+    assert sum(streamer.chunks[1:], []) == out[0, 6:].tolist()
+
+
+def check_lengths_follow_transformers_defaults(model, rows):
+    prompt = rows[1600, :5][None]
+    assert model.generate(prompt, eos_token_id=None).shape == (1, 20)  # transformers' default max_length
+    assert model.generate(prompt, max_length=12, eos_token_id=None).shape == (1, 12)
+    assert model.generate(prompt, max_new_tokens=7, max_length=9, eos_token_id=None).shape == (1, 12)
+    with pytest.raises(ValueError, match="max_length"):
+        model.generate(rows[1600, :25][None])
+
+
+def check_bad_input_is_named(model, rows):
+    prompt = rows[1600, :5][None]
+    limit = model.config.max_position_embeddings
+    for kwargs, needle in ((dict(num_beams=2), "num_beams"), (dict(frobnicate=True), "frobnicate"),
+                           (dict(max_new_tokens=0), "max_new_tokens"),
+                           (dict(max_new_tokens=limit), "max_position_embeddings"),
+                           (seeded(model, [1, 2]), model.row_seeds_option)):
+        with pytest.raises(ValueError, match=needle):
+            model.generate(prompt, **{"max_new_tokens": 4, **kwargs})
+    for empty in (torch.zeros(0, 3, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match="empty"):
+            model.generate(empty, max_new_tokens=3)
+    ids = rows[1600:1602, :5]
+    right_padded = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    with pytest.raises(ValueError, match="left padding"):
+        model.generate(ids, attention_mask=right_padded, max_new_tokens=3)
+    with pytest.raises(ValueError, match="streamer"):
+        model.generate(ids, max_new_tokens=3, streamer=object())
+
+
+def check_harness_counts_model_calls(model, rows):
+    from hf_latentlm.eval.sampling import sample_continuations
+    from hf_latentlm.eval.speed import measure_generation_speed
+
+    assert sample_continuations(model, rows[1600:1604, :16], 6, seed=0).shape == (4, 6)
+    batch = rows[1600:1602, :16]
+    speed = measure_generation_speed(model, batch, max_new_tokens=12, repeats=1, seed=0)
+    torch.manual_seed(0)  # the harness seeds the global RNG, from which per-row seeds are drawn by default
+    own = model.generate(batch, max_new_tokens=12, eos_token_id=None, return_dict_in_generate=True)
+    # The harness counts forward calls with a hook; the family reports them per row: a batch makes max(row) calls.
+    assert speed["new_tokens_per_row"] == 12
+    assert speed["model_calls_per_token"] == pytest.approx(own.model_calls.max().item() / 12)
+
+
+def sibling_modules(modeling_file: Path) -> set[str]:
+    """Every flat sibling module `modeling_file` needs, following `from .x import` recursively."""
+    seen, todo = set(), [modeling_file]
+    while todo:
+        path = todo.pop()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module not in seen:
+                seen.add(node.module)
+                todo.append(path.with_name(f"{node.module}.py"))
+    return seen
+
+
+def check_checkpoint_loads_without_the_package(model, tokenizer, tmp_path, isolated_generate):
+    import sys
+
+    model.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    files = {p.name for p in (tmp_path / "ckpt").iterdir()}
+    source = Path(sys.modules[type(model).__module__].__file__)
+    assert {source.name, "model.safetensors"} | {f"{m}.py" for m in sibling_modules(source)} <= files
+    auto_map = json.loads((tmp_path / "ckpt" / "config.json").read_text())["auto_map"]
+    assert set(auto_map) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    prompt = [[5, 60, 700, 42, 9, 31, 17]]
+    options = {"eos_token_id": None, **seeded(model, [11])}
+    expected = model.generate(torch.tensor(prompt), max_new_tokens=12, **options)[0, 7:].tolist()
+    for auto_class in ("AutoModelForCausalLM", "AutoModel"):
+        result = isolated_generate(tmp_path / "ckpt", auto_class, prompt, 12, options, tmp_path / "hf_home")
+        assert result["tokens"] == expected, auto_class
+
+
+def train_with_cli(family: str, root: Path, run_cli) -> Path:
+    """`hf-latentlm train --family <family> --preset tiny` for 2 steps, after training its components the same
+    way; returns the output folder."""
+    spec = get_family(family)
+    argv = ["train", "--family", family, "--preset", "tiny", "--output-dir", str(root / family), "--max-steps", "2",
+            "--eval-every", "2", "--batch-size", "2"]
+    for name, source in spec.components.items():
+        argv += [f"--{name}", str(train_with_cli(source, root, run_cli))]
+    code, stdout, err = run_cli(*argv)
+    assert code == 0, err
+    config = json.loads((root / family / "config.json").read_text())
+    assert config["model_type"] == (spec.model_type or config["model_type"])
+    if spec.language_model:
+        assert f"{family}:" in stdout and "tokens per model call" in stdout and "AR baseline (tiny)" in stdout
+    return root / family
+
+
+def check_cli_round_trip(family: str, tmp_path, run_cli):
+    folder = train_with_cli(family, tmp_path, run_cli)
+    code, stdout, err = run_cli("generate", "--model", str(folder), "--prompt", "HAMLET.\n", "--max-new-tokens", "9",
+                                "--seed", "3")
+    assert code == 0, err
+    assert stdout.startswith("HAMLET.\n") and stdout == run_cli("generate", "--model", str(folder), "--prompt",
+                                                                "HAMLET.\n", "--max-new-tokens", "9", "--seed",
+                                                                "3")[1]
+    code, _, err = run_cli("generate", "--model", str(folder), "--prompt", "   ")
+    assert code == 2 and "prompt is empty" in err and len(err.strip().splitlines()) == 1
