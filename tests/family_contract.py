@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hf_latentlm.families import FAMILIES, build_model, get_family
-from hf_latentlm.modeling.generation import GenerateOutput, MultiTokenGenerationMixin
+from hf_latentlm.modeling.generation import MultiTokenGenerationMixin
 
 
 def multi_token_families() -> list[str]:
@@ -68,7 +68,7 @@ def check_eos_stops_a_row_and_pads_it(model, rows, tokenizer):
     stop = int(free[first])
     out = model.generate(prompt, max_new_tokens=20, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id,
                          return_dict_in_generate=True, **seeded(model, [1, 2]))
-    assert isinstance(out, GenerateOutput)
+    assert type(out).__name__ == "GenerateOutput"  # by name: a remote-code or copied family has its own class
     assert out.num_new_tokens[0].item() == first + 1
     assert out.sequences[0, 8:8 + first + 1].tolist() == free[:first + 1].tolist()
     assert (out.sequences[0, 8 + first + 1:] == tokenizer.pad_token_id).all()

@@ -45,3 +45,46 @@ def test_calm_matches_the_ar_backbone_and_its_head_is_about_a_tenth(tokenizer):
     trainable = sum(p.numel() for p in calm.parameters() if p.requires_grad)
     head = sum(p.numel() for p in calm.energy_head.parameters())
     assert 0.05 < head / trainable < 0.15  # paper: the head is ≈10% of the model
+
+
+def test_preset_names_match_the_table_and_model_types_are_unique():
+    from hf_latentlm.families import FAMILIES
+
+    assert all(preset.name == name for name, preset in PRESETS.items())
+    types = [spec.model_type for spec in FAMILIES.values() if spec.model_type]
+    assert len(types) == len(set(types))
+
+
+def test_a_derived_preset_keeps_the_family_settings_of_its_name(tokenizer):
+    import dataclasses
+
+    derived = dataclasses.replace(PRESETS["tiny"], seq_len=32)
+    assert build_model("plm", derived, tokenizer).config.num_auxiliaries == 128  # tiny's CPU setting
+    assert build_model("plm", dataclasses.replace(PRESETS["base"], hidden_size=96, num_layers=1,
+                                                  intermediate_size=96), tokenizer).config.num_auxiliaries == 512
+    anonymous = dataclasses.replace(PRESETS["tiny"], name="mine")
+    with pytest.raises(ValueError, match="plm family has settings for presets .* not for 'mine'"):
+        build_model("plm", anonymous, tokenizer)
+    assert build_model("ar", anonymous, tokenizer).config.hidden_size == 64  # no scale-dependent settings
+
+
+def test_components_of_the_wrong_kind_are_refused(tokenizer, tmp_path):
+    from hf_latentlm.families import check_components
+
+    with pytest.raises(ValueError, match="calm family needs a trained autoencoder: train one with `--family calm-ae`"):
+        check_components("calm", {})
+    with pytest.raises(ValueError, match="--autoencoder only applies to --family calm, not 'plm'"):
+        check_components("plm", {"autoencoder": "x"})
+    build_model("plm", "tiny", tokenizer).save_pretrained(tmp_path / "plm")
+    with pytest.raises(ValueError, match="holds a 'plm' model, expected a 'calm_autoencoder'"):
+        build_model("calm", "tiny", tokenizer, autoencoder=str(tmp_path / "plm"))
+    # Right type, wrong weights: a file from another architecture saved under the autoencoder's config.
+    ae = build_model("calm-ae", "tiny", tokenizer)
+    ae.save_pretrained(tmp_path / "ae")
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tmp_path / "ae" / "model.safetensors")
+    weights["stray.weight"] = weights.pop(next(iter(weights)))
+    save_file(weights, tmp_path / "ae" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="weights do not match CALMAutoencoder"):
+        build_model("calm", "tiny", tokenizer, autoencoder=str(tmp_path / "ae"))
