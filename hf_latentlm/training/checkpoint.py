@@ -5,10 +5,11 @@ A checkpoint folder `checkpoint-<step>` holds:
   folder alone is enough for `generate`, `eval` and a Hub upload;
 - `optimizer.safetensors`: every optimizer state tensor, keyed `state.<param index>.<name>`;
 - `rng_rank<r>.safetensors`: torch (CPU, and CUDA when present) RNG state of each process;
-- `trainer_state.json`: step, data position, optimizer param groups, scheduler state, Python
-  and NumPy RNG state, the training config.
-Everything is written into a temporary sibling folder and renamed into place, so a crash
-never leaves a half-written `checkpoint-<step>`.
+  `rng_rank<r>.json` (r > 0): its Python and NumPy RNG state;
+- `trainer_state.json`: step, data position, number of processes, optimizer param groups,
+  scheduler state, Python and NumPy RNG state of rank 0, the training config.
+Everything, every rank's RNG included, is written into a temporary sibling folder and renamed
+into place, so a crash never leaves a half-written `checkpoint-<step>`.
 """
 
 from __future__ import annotations
@@ -104,9 +105,12 @@ def atomic_directory_write(target: Path, write) -> None:
 
 
 def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, scheduler, state: dict,
-                    keep_last: int | None = 2) -> Path:
-    """Write `checkpoint-<step>` atomically (main process only) and prune older ones."""
+                    keep_last: int | None = 2, rank_rng: list | None = None) -> Path:
+    """Write `checkpoint-<step>` atomically (main process only) and prune older ones (`keep_last` 0 or
+    None keeps all). `rank_rng`: every rank's `capture_rng_state()`, rank 0 first (default: this process's
+    only)."""
     target = Path(output_dir) / f"checkpoint-{step:07d}"
+    rank_rng = rank_rng or [capture_rng_state()]
 
     def write(folder: Path):
         model.save_pretrained(folder)
@@ -114,8 +118,10 @@ def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, schedule
             tokenizer.save_pretrained(folder)
         tensors, param_groups = optimizer_state_to_flat(optimizer)
         save_file(tensors, folder / "optimizer.safetensors")
-        rng_tensors, rng_meta = capture_rng_state()
+        rng_tensors, rng_meta = rank_rng[0]
         save_file(rng_tensors, folder / "rng_rank0.safetensors")
+        for rank, rng in enumerate(rank_rng[1:], start=1):
+            save_rank_rng(folder, rank, rng)
         full_state = dict(state, step=step, param_groups=param_groups,
                           scheduler=scheduler.state_dict(), rng={"0": rng_meta})
         (folder / STATE_FILE).write_text(json.dumps(full_state, indent=1, default=_json_default))
@@ -127,9 +133,9 @@ def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, schedule
     return target
 
 
-def save_rank_rng(checkpoint: Path, rank: int) -> None:
-    """Non-main ranks add their own RNG state next to the main process's checkpoint."""
-    tensors, meta = capture_rng_state()
+def save_rank_rng(checkpoint: Path, rank: int, rng: tuple[dict, dict] | None = None) -> None:
+    """Write rank `rank`'s RNG state (default: this process's) into `checkpoint` (rank > 0)."""
+    tensors, meta = rng or capture_rng_state()
     tmp = checkpoint / f".tmp-rng_rank{rank}.safetensors"
     save_file(tensors, tmp)
     os.replace(tmp, checkpoint / f"rng_rank{rank}.safetensors")
@@ -138,10 +144,17 @@ def save_rank_rng(checkpoint: Path, rank: int) -> None:
     os.replace(meta_tmp, checkpoint / f"rng_rank{rank}.json")
 
 
-def load_checkpoint(checkpoint: Path, model, optimizer, scheduler, rank: int = 0) -> dict:
-    """Restore weights, optimizer, scheduler and this rank's RNG; return the trainer state."""
+def load_checkpoint(checkpoint: Path, model, optimizer, scheduler, rank: int = 0, restore_rng: bool = True,
+                    num_processes: int | None = None) -> dict:
+    """Restore weights, optimizer, scheduler and (`restore_rng`) this rank's RNG; return the trainer state.
+    `num_processes`: refuse a checkpoint written by another number of processes."""
     checkpoint = Path(checkpoint)
     state = json.loads((checkpoint / STATE_FILE).read_text())
+    written_by = state.get("num_processes", 1)
+    if num_processes is not None and num_processes != written_by:
+        # The data order and the per-rank RNG streams are both functions of the number of processes.
+        raise ValueError(f"{checkpoint} was written by {written_by} process(es); resume it with {written_by}, "
+                         f"not {num_processes}")
     weights = {}
     for shard in sorted(checkpoint.glob("model*.safetensors")):
         weights.update(load_file(shard))
@@ -157,11 +170,23 @@ def load_checkpoint(checkpoint: Path, model, optimizer, scheduler, rank: int = 0
     optimizer.load_state_dict(optimizer_state_from_flat(load_file(checkpoint / "optimizer.safetensors"),
                                                         state["param_groups"]))
     scheduler.load_state_dict(state["scheduler"])
-    rng_file = checkpoint / f"rng_rank{rank}.safetensors"
-    if rng_file.is_file():
-        meta = state["rng"]["0"] if rank == 0 else json.loads((checkpoint / f"rng_rank{rank}.json").read_text())
-        restore_rng_state(load_file(rng_file), meta)
+    if restore_rng:
+        load_rank_rng(checkpoint, rank)
     return state
+
+
+def load_rank_rng(checkpoint: Path, rank: int = 0) -> None:
+    """Set this process's RNG to rank `rank`'s state in `checkpoint`; a missing one is an error, not a
+    silent skip (the run would go on, just not the same run)."""
+    checkpoint = Path(checkpoint)
+    rng_file = checkpoint / f"rng_rank{rank}.safetensors"
+    if not rng_file.is_file():
+        raise FileNotFoundError(f"{checkpoint} has no RNG state for rank {rank} ({rng_file.name})")
+    if rank == 0:
+        meta = json.loads((checkpoint / STATE_FILE).read_text())["rng"]["0"]
+    else:
+        meta = json.loads((checkpoint / f"rng_rank{rank}.json").read_text())
+    restore_rng_state(load_file(rng_file), meta)
 
 
 def _json_default(value):

@@ -2,9 +2,13 @@
 
 Any model whose forward takes `input_ids`/`labels` and returns `loss` trains here; every other
 0-dim tensor in its output (e.g. `encoder_nll`, `decoder_nll`, `alignment_loss`) is logged as a
-named loss part. Data order is a pure function of (seed, step, rank), so training resumes
-exactly where it stopped, on one process or many (`torchrun --nproc_per_node N` or
-`accelerate launch --multi_gpu --num_processes N`).
+named loss part. Data order is a pure function of (seed, step, rank) and every rank's RNG state
+is checkpointed, so training resumes exactly where it stopped, on one process or many
+(`torchrun --nproc_per_node N` or `accelerate launch --multi_gpu --num_processes N`; a resume
+needs the same N).
+
+`train` runs four phases, each a function: `load_rows`, `build` (model, optimizer, schedule),
+`resume`, `train_steps` (the loop, logging, evaluation and checkpoints).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from tqdm.auto import tqdm
 
 from ..families import build_model
 from ..presets import get_preset
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_rank_rng
+from .checkpoint import capture_rng_state, latest_checkpoint, load_checkpoint, load_rank_rng, save_checkpoint
 from .corpus import load_default_tokenizer
 from .data import documents_to_dataset, load_split_documents, pack_dataset
 
@@ -46,11 +50,13 @@ class TrainConfig:
     learning_rate, schedule ("cosine" | "wsd"), warmup_steps (default: the preset's, capped at
         a tenth of max_steps), min_lr_ratio (floor of the decay
         as a fraction of the peak), decay_fraction (WSD: share of steps spent decaying).
-    weight_decay, adam_beta1, adam_beta2, adam_eps, grad_clip: AdamW settings (decay is not
-        applied to norms, biases or other 1-D parameters).
+    weight_decay, adam_beta1, adam_beta2, adam_eps: AdamW settings (decay is not applied to norms,
+        biases or other 1-D parameters); grad_clip: global gradient-norm clip (0 turns it off; the
+        norm is logged either way).
     eval_every / eval_batches: validation loss every N steps over the first N batches of the
-        validation split (0 disables). save_every: checkpoint period (the last step always
-        saves); keep_checkpoints: how many to keep. log_every: metrics period.
+        validation split (eval_every 0 disables). save_every: checkpoint period (the last step
+        always saves); keep_checkpoints: how many to keep (0 keeps all). log_every: metrics period
+        (loss values leave the device only on log steps).
     train_files / validation_files: the user's own text files instead of the embedded corpus;
         tokenizer: a tokenizer folder or hub id instead of the embedded one.
     mixed_precision: passed to Accelerate ("no", "bf16", "fp16").
@@ -109,9 +115,12 @@ class TrainConfig:
             # A shortened run (--max-steps) keeps warmup to at most a tenth of its steps.
             values["warmup_steps"] = min(preset.warmup_steps, values["max_steps"] // 10)
         cfg = TrainConfig(**values)
-        for name in ("max_steps", "batch_size", "grad_accum", "seq_len"):
+        for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "save_every", "log_every", "eval_batches"):
             if getattr(cfg, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+        for name in ("eval_every", "keep_checkpoints", "grad_clip"):
+            if getattr(cfg, name) < 0:
+                raise ValueError(f"{name} must be at least 0, got {getattr(cfg, name)}")
         if cfg.learning_rate <= 0:
             raise ValueError(f"learning_rate must be positive, got {cfg.learning_rate}")
         if cfg.schedule not in ("cosine", "wsd"):
@@ -168,13 +177,22 @@ def sample_indices(step: int, micro: int, rank: int, world: int, cfg: TrainConfi
     return out
 
 
+def step_losses(output) -> dict[str, torch.Tensor]:
+    """`loss` and every other 0-dim tensor of a model output (the named loss parts), detached and still on
+    the device: reading them is left to the log steps."""
+    parts = {key: value for key, value in output.items()
+             if key != "loss" and isinstance(value, torch.Tensor) and value.dim() == 0}
+    return {key: value.detach().float() for key, value in {"loss": output.loss, **parts}.items()}
+
+
 def loss_parts(output) -> dict[str, float]:
     """Every 0-dim tensor of a model output other than `loss`: the named parts to log."""
-    parts = {}
-    for key, value in output.items():
-        if key != "loss" and isinstance(value, torch.Tensor) and value.dim() == 0:
-            parts[key] = value.detach().float().item()
-    return parts
+    return {key: value.item() for key, value in step_losses(output).items() if key != "loss"}
+
+
+def to_floats(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    """0-dim tensors on one device as floats, in a single device-to-host copy (one sync)."""
+    return dict(zip(tensors, torch.stack([t.float() for t in tensors.values()]).tolist()))
 
 
 @torch.no_grad()
@@ -197,6 +215,9 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
 
     `train_rows` / `val_rows` ([N, seq_len] id tensors) override the data pipeline, e.g. for a
     `datasets.Dataset` packed with `pack_dataset(...)["input_ids"]`.
+    `on_step(step, metrics)` is called after every optimizer step with float metrics (loss, its parts,
+    lr, grad_norm, and tokens_per_s / val_loss on the steps that have them); reading them costs a
+    device sync every step, which a run without `on_step` makes only on log steps.
     """
     cfg = cfg.resolved()
     # Without cpu=True, Accelerate under torchrun on a CPU-only machine silently runs every
@@ -207,6 +228,23 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
 
+    tokenizer, train_rows, val_rows = load_rows(cfg, tokenizer, train_rows, val_rows)
+    model, optimizer, scheduler = build(cfg, model, tokenizer)
+    checkpoint, start_step = resume(cfg, accelerator, model, optimizer, scheduler)
+    # The scheduler is stepped by us once per optimizer step, so it is not prepared.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if checkpoint is not None:
+        # The RNG is restored last, after everything that may draw from it (building the model,
+        # `prepare`), so the first resumed step draws exactly what the uninterrupted run drew.
+        load_rank_rng(checkpoint, accelerator.process_index)
+    model.train()
+    return train_steps(cfg, accelerator, model, optimizer, scheduler, tokenizer, train_rows, val_rows,
+                       start_step, on_step)
+
+
+def load_rows(cfg: TrainConfig, tokenizer, train_rows, val_rows):
+    """Phase 1: the tokenizer and the packed [N, seq_len] train / validation rows (the given ones, or
+    the embedded corpus / the user's files); validation is cut to `eval_batches` batches."""
     if tokenizer is None:
         if cfg.tokenizer:
             from transformers import AutoTokenizer
@@ -221,25 +259,41 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
         val_rows = pack_dataset(documents_to_dataset(docs), tokenizer, cfg.seq_len)["input_ids"]
     if val_rows is not None:
         val_rows = val_rows[: cfg.eval_batches * cfg.batch_size]
+    return tokenizer, train_rows, val_rows
 
+
+def build(cfg: TrainConfig, model, tokenizer):
+    """Phase 2: the model (unless given; components come from `cfg.components`), AdamW and the
+    learning-rate schedule."""
     if model is None:
         model = build_model(cfg.family, cfg.preset, tokenizer, **cfg.components, **cfg.model_kwargs)
     optimizer = make_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+    return model, optimizer, scheduler
 
-    start_step = 0
-    if cfg.resume:
-        checkpoint = latest_checkpoint(output_dir)
-        if checkpoint is None:
-            raise FileNotFoundError(f"--resume: no checkpoint-* folder in {output_dir}")
-        state = load_checkpoint(checkpoint, model, optimizer, scheduler, rank=accelerator.process_index)
-        start_step = state["step"]
-        if accelerator.is_main_process:
-            print(f"resumed from {checkpoint} at step {start_step}")
-    # The scheduler is stepped by us once per optimizer step, so it is not prepared.
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model.train()
 
+def resume(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, scheduler) -> tuple[Path | None, int]:
+    """Phase 3: with `cfg.resume`, load the latest checkpoint's weights, optimizer and schedule into
+    the unwrapped objects; return (checkpoint, its step), or (None, 0) for a fresh run. The RNG is
+    restored by the caller, after `prepare`."""
+    if not cfg.resume:
+        return None, 0
+    checkpoint = latest_checkpoint(cfg.output_dir)
+    if checkpoint is None:
+        raise FileNotFoundError(f"--resume: no checkpoint-* folder in {cfg.output_dir}")
+    state = load_checkpoint(checkpoint, model, optimizer, scheduler, rank=accelerator.process_index,
+                            restore_rng=False, num_processes=accelerator.num_processes)
+    if accelerator.is_main_process:
+        print(f"resumed from {checkpoint} at step {state['step']}")
+    return checkpoint, state["step"]
+
+
+def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, scheduler, tokenizer,
+                train_rows: torch.Tensor, val_rows: torch.Tensor | None, start_step: int,
+                on_step: Callable[[int, dict], None] | None) -> dict:
+    """Phase 4: optimizer steps `start_step`..end (stop_at_step or max_steps), with logging,
+    evaluation and checkpoints; the final model is saved when max_steps is reached."""
+    output_dir = Path(cfg.output_dir)
     world, rank = accelerator.num_processes, accelerator.process_index
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
     end_step = cfg.stop_at_step if cfg.stop_at_step is not None else cfg.max_steps
@@ -248,33 +302,39 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
                desc=f"{cfg.family}-{cfg.preset}", dynamic_ncols=True)
     last: dict = {}
     window_start, window_tokens = time.perf_counter(), 0
+    # grad_clip 0 turns clipping off; an infinite threshold still measures the norm for the log.
+    max_grad_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
 
     for step in range(start_step, end_step):
-        step_loss, parts_sum = 0.0, {}
+        losses: dict[str, torch.Tensor] = {}  # loss and its parts, averaged over micro-steps, on the device
         for micro in range(cfg.grad_accum):
             rows = train_rows[sample_indices(step, micro, rank, world, cfg, len(train_rows))].to(accelerator.device)
             sync = nullcontext() if micro == cfg.grad_accum - 1 else accelerator.no_sync(model)
             with sync, accelerator.autocast():
                 output = model(input_ids=rows, labels=rows)
                 accelerator.backward(output.loss / cfg.grad_accum)
-            step_loss += output.loss.detach().float().item() / cfg.grad_accum
-            for key, value in loss_parts(output).items():
-                parts_sum[key] = parts_sum.get(key, 0.0) + value / cfg.grad_accum
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            for key, value in step_losses(output).items():
+                losses[key] = losses.get(key, 0.0) + value / cfg.grad_accum
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         window_tokens += tokens_per_step
         done = step + 1
 
-        last = {"step": done, "loss": step_loss, **parts_sum, "lr": scheduler.get_last_lr()[0],
-                "grad_norm": float(grad_norm)}
-        if done % cfg.log_every == 0 or done == end_step:
+        log_now = done % cfg.log_every == 0 or done == end_step
+        last = {"step": done}
+        if log_now or on_step is not None:
+            # The step's only device-to-host copy; without on_step it happens on log steps only.
+            values = to_floats({**losses, "grad_norm": grad_norm})
+            grad_norm_value = values.pop("grad_norm")
+            last.update(values, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm_value)
+        if log_now:
             elapsed = time.perf_counter() - window_start
             last["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
             window_start, window_tokens = time.perf_counter(), 0
             _append_jsonl(metrics_path, last, accelerator)
-            bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+            bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
         if val_rows is not None and cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == end_step):
             last["val_loss"] = evaluate_loss(model, val_rows, cfg.batch_size, accelerator)
             _append_jsonl(metrics_path, {"step": done, "val_loss": last["val_loss"]}, accelerator)
@@ -296,14 +356,18 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
 def _save(accelerator, output_dir, step, model, tokenizer, optimizer, scheduler, cfg):
     state = {"data_position": step * cfg.batch_size * cfg.grad_accum * accelerator.num_processes,
              "num_processes": accelerator.num_processes, "config": asdict(cfg)}
+    # Every rank's RNG state travels to the main process, which writes it inside the atomic
+    # checkpoint: a checkpoint that exists resumes every rank.
+    rng = capture_rng_state()
+    rank_rng = [rng]
+    if accelerator.num_processes > 1:
+        rank_rng = [None] * accelerator.num_processes
+        torch.distributed.gather_object(rng, rank_rng if accelerator.is_main_process else None, dst=0)
     checkpoint = None
     if accelerator.is_main_process:
         checkpoint = save_checkpoint(output_dir, step, accelerator.unwrap_model(model), tokenizer,
                                      optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer,
-                                     scheduler, state, keep_last=cfg.keep_checkpoints)
-    accelerator.wait_for_everyone()
-    if not accelerator.is_main_process:
-        save_rank_rng(Path(output_dir) / f"checkpoint-{step:07d}", accelerator.process_index)
+                                     scheduler, state, keep_last=cfg.keep_checkpoints, rank_rng=rank_rng)
     accelerator.wait_for_everyone()
     return checkpoint
 

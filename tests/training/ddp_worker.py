@@ -1,7 +1,12 @@
-"""Run by test_loop.py (under torchrun or alone): train `tiny` for 4 steps on fixed rows and
-write this rank's final parameters to OUT/rank<r>.safetensors."""
+"""Run by test_loop.py (under torchrun or alone): train a `tiny` model of FAMILY on fixed rows and write this
+rank's final parameters to OUT/rank<r>.safetensors.
 
-import sys
+    ddp_worker.py OUT ROWS BATCH_SIZE [--family F] [--max-steps N] [--stop-at-step N] [--resume]
+                  [--component NAME=DIR ...] [--rank-draws]
+"""
+
+import argparse
+import os
 
 import torch
 from safetensors.torch import save_file
@@ -10,13 +15,35 @@ from hf_latentlm.families import build_model
 from hf_latentlm.training.corpus import load_default_tokenizer
 from hf_latentlm.training.loop import TrainConfig, train
 
-out, rows_file, batch_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
-rows = torch.load(rows_file, weights_only=True)
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("rows_file")
+parser.add_argument("batch_size", type=int)
+parser.add_argument("--family", default="ar")
+parser.add_argument("--max-steps", type=int, default=4)
+parser.add_argument("--stop-at-step", type=int)
+parser.add_argument("--resume", action="store_true")
+parser.add_argument("--component", action="append", default=[], help="NAME=DIR")
+parser.add_argument("--rank-draws", action="store_true", help="rank r draws r + 1 numbers after step 1")
+args = parser.parse_args()
+
+rows = torch.load(args.rows_file, weights_only=True)
 tokenizer = load_default_tokenizer()
+components = dict(c.split("=", 1) for c in args.component)
 torch.manual_seed(0)
-model = build_model("ar", "tiny", tokenizer)
-cfg = TrainConfig(family="ar", preset="tiny", output_dir=out, max_steps=4, batch_size=batch_size, seq_len=64,
-                  eval_every=0, save_every=4, log_every=1, progress_bar=False, seed=0)
-train(cfg, model=model, tokenizer=tokenizer, train_rows=rows)
-rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{out}/rank{rank}.safetensors")
+model = build_model(args.family, "tiny", tokenizer, **components)
+cfg = TrainConfig(family=args.family, preset="tiny", output_dir=args.out, max_steps=args.max_steps,
+                  stop_at_step=args.stop_at_step, resume=args.resume, batch_size=args.batch_size, seq_len=64,
+                  eval_every=0, save_every=args.max_steps, log_every=1, progress_bar=False, seed=0,
+                  components=components)
+rank = int(os.environ.get("RANK", "0"))
+
+
+def rank_draws(step, metrics):
+    # Puts the ranks' RNG streams apart, so a rank resumed from another rank's RNG state would show.
+    if args.rank_draws and step == 1:
+        torch.rand(rank + 1)
+
+
+train(cfg, model=model, tokenizer=tokenizer, train_rows=rows, on_step=rank_draws)
+save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{args.out}/rank{rank}.safetensors")

@@ -1,15 +1,19 @@
+import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from accelerate import Accelerator
 from safetensors.torch import load_file
 
-from hf_latentlm.families import build_model
+from hf_latentlm.families import FAMILIES, build_model
+from hf_latentlm.training import loop
 from hf_latentlm.training.checkpoint import latest_checkpoint, list_checkpoints
 from hf_latentlm.training.loop import TrainConfig, lr_multiplier, sample_indices, train
 
@@ -23,19 +27,53 @@ def tiny_config(tmp_path, **overrides) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def run(cfg, tokenizer, rows):
+def run(cfg, tokenizer, rows, on_step=None):
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.family, cfg.preset, tokenizer)
-    metrics = train(cfg, model=model, tokenizer=tokenizer, train_rows=rows[:200], val_rows=rows[200:240])
+    model = build_model(cfg.family, cfg.preset, tokenizer, **cfg.components)
+    metrics = train(cfg, model=model, tokenizer=tokenizer, train_rows=rows[:200], val_rows=rows[200:240],
+                    on_step=on_step)
     return model, metrics
 
 
-def test_exact_resume_matches_uninterrupted_run(tmp_path, tokenizer, tiny_rows):
-    straight_model, straight = run(tiny_config(tmp_path / "a"), tokenizer, tiny_rows)
-    _, first_half = run(tiny_config(tmp_path / "b", stop_at_step=4), tokenizer, tiny_rows)
+def component_folders(family: str, tokenizer, root: Path) -> dict[str, str]:
+    """Every component `family` needs (registry: name -> producing family), built untrained at `tiny` with a
+    fixed seed and saved under `root`: name -> folder, as `TrainConfig.components` takes them."""
+    folders = {}
+    for name, source in FAMILIES[family].components.items():
+        folder = root / f"{family}-{name}"
+        if not folder.exists():
+            inner = component_folders(source, tokenizer, root)
+            torch.manual_seed(0)
+            build_model(source, "tiny", tokenizer, **inner).save_pretrained(folder)
+        folders[name] = str(folder)
+    return folders
+
+
+def draws_randomness(family: str, tokenizer, rows, components: dict) -> bool:
+    """Whether a training forward of `family` reads the global torch RNG (two seeds, two losses)."""
+    torch.manual_seed(0)
+    model = build_model(family, "tiny", tokenizer, **components).train()
+    losses = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        losses.append(model(input_ids=rows[:2], labels=rows[:2]).loss.item())
+    return losses[0] != losses[1]
+
+
+def max_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_exact_resume_matches_uninterrupted_run(family, tmp_path, tokenizer, tiny_rows, monkeypatch):
+    components = component_folders(family, tokenizer, tmp_path / "components")
+    config = lambda out, **kw: tiny_config(out, family=family, components=components, **kw)  # noqa: E731
+    straight_model, straight = run(config(tmp_path / "a"), tokenizer, tiny_rows)
+    _, first_half = run(config(tmp_path / "b", stop_at_step=4), tokenizer, tiny_rows)
     assert first_half["step"] == 4
     assert not (tmp_path / "b" / "model.safetensors").exists(), "an interrupted run must not write the final model"
-    resumed_model, resumed = run(tiny_config(tmp_path / "b", resume=True), tokenizer, tiny_rows)
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    resumed_model, resumed = run(config(tmp_path / "b", resume=True), tokenizer, tiny_rows)
     assert resumed["step"] == 8
     assert abs(resumed["loss"] - straight["loss"]) < 1e-5
     assert abs(resumed["val_loss"] - straight["val_loss"]) < 1e-5
@@ -45,6 +83,88 @@ def test_exact_resume_matches_uninterrupted_run(tmp_path, tokenizer, tiny_rows):
     steps = [json.loads(l)["step"] for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(l)]
     assert steps == list(range(1, 9))
+    if draws_randomness(family, tokenizer, tiny_rows, components):
+        # The test has teeth: the same resume without restoring the RNG is another run.
+        monkeypatch.setattr(loop, "load_rank_rng", lambda checkpoint, rank: None)
+        unrestored_model, _ = run(config(tmp_path / "c", resume=True), tokenizer, tiny_rows)
+        assert max_difference(straight_model, unrestored_model) > 1e-4
+
+
+def test_grad_accum_matches_one_big_batch(tmp_path, tokenizer, tiny_rows, monkeypatch):
+    """batch 2 x grad_accum 2 reads the same rows as batch 4 x 1 and, its loss divided by grad_accum, takes the
+    same steps. AdamW's update is blind to a constant gradient scale, so the per-step gradient norm is what shows
+    an undivided loss (clipping off, as clipping to 1 would hide it too)."""
+    big = tiny_config(tmp_path / "big", max_steps=4, eval_every=0, grad_clip=0).resolved()
+    accumulated = tiny_config(tmp_path / "acc", max_steps=4, eval_every=0, grad_clip=0, batch_size=2,
+                              grad_accum=2).resolved()
+    for step in range(4):
+        micro_rows = [sample_indices(step, micro, 0, 1, accumulated, 200) for micro in range(2)]
+        assert torch.equal(torch.cat(micro_rows), sample_indices(step, 0, 0, 1, big, 200))
+
+    def trained(cfg):
+        norms = []
+        model, _ = run(cfg, tokenizer, tiny_rows, on_step=lambda step, metrics: norms.append(metrics["grad_norm"]))
+        return model, torch.tensor(norms)
+
+    reference_model, reference_norms = trained(big)
+    model, norms = trained(accumulated)
+    torch.testing.assert_close(norms, reference_norms, atol=0, rtol=1e-4)
+    # Not bit-equal: summation order differs, and Adam turns rounding noise on near-zero gradients into
+    # up to ~1e-5 of movement.
+    assert max_difference(model, reference_model) < 5e-5
+    # The same comparison catches a loss that is not divided by grad_accum.
+    backward = Accelerator.backward
+    monkeypatch.setattr(Accelerator, "backward", lambda self, loss, **kw: backward(self, loss * 2, **kw))
+    _, undivided_norms = trained(dataclasses.replace(accumulated, output_dir=str(tmp_path / "undivided")))
+    assert not torch.allclose(undivided_norms, reference_norms, atol=0, rtol=1e-4)
+
+
+def test_grad_clip_zero_turns_clipping_off(tmp_path, tokenizer, tiny_rows):
+    """grad_clip 0 trains exactly as an unreachable clip threshold does, and still logs the gradient norm."""
+    models, metrics = {}, {}
+    for clip in (0.0, 1e9):
+        models[clip], metrics[clip] = run(tiny_config(tmp_path / str(clip), max_steps=2, eval_every=0, grad_clip=clip),
+                                          tokenizer, tiny_rows)
+    assert max_difference(models[0.0], models[1e9]) == 0
+    assert metrics[0.0]["grad_norm"] == metrics[1e9]["grad_norm"] > 1  # above the default clip of 1
+    torch.manual_seed(3)
+    assert max_difference(models[0.0], build_model("ar", "tiny", tokenizer)) > 1e-3
+
+
+def test_loss_leaves_the_device_on_log_steps_only(tmp_path, tokenizer, tiny_rows, monkeypatch):
+    """Without on_step, losses are read (one device-to-host copy) on log steps only; with on_step, every step
+    and its metrics carry float loss, loss parts, lr and grad_norm."""
+    reads = []
+    to_floats = loop.to_floats
+    monkeypatch.setattr(loop, "to_floats", lambda tensors: reads.append(1) or to_floats(tensors))
+    cfg = dict(family="plm", max_steps=6, log_every=4, eval_every=0, save_every=6)
+    _, last = run(tiny_config(tmp_path / "quiet", **cfg), tokenizer, tiny_rows)
+    assert len(reads) == 2  # steps 4 and 6 (the last)
+    logged = [json.loads(l) for l in (tmp_path / "quiet" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [4, 6]
+    expected = {"loss", "encoder_nll", "decoder_nll", "lr", "grad_norm"}
+    assert expected <= set(last) and all(isinstance(last[k], float) for k in expected)
+    seen = {}
+    run(tiny_config(tmp_path / "watched", **cfg), tokenizer, tiny_rows, on_step=lambda step, m: seen.update({step: m}))
+    assert sorted(seen) == list(range(1, 7))
+    assert all(expected <= set(m) and all(isinstance(m[k], float) for k in expected) for m in seen.values())
+
+
+def test_resume_refuses_another_number_of_processes(tmp_path, tokenizer, tiny_rows):
+    run(tiny_config(tmp_path, max_steps=2, stop_at_step=1, eval_every=0), tokenizer, tiny_rows)
+    state_file = latest_checkpoint(tmp_path) / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["num_processes"] == 1
+    state_file.write_text(json.dumps(dict(state, num_processes=2)))
+    with pytest.raises(ValueError, match="written by 2 process.*not 1"):
+        run(tiny_config(tmp_path, max_steps=2, eval_every=0, resume=True), tokenizer, tiny_rows)
+
+
+def test_resume_refuses_a_checkpoint_without_this_ranks_rng(tmp_path, tokenizer, tiny_rows):
+    run(tiny_config(tmp_path, max_steps=2, stop_at_step=1, eval_every=0), tokenizer, tiny_rows)
+    (latest_checkpoint(tmp_path) / "rng_rank0.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no RNG state for rank 0"):
+        run(tiny_config(tmp_path, max_steps=2, eval_every=0, resume=True), tokenizer, tiny_rows)
 
 
 def test_training_reduces_loss_and_writes_self_sufficient_folder(tmp_path, tokenizer, tiny_rows):
@@ -72,7 +192,9 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path, tokenizer, tiny_ro
 @pytest.mark.parametrize("field,value,match", [
     ("max_steps", 0, "max_steps"), ("learning_rate", -1.0, "learning_rate"), ("schedule", "linear", "schedule"),
     ("warmup_steps", 100, "warmup_steps"), ("preset", "huge", "preset"), ("seq_len", 100000, "seq_len"),
-    ("stop_at_step", 9, "stop_at_step"),
+    ("stop_at_step", 9, "stop_at_step"), ("save_every", 0, "save_every"), ("log_every", 0, "log_every"),
+    ("eval_every", -1, "eval_every"), ("eval_batches", 0, "eval_batches"), ("keep_checkpoints", -1, "keep_checkpoints"),
+    ("grad_clip", -0.5, "grad_clip"),
 ])
 def test_bad_config_values_are_named(tmp_path, field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -106,7 +228,7 @@ def test_two_process_data_parallel_matches_single_process(tmp_path, tokenizer, t
     rows_file = tmp_path / "rows.pt"
     torch.save(tiny_rows[:64].clone(), rows_file)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(WORKER), str(tmp_path / "ddp"), str(rows_file), "2"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -122,3 +244,34 @@ def test_two_process_data_parallel_matches_single_process(tmp_path, tokenizer, t
         torch.testing.assert_close(value, reference[name], atol=2e-5, rtol=1e-4, msg=f"DDP != single at {name}")
     moved = max((rank0[n] - p).abs().max().item() for n, p in initial.state_dict().items() if n in rank0)
     assert moved > 1e-3
+
+
+def test_two_process_resume_matches_uninterrupted_two_process_run(tmp_path, tokenizer, tiny_rows):
+    """torchrun with 2 CPU processes, for the first registered family whose training draws randomness: stopping
+    after step 2 and resuming ends with the same weights as the straight run. The worker makes each rank draw a
+    different amount after step 1, so the ranks' RNG states differ and each rank must get back its own."""
+    family = next(f for f in FAMILIES if draws_randomness(f, tokenizer, tiny_rows,
+                                                         component_folders(f, tokenizer, tmp_path / "components")))
+    components = component_folders(family, tokenizer, tmp_path / "components")
+    rows_file = tmp_path / "rows.pt"
+    torch.save(tiny_rows[:64].clone(), rows_file)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def launch(out, *flags):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(WORKER), str(tmp_path / out), str(rows_file), "2", "--family", family, "--rank-draws",
+               *[f"--component={name}={folder}" for name, folder in components.items()], *flags]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    launch("straight")
+    launch("resumed", "--stop-at-step", "2")
+    checkpoint = latest_checkpoint(tmp_path / "resumed")
+    rank_states = [load_file(checkpoint / f"rng_rank{r}.safetensors")["torch"] for r in range(2)]
+    assert not torch.equal(*rank_states), "the ranks' RNG states should differ at the checkpoint"
+    launch("resumed", "--resume")
+    for rank in range(2):
+        straight = load_file(tmp_path / "straight" / f"rank{rank}.safetensors")
+        resumed = load_file(tmp_path / "resumed" / f"rank{rank}.safetensors")
+        for name, value in straight.items():
+            torch.testing.assert_close(resumed[name], value, atol=1e-5, rtol=0, msg=f"rank {rank}: {name}")
