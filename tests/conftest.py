@@ -58,6 +58,18 @@ def left_pad_prompts(prompts, pad_id):
 
 
 @pytest.fixture
+def run_cli(capsys):
+    """`run_cli(*argv) -> (exit status, stdout, stderr)` of `hf-latentlm`, in this process."""
+    from hf_latentlm.cli import main
+
+    def run(*argv):
+        code = main(list(argv))
+        out = capsys.readouterr()
+        return code, out.out, out.err
+    return run
+
+
+@pytest.fixture
 def streamer():
     return RecordingStreamer()
 

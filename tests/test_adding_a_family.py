@@ -12,7 +12,6 @@ import pytest
 
 import family_contract as contract
 from hf_latentlm import families
-from hf_latentlm.cli import main
 
 MODELING = Path(families.__file__).parent / "modeling"
 TOY_FILES = Path(__file__).parent / "toy_family"
@@ -48,15 +47,6 @@ def toy_family(tmp_path_factory):
 @pytest.fixture(scope="module")
 def toy(toy_family, tokenizer):
     return contract.build_tiny(toy_family, tokenizer).eval()
-
-
-@pytest.fixture
-def run_cli(capsys):
-    def run(*argv):
-        code = main(list(argv))
-        out = capsys.readouterr()
-        return code, out.out, out.err
-    return run
 
 
 def test_the_registry_builds_the_toy_with_its_preset_settings(toy):

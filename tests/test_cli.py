@@ -6,12 +6,6 @@ import pytest
 from hf_latentlm.cli import main
 
 
-def run_cli(capsys, *argv):
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 @pytest.mark.parametrize("argv,needle", [
     (["train", "--preset", "gigantic", "--output-dir", "x"], "unknown preset 'gigantic'"),
     (["train", "--family", "rnn", "--output-dir", "x"], "unknown family 'rnn'"),
@@ -20,8 +14,8 @@ def run_cli(capsys, *argv):
     (["eval", "--model", "/nonexistent/folder"], "does not exist"),
     (["bench", "--model", "no-equals-sign"], "NAME=DIR"),
 ])
-def test_bad_input_is_one_line_and_nonzero(capsys, argv, needle):
-    code, _, err = run_cli(capsys, *argv)
+def test_bad_input_is_one_line_and_nonzero(run_cli, argv, needle):
+    code, _, err = run_cli(*argv)
     assert code == 2
     assert needle in err and len(err.strip().splitlines()) == 1
 
@@ -34,25 +28,25 @@ def test_argparse_errors_are_one_line(capsys):
     assert "invalid int value" in err and len(err.strip().splitlines()) == 1
 
 
-def test_train_generate_eval_round_trip(tmp_path, capsys):
+def test_train_generate_eval_round_trip(tmp_path, run_cli):
     out = tmp_path / "ar-tiny"
-    code, stdout, _ = run_cli(capsys, "train", "--family", "ar", "--preset", "tiny", "--output-dir", str(out),
+    code, stdout, _ = run_cli("train", "--family", "ar", "--preset", "tiny", "--output-dir", str(out),
                               "--max-steps", "4", "--eval-every", "2", "--save-every", "2", "--batch-size", "4")
     assert code == 0
     assert "--- sample" in stdout and "tokens per model call" in stdout
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
 
-    code, stdout, _ = run_cli(capsys, "generate", "--model", str(out), "--prompt", "HAMLET.\n",
+    code, stdout, _ = run_cli("generate", "--model", str(out), "--prompt", "HAMLET.\n",
                               "--max-new-tokens", "12", "--seed", "5")
-    again = run_cli(capsys, "generate", "--model", str(out), "--prompt", "HAMLET.\n", "--max-new-tokens", "12",
+    again = run_cli("generate", "--model", str(out), "--prompt", "HAMLET.\n", "--max-new-tokens", "12",
                     "--seed", "5")[1]
     assert code == 0 and stdout.startswith("HAMLET.\n") and stdout == again
-    code, _, err = run_cli(capsys, "generate", "--model", str(out), "--prompt", "   ")
+    code, _, err = run_cli("generate", "--model", str(out), "--prompt", "   ")
     assert code == 2 and "prompt is empty" in err
-    code, _, err = run_cli(capsys, "generate", "--model", str(out), "--prompt", "x", "--max-new-tokens", "5000")
+    code, _, err = run_cli("generate", "--model", str(out), "--prompt", "x", "--max-new-tokens", "5000")
     assert code == 2 and "position limit" in err
 
-    code, stdout, _ = run_cli(capsys, "eval", "--model", str(out), "--num-positions", "64", "--batch-size", "32")
+    code, stdout, _ = run_cli("eval", "--model", str(out), "--num-positions", "64", "--batch-size", "32")
     assert code == 0
     result = json.loads(stdout)
     for key in ("brier_1", "brier_2", "brier_3", "brier_4", "brierlm", "brierlm_2"):
@@ -62,8 +56,8 @@ def test_train_generate_eval_round_trip(tmp_path, capsys):
     assert 0 < result["nll"]["nll"] < 10 and result["nll"]["perplexity"] > 1
 
 
-def test_train_plm_prints_tokens_per_call_next_to_the_ar_baseline(tmp_path, capsys):
-    code, stdout, _ = run_cli(capsys, "train", "--family", "plm", "--preset", "tiny", "--output-dir",
+def test_train_plm_prints_tokens_per_call_next_to_the_ar_baseline(tmp_path, run_cli):
+    code, stdout, _ = run_cli("train", "--family", "plm", "--preset", "tiny", "--output-dir",
                               str(tmp_path / "plm"), "--max-steps", "2", "--eval-every", "2", "--batch-size", "2")
     assert code == 0
     assert "plm:" in stdout and "tokens per model call" in stdout and "AR baseline (tiny)" in stdout
@@ -76,27 +70,27 @@ def test_train_plm_prints_tokens_per_call_next_to_the_ar_baseline(tmp_path, caps
     assert abs(ratio - plm / ar) <= 0.005 + 0.5 * (1 + plm / ar) / (ar - 0.5) + 1e-9
 
 
-def test_train_calm_autoencoder_then_calm_then_generate(tmp_path, capsys):
+def test_train_calm_autoencoder_then_calm_then_generate(tmp_path, run_cli):
     ae, calm = tmp_path / "ae", tmp_path / "calm"
-    code, stdout, _ = run_cli(capsys, "train", "--family", "calm-ae", "--preset", "tiny", "--output-dir", str(ae),
+    code, stdout, _ = run_cli("train", "--family", "calm-ae", "--preset", "tiny", "--output-dir", str(ae),
                               "--max-steps", "3", "--eval-every", "3", "--batch-size", "2")
     assert code == 0 and "(sampled z)" in stdout and "mean posterior std" in stdout
-    code, _, err = run_cli(capsys, "generate", "--model", str(ae), "--prompt", "HAMLET.")
+    code, _, err = run_cli("generate", "--model", str(ae), "--prompt", "HAMLET.")
     assert code == 2 and "not a language model" in err
-    code, _, err = run_cli(capsys, "train", "--family", "calm", "--preset", "tiny", "--output-dir", str(calm))
+    code, _, err = run_cli("train", "--family", "calm", "--preset", "tiny", "--output-dir", str(calm))
     assert code == 2 and "--autoencoder" in err and len(err.strip().splitlines()) == 1
-    code, stdout, _ = run_cli(capsys, "train", "--family", "calm", "--preset", "tiny", "--output-dir", str(calm),
+    code, stdout, _ = run_cli("train", "--family", "calm", "--preset", "tiny", "--output-dir", str(calm),
                               "--autoencoder", str(ae), "--max-steps", "2", "--eval-every", "2", "--batch-size", "2")
     assert code == 0 and "calm:" in stdout and "4.00 tokens per model call" in stdout and "AR baseline" in stdout
     assert json.loads((calm / "config.json").read_text())["model_type"] == "calm"
-    code, stdout, _ = run_cli(capsys, "generate", "--model", str(calm), "--prompt", "HAMLET.\n", "--max-new-tokens",
+    code, stdout, _ = run_cli("generate", "--model", str(calm), "--prompt", "HAMLET.\n", "--max-new-tokens",
                               "9", "--temperature", "0.5")
     assert code == 0 and stdout.startswith("HAMLET.\n")
-    code, _, err = run_cli(capsys, "generate", "--model", str(calm), "--prompt", "HAMLET.", "--temperature", "2")
+    code, _, err = run_cli("generate", "--model", str(calm), "--prompt", "HAMLET.", "--temperature", "2")
     assert code == 2 and "temperature must be in (0, 1]" in err
 
 
-def test_bench_writes_json_and_table_with_ratios(tmp_path, capsys, tokenizer):
+def test_bench_writes_json_and_table_with_ratios(tmp_path, run_cli, tokenizer):
     import torch
 
     from hf_latentlm.families import build_model
@@ -108,7 +102,7 @@ def test_bench_writes_json_and_table_with_ratios(tmp_path, capsys, tokenizer):
         model.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
         paths[name] = tmp_path / name
-    code, stdout, _ = run_cli(capsys, "bench", "--model", f"ar={paths['ar']}", "--model", f"ar2={paths['ar2']}",
+    code, stdout, _ = run_cli("bench", "--model", f"ar={paths['ar']}", "--model", f"ar2={paths['ar2']}",
                               "--num-positions", "32", "--repeats", "1", "--max-new-tokens", "8",
                               "--output", str(tmp_path / "b.json"), "--markdown", str(tmp_path / "b.md"))
     assert code == 0

@@ -5,7 +5,6 @@ call counting, a checkpoint that loads without the package, and the CLI round tr
 import pytest
 
 import family_contract as contract
-from hf_latentlm.cli import main
 
 FAMILY_NAMES = contract.multi_token_families()
 
@@ -22,15 +21,6 @@ def family(request):
 @pytest.fixture(scope="module")
 def model(family, tokenizer):
     return contract.build_tiny(family, tokenizer).eval()
-
-
-@pytest.fixture
-def run_cli(capsys):
-    def run(*argv):
-        code = main(list(argv))
-        out = capsys.readouterr()
-        return code, out.out, out.err
-    return run
 
 
 def test_batched_rows_match_running_each_alone(model, tiny_rows, tokenizer, left_pad):

@@ -98,12 +98,7 @@ class PLMConfig(BackboneConfig):
             raise ValueError(f"PLMConfig.auxiliary_top_m ({self.auxiliary_top_m}) exceeds vocab_size ({self.vocab_size})")
         if self.k_pred > self.block_size:
             raise ValueError(f"PLMConfig.k_pred ({self.k_pred}) must be between 1 and block_size ({self.block_size})")
-        if self.acceptance not in ACCEPTANCE_RULES:
-            raise ValueError(f"PLMConfig.acceptance must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
-        if not 0 < self.acceptance_epsilon < 1:
-            raise ValueError(f"PLMConfig.acceptance_epsilon must be in (0, 1), got {self.acceptance_epsilon}")
-        if not 0 < self.acceptance_nucleus < 1:
-            raise ValueError(f"PLMConfig.acceptance_nucleus must be in (0, 1), got {self.acceptance_nucleus}")
+        check_acceptance(self.acceptance, self.acceptance_epsilon, self.acceptance_nucleus, owner="PLMConfig.")
         for name in ("alignment_decoder_layer", "alignment_encoder_layer"):
             if not 0 <= getattr(self, name) < self.num_hidden_layers:
                 raise ValueError(f"PLMConfig.{name} must be in [0, num_hidden_layers={self.num_hidden_layers}), "
@@ -112,4 +107,14 @@ class PLMConfig(BackboneConfig):
             raise ValueError(f"PLMConfig.alignment_weight must be >= 0, got {self.alignment_weight}")
 
 
-__all__ = ["PLMConfig"]
+def check_acceptance(rule: str, epsilon: float, nucleus: float, owner: str = "") -> None:
+    """ValueError naming the first bad quadratic-decoding acceptance setting (`owner` prefixes the name)."""
+    if rule not in ACCEPTANCE_RULES:
+        raise ValueError(f"{owner}acceptance must be one of {ACCEPTANCE_RULES}, got {rule!r}")
+    if not 0 < epsilon < 1:
+        raise ValueError(f"{owner}acceptance_epsilon must be in (0, 1), got {epsilon}")
+    if not 0 < nucleus < 1:
+        raise ValueError(f"{owner}acceptance_nucleus must be in (0, 1), got {nucleus}")
+
+
+__all__ = ["PLMConfig", "check_acceptance"]

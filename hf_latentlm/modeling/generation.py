@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from transformers import GenerationMixin
@@ -49,6 +49,26 @@ class GenerationRequest:
     eos_ids: torch.Tensor  # [E] ids that stop a row (empty: never stop)
     pad_token_id: int
     prompt_lengths: torch.Tensor  # [B] real (unpadded) tokens per row
+
+
+@dataclass
+class GenerationOptions:
+    """Base of each family's own `generate()` options (a dataclass of documented fields, popped from the call by
+    name). It carries transformers' sampling options, which a family honours or refuses by name in `resolved`, and
+    names the family (for messages) and its per-row seed option (one RNG seed per row, so that a row gives the same
+    tokens alone or in any batch)."""
+
+    family: ClassVar[str] = "this model"
+    row_seeds_option: ClassVar[str | None] = None
+
+    do_sample: bool = True
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def resolved(self, config, batch_size: int) -> "GenerationOptions":
+        """A copy with defaults filled from `config` and every value checked (ValueError naming the option)."""
+        raise NotImplementedError
 
 
 class DecodingStep(NamedTuple):
@@ -184,19 +204,25 @@ class NewTokens:
 class MultiTokenGenerationMixin(GenerationMixin):
     """`generate()` for families that emit several tokens per network call.
 
-    A family sets `generation_options_class` (a dataclass of its own `generate()` options, each documented there,
-    with a `resolved(config, batch_size)` method that fills defaults from the config and validates) and
-    `generation_family` (its name in error messages) and `row_seeds_option` (the option holding one RNG seed per
-    row, so that a row gives the same tokens alone or in any batch), and implements:
+    A family sets `generation_options_class` (its `GenerationOptions` dataclass: its own `generate()` options, each
+    documented there, with a `resolved(config, batch_size)` that fills defaults from the config and validates) and
+    implements:
     - `_start_decoding(input_ids, request, options) -> (state, prefill_calls)`: encode the prompt and return the
       family's typed decoding state and how many network calls that took (0 or 1);
     - `_decoding_step(state, new_tokens) -> DecodingStep`: advance the state by one step; `new_tokens` (read
       only) tells how many tokens each row has and which rows are finished.
     """
 
-    generation_options_class: type
-    generation_family: str = "this model"
-    row_seeds_option: str | None = None
+    generation_options_class: type[GenerationOptions] = GenerationOptions
+
+    @property
+    def generation_family(self) -> str:
+        return self.generation_options_class.family
+
+    @property
+    def row_seeds_option(self) -> str | None:
+        """The `generate()` option holding one RNG seed per row."""
+        return self.generation_options_class.row_seeds_option
 
     @torch.no_grad()
     def generate(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -242,6 +268,6 @@ class MultiTokenGenerationMixin(GenerationMixin):
         raise NotImplementedError
 
 
-__all__ = ["DecodingStep", "GenerateOutput", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",
+__all__ = ["DecodingStep", "GenerateOutput", "GenerationOptions", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",
            "HARMLESS_HF_OPTIONS", "check_prompt", "pop_options", "refuse_token_filters", "reject_unknown_options",
            "resolve_generation_request", "row_seeds"]

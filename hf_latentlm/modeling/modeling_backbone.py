@@ -10,23 +10,27 @@ from .layers import init_backbone_weights
 
 
 class BackbonePreTrainedModel(PreTrainedModel):
-    """Subclasses set `config_class`; causal-LM classes also set `full_auto_map` (Auto class -> "module.Class"),
-    written into the config on save because each class otherwise records only its own Auto class. The token
-    embedding is `embed_tokens` of the base model (`self.model`, or the model itself)."""
+    """Subclasses set `config_class`. The token embedding is `embed_tokens` of the base model (`self.model`, or the
+    model itself)."""
 
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DecoderBlock"]
     _supports_sdpa = True
-    full_auto_map: dict[str, str] | None = None
 
     @torch.no_grad()
     def _init_weights(self, module):
         init_backbone_weights(module, self.config.initializer_range)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        if self.full_auto_map:
-            self.config.auto_map = dict(self.full_auto_map)
+        # Each class records only its own Auto class; write them all, so that every Auto class loads the folder where
+        # the package is not installed (the flat module names are those of the copied files).
+        model_ref = f"{type(self).__module__.rsplit('.', 1)[-1]}.{type(self).__name__}"
+        config_class = type(self.config)
+        self.config.auto_map = {"AutoConfig": f"{config_class.__module__.rsplit('.', 1)[-1]}.{config_class.__name__}",
+                                "AutoModel": model_ref}
+        if self.can_generate():
+            self.config.auto_map["AutoModelForCausalLM"] = model_ref
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def get_input_embeddings(self):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,14 @@ from transformers.utils import ModelOutput
 
 from .configuration_calm import TEMPERATURE_SAMPLERS, CALMAutoencoderConfig, CALMConfig
 from .energy import energy_loss, exact_temperature_choice, exact_temperature_n, pool_temperature_choice
-from .generation import DecodingStep, GenerateOutput, MultiTokenGenerationMixin, refuse_token_filters, row_seeds
+from .generation import (
+    DecodingStep,
+    GenerateOutput,
+    GenerationOptions,
+    MultiTokenGenerationMixin,
+    refuse_token_filters,
+    row_seeds,
+)
 from .layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -67,7 +75,7 @@ CALMGenerateOutput = GenerateOutput
 
 
 @dataclass
-class CALMGenerationOptions:
+class CALMGenerationOptions(GenerationOptions):
     """CALM's own `generate()` options (next to the transformers ones the shared skeleton honours).
 
     Prompt alignment rule: chunks are counted from the END of the prompt, so the last prompt token closes a chunk.
@@ -87,13 +95,12 @@ class CALMGenerationOptions:
     top_k / top_p: refused unless 0 / 1.0 (CALM has no token probabilities).
     """
 
-    temperature: float | None = None
+    family: ClassVar[str] = "CALM"
+    row_seeds_option: ClassVar[str] = "noise_seeds"
+
     temperature_sampler: str | None = None
     temperature_pool_size: int | None = None
     noise_seeds: list[int] | None = None
-    do_sample: bool = True
-    top_k: int | None = None
-    top_p: float | None = None
 
     def resolved(self, config: CALMConfig, batch_size: int) -> "CALMGenerationOptions":
         """Defaults from `config`, every value checked (ValueError naming the option), one seed per row."""
@@ -160,8 +167,6 @@ class CALMAutoencoder(BackbonePreTrainedModel):
     base_model_prefix = "autoencoder"
     supports_gradient_checkpointing = False  # no attention blocks to checkpoint
     _no_split_modules = None
-    full_auto_map = {"AutoConfig": "configuration_calm.CALMAutoencoderConfig",
-                     "AutoModel": "modeling_calm.CALMAutoencoder"}
     main_input_name = "input_ids"
 
     def __init__(self, config: CALMAutoencoderConfig):
@@ -338,11 +343,7 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
     `forward(input_ids, labels=...)` the energy loss; `generate()` samples K tokens per backbone call.
     Build a trainable model around a trained autoencoder with `from_autoencoder`."""
 
-    full_auto_map = {"AutoConfig": "configuration_calm.CALMConfig", "AutoModel": "modeling_calm.CALMForCausalLM",
-                     "AutoModelForCausalLM": "modeling_calm.CALMForCausalLM"}
-    generation_family = "CALM"
     generation_options_class = CALMGenerationOptions
-    row_seeds_option = "noise_seeds"
 
     def __init__(self, config: CALMConfig):
         super().__init__(config)

@@ -12,6 +12,7 @@ quadratic decoding (paper Algorithm 1): one call scores K_pred verify rows and K
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +28,8 @@ from .auxiliaries import (
     sample_auxiliary_bank,
     voronoi_owners,
 )
-from .configuration_plm import ACCEPTANCE_RULES, PLMConfig
-from .generation import DecodingStep, GenerateOutput, MultiTokenGenerationMixin, row_seeds
+from .configuration_plm import PLMConfig, check_acceptance
+from .generation import DecodingStep, GenerateOutput, GenerationOptions, MultiTokenGenerationMixin, row_seeds
 from .layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -75,12 +76,7 @@ class AcceptanceRule:
     nucleus: float = 0.94
 
     def __post_init__(self):
-        if self.rule not in ACCEPTANCE_RULES:
-            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {self.rule!r}")
-        if not 0 < self.epsilon < 1:
-            raise ValueError(f"acceptance_epsilon must be in (0, 1), got {self.epsilon}")
-        if not 0 < self.nucleus < 1:
-            raise ValueError(f"acceptance_nucleus must be in (0, 1), got {self.nucleus}")
+        check_acceptance(self.rule, self.epsilon, self.nucleus)
 
     def accepts(self, pending: torch.Tensor, sampled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """pending, sampled [B, W]; logits [B, W, V] of the verify rows that score them -> bool [B, W]."""
@@ -96,7 +92,7 @@ class AcceptanceRule:
 
 
 @dataclass
-class PLMGenerationOptions:
+class PLMGenerationOptions(GenerationOptions):
     """PLM's own `generate()` options (next to the transformers ones the shared skeleton honours).
 
     decoding: "quadratic" (paper Algorithm 1: K_pred verify rows + K_pred proposal blocks per call) or "voronoi"
@@ -110,16 +106,15 @@ class PLMGenerationOptions:
         temperature 1 over the top-`auxiliary_top_m` tokens.
     """
 
+    family: ClassVar[str] = "PLM"
+    row_seeds_option: ClassVar[str] = "auxiliary_seeds"
+
     decoding: str = "quadratic"
     k_pred: int | None = None
     acceptance: str | None = None
     acceptance_epsilon: float | None = None
     acceptance_nucleus: float | None = None
     auxiliary_seeds: list[int] | None = None
-    do_sample: bool = True
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
     acceptance_rule: AcceptanceRule | None = None  # filled by `resolved`
 
     def resolved(self, config: PLMConfig, batch_size: int) -> "PLMGenerationOptions":
@@ -222,11 +217,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
     `decoding="voronoi"`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    full_auto_map = {"AutoConfig": "configuration_plm.PLMConfig", "AutoModel": "modeling_plm.PLMForCausalLM",
-                     "AutoModelForCausalLM": "modeling_plm.PLMForCausalLM"}
-    generation_family = "PLM"
     generation_options_class = PLMGenerationOptions
-    row_seeds_option = "auxiliary_seeds"
 
     def __init__(self, config: PLMConfig):
         super().__init__(config)

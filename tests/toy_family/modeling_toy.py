@@ -2,6 +2,7 @@
 flat siblings and torch/transformers, like every modeling file."""
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -9,19 +10,18 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from .configuration_toy import ToyConfig
-from .generation import DecodingStep, MultiTokenGenerationMixin, refuse_token_filters, row_seeds
+from .generation import DecodingStep, GenerationOptions, MultiTokenGenerationMixin, refuse_token_filters, row_seeds
 from .modeling_backbone import BackbonePreTrainedModel
 
 
 @dataclass
-class ToyGenerationOptions:
+class ToyGenerationOptions(GenerationOptions):
     """seeds: one RNG seed per row. do_sample / temperature / top_k / top_p: plain sampling only."""
 
+    family: ClassVar[str] = "Toy"
+    row_seeds_option: ClassVar[str] = "seeds"
+
     seeds: list[int] | None = None
-    do_sample: bool = True
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
 
     def resolved(self, config: ToyConfig, batch_size: int) -> "ToyGenerationOptions":
         refuse_token_filters("Toy", "plain sampling only", self.top_k, self.top_p)
@@ -55,11 +55,7 @@ class ToyModel(nn.Module):
 
 class ToyForCausalLM(BackbonePreTrainedModel, MultiTokenGenerationMixin):
     config_class = ToyConfig
-    full_auto_map = {"AutoConfig": "configuration_toy.ToyConfig", "AutoModel": "modeling_toy.ToyForCausalLM",
-                     "AutoModelForCausalLM": "modeling_toy.ToyForCausalLM"}
-    generation_family = "Toy"
     generation_options_class = ToyGenerationOptions
-    row_seeds_option = "seeds"
 
     def __init__(self, config: ToyConfig):
         super().__init__(config)
