@@ -140,6 +140,9 @@ class Attention(nn.Module):
       layer output is o_proj's bias-free projection of 0 = 0). SDPA alone would give NaN there, which would also
       poison gradients; we let such rows see every key and zero their output afterwards.
     - `qk_norm=True` applies a per-head RMSNorm over head_dim to q and k before rotary.
+    - `config`: the model config whose `_attn_implementation` picks the kernel at every call, as transformers'
+      models do: "eager" computes the softmax explicitly and passes the probabilities through `attention_probs`
+      (where `output_attentions` records them); anything else uses SDPA. The two agree to float rounding.
     """
 
     def __init__(
@@ -152,6 +155,7 @@ class Attention(nn.Module):
         rms_norm_eps: float = 1e-6,
         attention_dropout: float = 0.0,
         layer_idx: int | None = None,
+        config=None,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -164,6 +168,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim if head_dim is not None else hidden_size // num_heads
         self.attention_dropout = attention_dropout
         self.layer_idx = layer_idx
+        self.config = config
+        self.attention_probs = AttentionProbs()
 
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
@@ -204,26 +210,42 @@ class Attention(nn.Module):
             row_has_key = attention_mask.any(dim=-1, keepdim=True)
             attention_mask = attention_mask | ~row_has_key
 
-        # SDPA's `enable_gqa` is only served by the flash and math kernels; flash takes no mask, so with a mask it
-        # would fall back to the slow math kernel on GPU. With a mask we repeat the kv heads explicitly instead.
-        use_gqa_flag = self.num_kv_groups > 1 and attention_mask is None and _SDPA_HAS_GQA
-        if self.num_kv_groups > 1 and not use_gqa_flag:
-            k = k.repeat_interleave(self.num_kv_groups, dim=1)
-            v = v.repeat_interleave(self.num_kv_groups, dim=1)
-        sdpa_kwargs = {"enable_gqa": True} if use_gqa_flag else {}
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attention_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            **sdpa_kwargs,
-        )
+        dropout = self.attention_dropout if self.training else 0.0
+        if getattr(self.config, "_attn_implementation", None) == "eager":
+            out = self.eager_attention(q, k, v, attention_mask, row_has_key, dropout)
+        else:
+            # SDPA's `enable_gqa` is only served by the flash and math kernels; flash takes no mask, so with a mask
+            # it would fall back to the slow math kernel on GPU. With a mask we repeat the kv heads instead.
+            use_gqa_flag = self.num_kv_groups > 1 and attention_mask is None and _SDPA_HAS_GQA
+            if self.num_kv_groups > 1 and not use_gqa_flag:
+                k = k.repeat_interleave(self.num_kv_groups, dim=1)
+                v = v.repeat_interleave(self.num_kv_groups, dim=1)
+            sdpa_kwargs = {"enable_gqa": True} if use_gqa_flag else {}
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout, **sdpa_kwargs)
         if row_has_key is not None:
             out = out.masked_fill(~row_has_key, 0.0)
 
         out = out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
         return self.o_proj(out)
+
+    def eager_attention(self, q, k, v, attention_mask, row_has_key, dropout: float) -> torch.Tensor:
+        """softmax(q kᵀ / √d) v written out, so that the probabilities exist (and go through `attention_probs`)."""
+        k = k.repeat_interleave(self.num_kv_groups, dim=1)
+        v = v.repeat_interleave(self.num_kv_groups, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.head_dim**-0.5
+        if attention_mask is not None:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        probs = scores.softmax(-1)
+        if row_has_key is not None:
+            probs = probs.masked_fill(~row_has_key, 0.0)
+        probs = self.attention_probs(probs.to(q.dtype))
+        probs = F.dropout(probs, p=dropout, training=self.training)
+        return torch.matmul(probs, v)
+
+
+class AttentionProbs(nn.Identity):
+    """Marks the attention probabilities [B, H, Tq, Tk] of the eager path: transformers' output recording hooks
+    this module for `output_attentions`."""
 
 
 class DecoderBlock(GradientCheckpointingLayer):
@@ -249,6 +271,7 @@ class DecoderBlock(GradientCheckpointingLayer):
         qk_norm: bool = False,
         attention_dropout: float = 0.0,
         layer_idx: int | None = None,
+        config=None,
     ):
         super().__init__()
         self.layer_idx = layer_idx
@@ -262,6 +285,7 @@ class DecoderBlock(GradientCheckpointingLayer):
             rms_norm_eps=rms_norm_eps,
             attention_dropout=attention_dropout,
             layer_idx=layer_idx,
+            config=config,
         )
         self.post_attention_layernorm = RMSNorm(hidden_size, eps=rms_norm_eps)
         self.mlp = SwiGLUMLP(hidden_size, intermediate_size)
@@ -287,7 +311,8 @@ def decoder_layers(config) -> nn.ModuleList:
     """`config.num_hidden_layers` DecoderBlocks sized from a backbone config (`BackboneConfig` field names)."""
     return nn.ModuleList(
         DecoderBlock(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                     config.intermediate_size, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, layer_idx=i)
+                     config.intermediate_size, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, layer_idx=i,
+                     config=config)
         for i in range(config.num_hidden_layers)
     )
 

@@ -9,6 +9,17 @@ from transformers import PreTrainedModel
 from .layers import init_backbone_weights
 
 
+# Keyword arguments transformers (and TRL) pass to a model's forward besides the named ones; anything else is a
+# mistake that must not pass silently.
+ACCEPTED_FORWARD_KWARGS = frozenset({"output_attentions", "output_hidden_states", "num_items_in_batch"})
+
+
+def check_forward_kwargs(model, kwargs: dict) -> None:
+    unknown = sorted(set(kwargs) - ACCEPTED_FORWARD_KWARGS)
+    if unknown:
+        raise TypeError(f"{type(model).__name__}.forward() got unexpected keyword argument(s) {unknown}")
+
+
 class BackbonePreTrainedModel(PreTrainedModel):
     """Subclasses set `config_class`. The token embedding is `embed_tokens` of the base model (`self.model`, or the
     model itself)."""
@@ -40,4 +51,4 @@ class BackbonePreTrainedModel(PreTrainedModel):
         self.base_model.embed_tokens = value
 
 
-__all__ = ["BackbonePreTrainedModel"]
+__all__ = ["BackbonePreTrainedModel", "check_forward_kwargs"]

@@ -19,7 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
-from transformers.utils import ModelOutput
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_calm import TEMPERATURE_SAMPLERS, CALMAutoencoderConfig, CALMConfig
 from .energy import energy_loss, exact_temperature_choice, exact_temperature_n, pool_temperature_choice
@@ -32,6 +35,8 @@ from .generation import (
     row_seeds,
 )
 from .layers import (
+    AttentionProbs,
+    DecoderBlock,
     RMSNorm,
     RotaryEmbedding,
     SwiGLUMLP,
@@ -39,7 +44,7 @@ from .layers import (
     decoder_layers,
     make_padding_position_ids,
 )
-from .modeling_backbone import BackbonePreTrainedModel
+from .modeling_backbone import BackbonePreTrainedModel, check_forward_kwargs
 
 
 @dataclass
@@ -67,6 +72,9 @@ class CALMOutput(ModelOutput):
     cache: DynamicCache | None = None
     energy_fidelity: torch.Tensor | None = None
     energy_diversity: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
 
 
 # One output class for every multi-token family (model_calls: backbone calls; the prefill, which also yields the
@@ -305,6 +313,7 @@ class EnergyHead(nn.Module):
 
 class CALMPreTrainedModel(BackbonePreTrainedModel):
     config_class = CALMConfig
+    _can_record_outputs = {"hidden_states": DecoderBlock, "attentions": OutputRecorder(AttentionProbs)}
 
 
 class CALMModel(CALMPreTrainedModel):
@@ -329,13 +338,45 @@ class CALMModel(CALMPreTrainedModel):
         x = self.embed_tokens(chunks).flatten(-2)
         return self.compress_norm(self.compress_out(F.silu(self.compress_in(x))))
 
-    def forward(self, chunks: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                cache: DynamicCache | None = None) -> torch.Tensor:
-        hidden = self.compress(chunks)
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
+    @capture_outputs
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
+                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                **kwargs) -> BaseModelOutputWithPast:
+        """The backbone over chunk steps, as transformers' base models: one hidden state per chunk of K tokens.
+
+        input_ids: [B, T] tokens, T a multiple of chunk_size (or `inputs_embeds`: one input vector per chunk,
+            [B, L, d]). attention_mask: token-level [B, cached + new tokens]; a chunk is attended when any of its
+            tokens is real. position_ids: chunk positions [B, L] (default: from the mask, or consecutive).
+        `output_hidden_states` / `output_attentions` (the latter with attn_implementation="eager") are recorded by
+        transformers' output capturing (`_can_record_outputs`).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if kwargs.get("output_attentions") and self.config._attn_implementation != "eager":
+            raise ValueError("output_attentions needs attn_implementation='eager' (SDPA does not return attention "
+                             "probabilities)")
+        K = self.config.chunk_size
+        hidden = self.compress(chunk_tokens(input_ids, K)) if inputs_embeds is None else inputs_embeds
+        batch, length = hidden.shape[:2]
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past = cache.get_seq_length() if cache is not None else 0
+        chunk_mask = None
+        if attention_mask is not None:
+            if attention_mask.shape[-1] != (past + length) * K:
+                raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens, expected cached + new = "
+                                 f"{(past + length) * K}")
+            chunk_mask = attention_mask.view(batch, past + length, K).any(-1)
+        if position_ids is None:
+            position_ids = (make_padding_position_ids(chunk_mask)[:, past:] if chunk_mask is not None else
+                            torch.arange(past, past + length, device=hidden.device)[None].expand(batch, -1))
+        mask = causal_mask(length, past + length, device=hidden.device, padding_mask=chunk_mask)
         cos, sin = self.rotary(position_ids, dtype=hidden.dtype)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, attention_mask, cache=cache)
-        return self.norm(hidden)
+            hidden = layer(hidden, cos, sin, mask, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=cache)
 
 
 class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
@@ -391,55 +432,41 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
     # forward
     # ------------------------------------------------------------------------------------------------------------
 
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
+    @can_return_tuple
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                cache: DynamicCache | None = None, labels: torch.LongTensor | None = None, use_cache=None,
-                **kwargs) -> CALMOutput:
-        """input_ids [B, T], T a multiple of chunk_size. attention_mask: token-level [B, cached + T]; a chunk is
-        attended when any of its tokens is real. With `labels` (same shape as input_ids, −100 = ignore): the
-        energy loss of predicting the latent of chunk i+1 from the hidden state of chunk i."""
-        if kwargs.get("past_key_values") is not None:
-            raise ValueError("CALM takes its KV cache as `cache=`, not `past_key_values=`")
-        if kwargs.get("inputs_embeds") is not None:
-            raise ValueError("CALM reads token chunks: pass input_ids, not inputs_embeds")
-        if input_ids is None:
-            raise ValueError("CALM forward needs input_ids")
-        K = self.config.chunk_size
-        chunks = chunk_tokens(input_ids, K)
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, **kwargs) -> CALMOutput:
+        """input_ids [B, T], T a multiple of chunk_size; returns one hidden state per chunk (CALM has no token
+        logits). attention_mask: token-level [B, cached + T]. With `labels` (same shape as input_ids, −100 =
+        ignore): the energy loss of predicting the latent of chunk i+1 from the hidden state of chunk i.
+        Transformers' `output_hidden_states`, `output_attentions`, `return_dict` apply."""
+        check_forward_kwargs(self, kwargs)
         if labels is not None:
-            if cache is not None:
-                raise ValueError("the CALM training objective takes input_ids and labels only (no cache)")
-            return self.energy_objective(chunks, chunk_tokens(labels, K), attention_mask)
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        hidden = self.backbone(chunks, attention_mask, cache)
-        return CALMOutput(last_hidden_state=hidden, cache=cache)
-
-    def backbone(self, chunks: torch.Tensor, attention_mask: torch.Tensor | None, cache: DynamicCache | None):
-        batch, length = chunks.shape[:2]
-        past = cache.get_seq_length() if cache is not None else 0
-        chunk_mask = None
-        if attention_mask is not None:
-            if attention_mask.shape[-1] != (past + length) * self.config.chunk_size:
-                raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens, expected cached + new = "
-                                 f"{(past + length) * self.config.chunk_size}")
-            chunk_mask = attention_mask.view(batch, past + length, self.config.chunk_size).any(-1)
-            position_ids = make_padding_position_ids(chunk_mask)[:, past:]
-        else:
-            position_ids = torch.arange(past, past + length, device=chunks.device)[None].expand(batch, -1)
-        mask = causal_mask(length, past + length, device=chunks.device, padding_mask=chunk_mask)
-        return self.model(chunks, position_ids, mask, cache=cache)
+            if cache is not None or inputs_embeds is not None:
+                raise ValueError("the CALM training objective takes input_ids and labels only (no cache/inputs_embeds)")
+            K = self.config.chunk_size
+            return self.energy_objective(chunk_tokens(input_ids, K), chunk_tokens(labels, K), attention_mask, **kwargs)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        return CALMOutput(last_hidden_state=out.last_hidden_state, cache=out.cache, hidden_states=out.hidden_states,
+                          attentions=out.attentions)
 
     def sample_latents(self, hidden: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """hidden [..., d], noise [..., S, d_noise] in [-0.5, 0.5] -> S latent samples [..., S, l]."""
         return self.energy_head(hidden, noise)
 
-    def energy_objective(self, chunks: torch.Tensor, label_chunks: torch.Tensor, attention_mask=None) -> CALMOutput:
+    def energy_objective(self, chunks: torch.Tensor, label_chunks: torch.Tensor, attention_mask=None,
+                         **kwargs) -> CALMOutput:
         cfg = self.config
         if chunks.shape[1] < 2:
             raise ValueError(f"the energy loss needs at least 2 chunks (2 × chunk_size = {2 * cfg.chunk_size} tokens) "
                              f"per row, got {chunks.shape[1] * cfg.chunk_size}")
-        hidden = self.backbone(chunks[:, :-1], None if attention_mask is None else attention_mask[:, :-cfg.chunk_size],
-                               None)
+        out = self.model(input_ids=chunks[:, :-1].flatten(1),
+                         attention_mask=None if attention_mask is None else attention_mask[:, :-cfg.chunk_size],
+                         **kwargs)
+        hidden = out.last_hidden_state
         targets = label_chunks[:, 1:]
         scored = (targets != -100).all(-1)
         if attention_mask is not None:
@@ -455,7 +482,8 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         steps = scored.sum().clamp(min=1)  # a batch with nothing to score gives 0, not NaN
         return CALMOutput(loss=loss.sum() / steps, last_hidden_state=hidden,
                           energy_fidelity=fidelity.detach().sum() / steps,
-                          energy_diversity=diversity.detach().sum() / steps)
+                          energy_diversity=diversity.detach().sum() / steps,
+                          hidden_states=out.hidden_states, attentions=out.attentions)
 
     # ------------------------------------------------------------------------------------------------------------
     # generate

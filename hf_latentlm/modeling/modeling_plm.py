@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .auxiliaries import (
     decode_auxiliary,
@@ -31,6 +33,8 @@ from .auxiliaries import (
 from .configuration_plm import PLMConfig, check_acceptance
 from .generation import DecodingStep, GenerateOutput, GenerationOptions, MultiTokenGenerationMixin, row_seeds
 from .layers import (
+    AttentionProbs,
+    DecoderBlock,
     RMSNorm,
     RotaryEmbedding,
     causal_mask,
@@ -38,7 +42,7 @@ from .layers import (
     make_padding_position_ids,
     visibility_mask,
 )
-from .modeling_backbone import BackbonePreTrainedModel
+from .modeling_backbone import BackbonePreTrainedModel, check_forward_kwargs
 
 
 @dataclass
@@ -56,6 +60,17 @@ class PLMOutput(ModelOutput):
     reconstructed_tokens: torch.Tensor | None = None
     auxiliary_tv: torch.Tensor | None = None
     mask_auxiliary_fraction: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class PLMModelOutput(BaseModelOutputWithPast):
+    """`mid_residuals`: the residual stream between attention and MLP of the blocks in `capture_layers`, in that
+    order (read by PLM's representation alignment)."""
+
+    mid_residuals: tuple[torch.Tensor, ...] | None = None
+
 
 
 # One output class for every multi-token family; the family name is kept for existing imports.
@@ -157,6 +172,7 @@ class PLMDecodingState:
 
 class PLMPreTrainedModel(BackbonePreTrainedModel):
     config_class = PLMConfig
+    _can_record_outputs = {"hidden_states": DecoderBlock, "attentions": OutputRecorder(AttentionProbs)}
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -193,21 +209,54 @@ class PLMModel(PLMPreTrainedModel):
         embedded = self.auxiliary_proj(e_u.to(self.auxiliary_proj.weight.dtype))
         return torch.where((aux_index >= 0)[..., None], embedded, self.mask_auxiliary.to(embedded.dtype))
 
-    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                cache: DynamicCache | None = None, capture_layers: tuple[int, ...] = ()) -> BaseModelOutputWithPast:
-        """Run the blocks on given input embeddings, explicit positions and a boolean [B, 1, Tq, Tk] mask.
-        `capture_layers`: blocks whose mid residual (between attention and MLP) is returned in
-        `hidden_states` as a tuple in the same order."""
-        cos, sin = self.rotary(position_ids, dtype=inputs_embeds.dtype)
-        hidden = inputs_embeds
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
+    @capture_outputs
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
+                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                capture_layers: tuple[int, ...] = (), **kwargs) -> PLMModelOutput:
+        """The causal encoder over `input_ids` (or `inputs_embeds`), as transformers' base models.
+
+        attention_mask: a 2-D padding mask over cached + new tokens (1 = real token), or a ready boolean
+            [B, 1, Tq, Tk] visibility mask (PLM training and quadratic decoding), which needs explicit `position_ids`.
+        capture_layers: blocks whose mid residual (between attention and MLP) is returned in `mid_residuals`.
+        `output_hidden_states` / `output_attentions` (the latter with attn_implementation="eager") are recorded by
+        transformers' output capturing (`_can_record_outputs`).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if kwargs.get("output_attentions") and self.config._attn_implementation != "eager":
+            raise ValueError("output_attentions needs attn_implementation='eager' (SDPA does not return attention "
+                             "probabilities)")
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch, length = embeds.shape[:2]
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is not None and attention_mask.dim() == 4:
+            mask = attention_mask.bool()
+            if position_ids is None:
+                raise ValueError("a 4-D attention_mask needs explicit position_ids")
+        else:
+            if attention_mask is not None and attention_mask.shape[-1] != past + length:
+                raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens, expected cached + new = "
+                                 f"{past + length}")
+            mask = causal_mask(length, past + length, device=embeds.device, padding_mask=attention_mask)
+            if position_ids is None:
+                if attention_mask is not None:
+                    position_ids = make_padding_position_ids(attention_mask)[:, past:]
+                else:
+                    position_ids = torch.arange(past, past + length, device=embeds.device)[None].expand(batch, -1)
+        cos, sin = self.rotary(position_ids, dtype=embeds.dtype)
+        hidden = embeds
         captured = {}
         for index, layer in enumerate(self.layers):
             if index in capture_layers:
-                hidden, captured[index] = layer(hidden, cos, sin, attention_mask, cache=cache, return_mid=True)
+                hidden, captured[index] = layer(hidden, cos, sin, mask, cache=cache, return_mid=True)
             else:
-                hidden = layer(hidden, cos, sin, attention_mask, cache=cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden),
-                                       hidden_states=tuple(captured[i] for i in capture_layers) or None)
+                hidden = layer(hidden, cos, sin, mask, cache=cache)
+        return PLMModelOutput(last_hidden_state=self.norm(hidden), cache=cache,
+                              mid_residuals=tuple(captured[i] for i in capture_layers) or None)
 
 
 class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
@@ -237,47 +286,25 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
     # forward
     # ------------------------------------------------------------------------------------------------
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
-                labels=None, logits_to_keep: int = 0, use_cache=None, output_attentions=None,
-                output_hidden_states=None, return_dict=None, **kwargs) -> PLMOutput:
-        if kwargs.get("past_key_values") is not None:
-            raise ValueError("PLM takes its KV cache as `cache=`, not `past_key_values=`")
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, logits_to_keep: int = 0, **kwargs) -> PLMOutput:
+        """Without `labels`: the causal encoder, `logits` [B, T, V] (the last `logits_to_keep` if set). With `labels`
+        ([B, T], -100 = not scored): the PLM objective; `logits` are then the same encoder logits, and the decoder's
+        are in `decoder_logits`. Transformers' `output_hidden_states`, `output_attentions`, `return_dict` apply."""
+        check_forward_kwargs(self, kwargs)
         if labels is not None:
             if cache is not None or inputs_embeds is not None:
                 raise ValueError("the PLM training objective takes input_ids and labels only (no cache/inputs_embeds)")
-            return self.plm_loss(input_ids, labels, attention_mask)
-        return self.encode(input_ids, attention_mask, position_ids, cache, inputs_embeds, logits_to_keep, use_cache)
-
-    def encode(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
-               logits_to_keep: int = 0, use_cache=None) -> PLMOutput:
-        """Causal encoder pass. `attention_mask` is either a 2-D padding mask over cached + new tokens or a
-        ready boolean [B, 1, Tq, Tk] mask (used by quadratic decoding with explicit `position_ids`)."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        batch, length = embeds.shape[:2]
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        past = cache.get_seq_length() if cache is not None else 0
-        if attention_mask is not None and attention_mask.dim() == 4:
-            mask = attention_mask.bool()
-            if position_ids is None:
-                raise ValueError("a 4-D attention_mask needs explicit position_ids")
-        else:
-            if attention_mask is not None and attention_mask.shape[-1] != past + length:
-                raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens, expected cached + new = "
-                                 f"{past + length}")
-            mask = causal_mask(length, past + length, device=embeds.device, padding_mask=attention_mask)
-            if position_ids is None:
-                if attention_mask is not None:
-                    position_ids = make_padding_position_ids(attention_mask)[:, past:]
-                else:
-                    position_ids = torch.arange(past, past + length, device=embeds.device)[None].expand(batch, -1)
-        out = self.model(embeds, position_ids, mask, cache=cache)
-        hidden = out.last_hidden_state
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
-        return PLMOutput(logits=self.lm_head(hidden), cache=cache)
+            return self.plm_loss(input_ids, labels, attention_mask, **kwargs)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        hidden = out.last_hidden_state[:, -logits_to_keep:] if logits_to_keep else out.last_hidden_state
+        return PLMOutput(logits=self.lm_head(hidden), cache=out.cache, hidden_states=out.hidden_states,
+                         attentions=out.attentions)
 
     def auxiliary_owners(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Owner token of every auxiliary for each row of encoder logits [P, V] -> ([P, N_aux], TV [P]).
@@ -309,7 +336,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
         return as_long(pos), as_long(block), as_long(start)
 
-    def plm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask=None) -> PLMOutput:
+    def plm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask=None, **kwargs) -> PLMOutput:
         cfg, device = self.config, input_ids.device
         batch, length = input_ids.shape
         if length < 2:
@@ -322,7 +349,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
 
         # 1) Encoder distribution for the auxiliaries, without gradient (u ~ sg[q]).
         with torch.no_grad():
-            q_logits = self.encode(input_ids, attention_mask).logits[:, :-1]  # row j-1 predicts x_j
+            q_logits = self(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # row j-1 -> x_j
         owners, tv = self.auxiliary_owners(q_logits.reshape(-1, q_logits.shape[-1]))
         if owners is None:
             aux = torch.full((batch, num_dec), -1, dtype=torch.long, device=device)
@@ -343,7 +370,8 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
                 [attention_mask.bool(), torch.ones(batch, num_dec, dtype=torch.bool, device=device)], dim=1),
         )
         capture = (cfg.alignment_decoder_layer, cfg.alignment_encoder_layer)
-        out = self.model(embeds, positions[None].expand(batch, -1), mask, capture_layers=capture)
+        out = self.model(inputs_embeds=embeds, position_ids=positions[None].expand(batch, -1), attention_mask=mask,
+                         capture_layers=capture, **kwargs)
         logits = self.lm_head(out.last_hidden_state)
         enc_logits, dec_logits = logits[:, :length - 1], logits[:, length:]
 
@@ -354,7 +382,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         dec_valid = self.decoder_row_valid(input_ids, labels, dec_pos, dec_start)
         dec_nll = F.cross_entropy(dec_logits.float().transpose(1, 2), targets.clamp(min=0), reduction="none")
 
-        dec_mid, enc_mid = out.hidden_states
+        dec_mid, enc_mid = out.mid_residuals
         aligned = self.alignment_proj(dec_mid[:, length:])
         reference = enc_mid[:, dec_pos - 1].detach()  # encoder row that predicts the same target
         align = 1.0 - F.cosine_similarity(aligned.float(), reference.float(), dim=-1)
@@ -370,7 +398,8 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
             reconstructed = self.reconstructed_tokens(correct, dec_block, dec_pos - dec_start, first)
             uses_mask = ((aux < 0) & dec_valid).sum() / n_dec.clamp(min=1)
         return PLMOutput(
-            loss=loss, logits=enc_logits, decoder_logits=dec_logits,
+            loss=loss, logits=logits[:, :length], decoder_logits=dec_logits,
+            hidden_states=out.hidden_states, attentions=out.attentions,
             encoder_nll=enc_sum.detach() / n_enc.clamp(min=1), decoder_nll=dec_sum.detach() / n_dec.clamp(min=1),
             alignment_loss=align_sum.detach() / n_dec.clamp(min=1), reconstructed_tokens=reconstructed,
             auxiliary_tv=tv.mean() if tv is not None else None, mask_auxiliary_fraction=uses_mask,
