@@ -152,12 +152,17 @@ def check_checkpoint_loads_without_the_package(model, tokenizer, tmp_path, isola
     assert {source.name, "model.safetensors"} | {f"{m}.py" for m in sibling_modules(source)} <= files
     auto_map = json.loads((tmp_path / "ckpt" / "config.json").read_text())["auto_map"]
     assert set(auto_map) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
-    prompt = [[5, 60, 700, 42, 9, 31, 17]]
+    prompt = [[5, 60, 700, 42, 9, 31, 17, 8]]
     options = {"eos_token_id": None, **seeded(model, [11])}
-    expected = model.generate(torch.tensor(prompt), max_new_tokens=12, **options)[0, 7:].tolist()
-    for auto_class in ("AutoModelForCausalLM", "AutoModel"):
-        result = isolated_generate(tmp_path / "ckpt", auto_class, prompt, 12, options, tmp_path / "hf_home")
-        assert result["tokens"] == expected, auto_class
+    expected = model.generate(torch.tensor(prompt), max_new_tokens=12, **options)[0, 8:].tolist()
+    result = isolated_generate(tmp_path / "ckpt", "AutoModelForCausalLM", prompt, 12, options, tmp_path / "hf_home")
+    assert result["tokens"] == expected
+    # AutoModel gives the backbone, as for transformers' own models.
+    result = isolated_generate(tmp_path / "ckpt", "AutoModel", prompt, 12, options, tmp_path / "hf_home")
+    assert result["class"] == type(model.base_model).__name__
+    with torch.no_grad():
+        hidden = model.base_model(input_ids=torch.tensor(prompt)).last_hidden_state
+    torch.testing.assert_close(torch.tensor(result["hidden"]), hidden, atol=1e-5, rtol=1e-5)
 
 
 def train_with_cli(family: str, root: Path, run_cli) -> Path:
@@ -187,3 +192,95 @@ def check_cli_round_trip(family: str, tmp_path, run_cli):
                                                                 "3")[1]
     code, _, err = run_cli("generate", "--model", str(folder), "--prompt", "   ")
     assert code == 2 and "prompt is empty" in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The transformers contract (issue 9): outputs, return_dict, the deprecated cache name, base models, kwargs
+# ---------------------------------------------------------------------------------------------------------------------
+
+def eager_copy(model):
+    """The same weights with attn_implementation="eager" (a deep copy: the original keeps SDPA)."""
+    import copy
+
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    assert eager.config._attn_implementation == "eager" and model.config._attn_implementation == "sdpa"
+    return eager
+
+
+def check_hidden_states_and_attentions(model, rows):
+    """Llama's conventions: num_layers + 1 hidden states (embeddings first, the normed last state last), one
+    attention map per layer from the eager path, which matches SDPA."""
+    ids = rows[1600:1602, :16]
+    layers = model.config.num_hidden_layers
+    base = model.base_model
+    out = base(input_ids=ids, output_hidden_states=True)
+    assert len(out.hidden_states) == layers + 1
+    torch.testing.assert_close(out.hidden_states[-1], out.last_hidden_state)
+    assert out.hidden_states[0].shape == out.last_hidden_state.shape
+    assert not any(torch.equal(out.hidden_states[i], out.hidden_states[i + 1]) for i in range(layers))
+    assert base(input_ids=ids).hidden_states is None  # only when asked
+    with pytest.raises(ValueError, match="attn_implementation='eager'"):
+        base(input_ids=ids, output_attentions=True)
+
+    eager = eager_copy(model)
+    eager_out = eager.base_model(input_ids=ids, output_attentions=True, output_hidden_states=True)
+    torch.testing.assert_close(eager_out.last_hidden_state, out.last_hidden_state, atol=1e-5, rtol=1e-5)
+    assert len(eager_out.attentions) == layers
+    probs = eager_out.attentions[0]
+    length = probs.shape[-1]
+    assert probs.shape == (2, model.config.num_attention_heads, length, length)
+    torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)))
+    assert (probs.triu(1) == 0).all(), "causal: no weight on later positions"
+    # The causal LM passes them through too.
+    lm_out = eager(input_ids=ids, output_attentions=True, output_hidden_states=True)
+    assert len(lm_out.attentions) == layers and len(lm_out.hidden_states) == layers + 1
+
+
+def check_return_dict_false_gives_tuples(model, rows):
+    ids = rows[1600:1602, :16]
+    as_dict = model(input_ids=ids)
+    as_tuple = model(input_ids=ids, return_dict=False)
+    assert isinstance(as_tuple, tuple)
+    torch.testing.assert_close(as_tuple[0], as_dict.to_tuple()[0])
+    base = model.base_model(input_ids=ids, return_dict=False)
+    assert isinstance(base, tuple)
+    torch.testing.assert_close(base[0], model.base_model(input_ids=ids).last_hidden_state)
+
+
+def check_past_key_values_is_a_deprecated_alias_of_cache(model, rows):
+    from transformers.cache_utils import DynamicCache
+
+    ids = rows[1600:1601, :16]
+    prefix, rest = ids[:, :8], ids[:, 8:]
+    new = model.base_model(input_ids=prefix, cache=DynamicCache(config=model.config)).cache
+    with pytest.warns(FutureWarning, match="past_key_values"):
+        old = model.base_model(input_ids=prefix, past_key_values=DynamicCache(config=model.config)).cache
+    with pytest.warns(FutureWarning, match="past_key_values"):
+        lm_cache = model(input_ids=prefix, past_key_values=DynamicCache(config=model.config)).cache
+    assert lm_cache.get_seq_length() == old.get_seq_length()
+    assert old is not None and old.get_seq_length() == new.get_seq_length() > 0
+    with pytest.warns(FutureWarning):
+        via_old = model.base_model(input_ids=rest, past_key_values=old).last_hidden_state
+    via_new = model.base_model(input_ids=rest, cache=new).last_hidden_state
+    torch.testing.assert_close(via_old, via_new)
+    whole = model.base_model(input_ids=ids).last_hidden_state[:, -via_new.shape[1]:]
+    torch.testing.assert_close(via_new, whole, atol=1e-5, rtol=1e-4)
+
+
+def check_base_model_takes_input_ids_and_padding(model, rows, left_pad):
+    """The backbone alone (what transformers' utilities and TRL's fused head call): `input_ids` + a 2-D left-padding
+    mask give each row what it gets unpadded."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    short, long = rows[1600, :8], rows[1601, :16]
+    ids, mask = left_pad([short, long], 1)
+    out = model.base_model(input_ids=ids, attention_mask=mask)
+    assert isinstance(out, BaseModelOutputWithPast)
+    alone = model.base_model(input_ids=short[None]).last_hidden_state
+    torch.testing.assert_close(out.last_hidden_state[0, -alone.shape[1]:], alone[0], atol=1e-5, rtol=1e-4)
+
+
+def check_unknown_forward_arguments_are_refused(model, rows):
+    with pytest.raises(TypeError, match="foo"):
+        model(input_ids=rows[1600:1601, :8], foo=3)

@@ -53,3 +53,23 @@ def test_checkpoint_loads_without_the_package(model, tokenizer, tmp_path, isolat
 
 def test_cli_round_trip(family, tmp_path, run_cli):
     contract.check_cli_round_trip(family, tmp_path, run_cli)
+
+
+def test_hidden_states_and_attentions(model, tiny_rows):
+    contract.check_hidden_states_and_attentions(model, tiny_rows)
+
+
+def test_return_dict_false_gives_tuples(model, tiny_rows):
+    contract.check_return_dict_false_gives_tuples(model, tiny_rows)
+
+
+def test_past_key_values_is_a_deprecated_alias_of_cache(model, tiny_rows):
+    contract.check_past_key_values_is_a_deprecated_alias_of_cache(model, tiny_rows)
+
+
+def test_base_model_takes_input_ids_and_padding(model, tiny_rows, left_pad):
+    contract.check_base_model_takes_input_ids_and_padding(model, tiny_rows, left_pad)
+
+
+def test_unknown_forward_arguments_are_refused(model, tiny_rows):
+    contract.check_unknown_forward_arguments_are_refused(model, tiny_rows)

@@ -12,9 +12,10 @@ from .modeling_plm import PLMForCausalLM
 
 def register_auto_classes(config_class, model_class, language_model: bool = True) -> None:
     """Make `config_class.model_type` resolve to `model_class` through the Auto classes in this process, and record
-    the Auto class in saved configs. Components (not language models) get `AutoModel` only."""
+    the Auto class in saved configs. `AutoModel` gives the backbone (`model_class.base_model_class`) where there is
+    one, as for transformers' own models. Components (not language models) get `AutoModel` only."""
     AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
-    AutoModel.register(config_class, model_class, exist_ok=True)
+    AutoModel.register(config_class, getattr(model_class, "base_model_class", None) or model_class, exist_ok=True)
     config_class.register_for_auto_class()
     if language_model:
         AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)

@@ -79,6 +79,10 @@ class RotaryEmbedding(nn.Module):
         self.base = float(base)
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
 
+    @classmethod
+    def from_config(cls, config) -> "RotaryEmbedding":
+        return cls(config.head_dim, base=config.rope_theta)
+
     def compute_inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
         """base^(-2i/head_dim) for i in [0, head_dim/2), float32, shape [head_dim/2]."""
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim

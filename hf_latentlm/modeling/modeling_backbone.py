@@ -21,13 +21,15 @@ def check_forward_kwargs(model, kwargs: dict) -> None:
 
 
 class BackbonePreTrainedModel(PreTrainedModel):
-    """Subclasses set `config_class`. The token embedding is `embed_tokens` of the base model (`self.model`, or the
-    model itself)."""
+    """Subclasses set `config_class`; a model with a head sets `base_model_class`, the backbone class that `AutoModel`
+    resolves to (as `LlamaModel` for `LlamaForCausalLM`). The token embedding is `embed_tokens` of the base model
+    (`self.model`, or the model itself)."""
 
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DecoderBlock"]
     _supports_sdpa = True
+    base_model_class: type | None = None
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -36,12 +38,13 @@ class BackbonePreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         # Each class records only its own Auto class; write them all, so that every Auto class loads the folder where
         # the package is not installed (the flat module names are those of the copied files).
-        model_ref = f"{type(self).__module__.rsplit('.', 1)[-1]}.{type(self).__name__}"
-        config_class = type(self.config)
-        self.config.auto_map = {"AutoConfig": f"{config_class.__module__.rsplit('.', 1)[-1]}.{config_class.__name__}",
-                                "AutoModel": model_ref}
+        def flat_name(cls) -> str:
+            return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
+
+        self.config.auto_map = {"AutoConfig": flat_name(type(self.config)),
+                                "AutoModel": flat_name(self.base_model_class or type(self))}
         if self.can_generate():
-            self.config.auto_map["AutoModelForCausalLM"] = model_ref
+            self.config.auto_map["AutoModelForCausalLM"] = flat_name(type(self))
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def get_input_embeddings(self):

@@ -329,7 +329,7 @@ class CALMModel(CALMPreTrainedModel):
         self.compress_norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.layers = decoder_layers(config)
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, base=config.rope_theta)
+        self.rotary = RotaryEmbedding.from_config(config)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -385,6 +385,7 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
     Build a trainable model around a trained autoencoder with `from_autoencoder`."""
 
     generation_options_class = CALMGenerationOptions
+    base_model_class = CALMModel
 
     def __init__(self, config: CALMConfig):
         super().__init__(config)

@@ -199,7 +199,7 @@ class PLMModel(PLMPreTrainedModel):
         self.mask_auxiliary = nn.Parameter(torch.zeros(d))
         self.layers = decoder_layers(config)
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, base=config.rope_theta)
+        self.rotary = RotaryEmbedding.from_config(config)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -267,6 +267,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     generation_options_class = PLMGenerationOptions
+    base_model_class = PLMModel
 
     def __init__(self, config: PLMConfig):
         super().__init__(config)
