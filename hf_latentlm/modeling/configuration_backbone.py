@@ -13,6 +13,10 @@ def check_positive(config: PretrainedConfig, names: tuple[str, ...]) -> None:
             raise ValueError(f"{type(config).__name__}.{name} must be at least 1, got {value}")
 
 
+# RoPE types whose frequencies are fixed at construction (transformers' ROPE_INIT_FUNCTIONS computes them).
+STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+
 class BackboneConfig(PretrainedConfig):
     r"""Base of the family configurations: the decoder-only backbone built from `layers.py`.
 
@@ -20,9 +24,24 @@ class BackboneConfig(PretrainedConfig):
         vocab_size (`int`, 4096), hidden_size (`int`, 256), intermediate_size (`int`, 672, SwiGLU),
         num_hidden_layers (`int`, 4), num_attention_heads (`int`, 4), num_key_value_heads (`int`, 2, GQA),
         head_dim (`int`, None -> hidden_size / num_attention_heads), max_position_embeddings (`int`, 2048),
-        rope_theta (`float`, 1e4), rms_norm_eps (`float`, 1e-6), initializer_range (`float`, 0.02: std of the
-        linear and embedding weights), tie_word_embeddings (`bool`, False), bos/eos/pad_token_id (0 / 0 / 1).
+        rope_parameters (`dict`, None -> {"rope_type": "default", "rope_theta": rope_theta}): RoPE in transformers'
+        format; the static scalings "linear", "yarn" and "llama3" are honoured (computed by transformers'
+        `ROPE_INIT_FUNCTIONS`); "dynamic" and "longrope", which change with the sequence length, are refused.
+        `rope_scaling` (the old name) is accepted. rope_theta (`float`, 1e4): kept for old checkpoints; the value in
+        `rope_parameters` wins. rms_norm_eps (`float`, 1e-6), initializer_range (`float`, 0.02: std of the linear
+        and embedding weights), tie_word_embeddings (`bool`, False), bos/eos/pad_token_id (0 / 0 / 1).
     """
+
+    # Tensor-parallel plan of the shared decoder blocks (the same layout as Llama's).
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
 
     def __init__(
         self,
@@ -35,6 +54,7 @@ class BackboneConfig(PretrainedConfig):
         head_dim: int | None = None,
         max_position_embeddings: int = 2048,
         rope_theta: float = 10000.0,
+        rope_parameters: dict | None = None,
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = False,
@@ -52,6 +72,9 @@ class BackboneConfig(PretrainedConfig):
         self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
+        self.rope_parameters = dict(rope_parameters) if rope_parameters else None
+        kwargs = self.convert_rope_params_to_dict(**kwargs)  # transformers' standard form (rope_type, rope_theta, ...)
+        self.rope_theta = self.rope_parameters["rope_theta"]
         self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
         super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
@@ -59,6 +82,10 @@ class BackboneConfig(PretrainedConfig):
 
     def validate_backbone(self) -> None:
         """Raise a ValueError naming the first bad backbone field."""
+        rope_type = self.rope_parameters.get("rope_type")
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise ValueError(f"{type(self).__name__}.rope_parameters['rope_type'] must be one of {STATIC_ROPE_TYPES} "
+                             f"(RoPE whose frequencies do not change with the sequence length), got {rope_type!r}")
         check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                              "num_attention_heads", "num_key_value_heads", "max_position_embeddings"))
         if self.num_attention_heads % self.num_key_value_heads:
@@ -66,4 +93,4 @@ class BackboneConfig(PretrainedConfig):
                              f"multiple of num_key_value_heads ({self.num_key_value_heads})")
 
 
-__all__ = ["BackboneConfig", "check_positive"]
+__all__ = ["BackboneConfig", "STATIC_ROPE_TYPES", "check_positive"]

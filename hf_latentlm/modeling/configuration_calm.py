@@ -161,6 +161,8 @@ class CALMConfig(BackboneConfig):
         elif isinstance(autoencoder_config, dict):
             autoencoder_config = CALMAutoencoderConfig(**autoencoder_config)
         self.autoencoder_config = autoencoder_config
+        if self._attn_implementation is not None:  # the setter passes it on to sub-configs, which exist only now
+            self._attn_implementation = self._attn_implementation
         self.generation_temperature = generation_temperature
         self.temperature_sampler = temperature_sampler
         self.temperature_pool_size = temperature_pool_size

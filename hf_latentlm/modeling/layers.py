@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import is_torch_greater_or_equal
 
 
@@ -71,20 +72,30 @@ class RotaryEmbedding(nn.Module):
     restore it, e.g. `init.copy_(module.inv_freq, module.compute_inv_freq())`.
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0):
+    def __init__(self, head_dim: int, base: float = 10000.0, config=None):
         super().__init__()
         if head_dim % 2 != 0:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
         self.head_dim = head_dim
         self.base = float(base)
+        # With a config whose `rope_parameters` ask for a scaled RoPE, transformers computes the frequencies and the
+        # cos/sin scale ("attention factor") exactly as for its own models.
+        self.config = config
+        self.attention_scaling = 1.0
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
 
     @classmethod
     def from_config(cls, config) -> "RotaryEmbedding":
-        return cls(config.head_dim, base=config.rope_theta)
+        """From a backbone config: head_dim and `rope_parameters` (transformers' format)."""
+        return cls(config.head_dim, base=config.rope_parameters["rope_theta"], config=config)
 
     def compute_inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
-        """base^(-2i/head_dim) for i in [0, head_dim/2), float32, shape [head_dim/2]."""
+        """base^(-2i/head_dim) for i in [0, head_dim/2), float32, shape [head_dim/2] (or the scaled RoPE's)."""
+        rope_type = (self.config.rope_parameters.get("rope_type", "default") if self.config is not None
+                     else "default")
+        if rope_type != "default":
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, device)
+            return inv_freq.float()
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
         return 1.0 / (self.base**exponents)
 
@@ -96,7 +107,7 @@ class RotaryEmbedding(nn.Module):
         with torch.autocast(device_type=position_ids.device.type, enabled=False):
             freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device, torch.float32)
             emb = torch.cat((freqs, freqs), dim=-1)  # rotate-half layout: the two halves share frequencies
-            cos, sin = emb.cos(), emb.sin()
+            cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         if dtype is not None:
             cos, sin = cos.to(dtype), sin.to(dtype)
         return cos, sin
