@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()
         return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, ImportError) as err:
-        print(f"hf-latentlm {args.command}: error: {err}", file=sys.stderr)
+        # One line, whatever the message: transformers' own messages span several.
+        print(f"hf-latentlm {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
 
 

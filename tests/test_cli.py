@@ -112,3 +112,82 @@ def test_bench_writes_json_and_table_with_ratios(tmp_path, run_cli, tokenizer):
     assert report["models"]["ar2"]["speed"]["batch_8"]["model_calls_per_token"] == pytest.approx(1.0)
     table = (tmp_path / "b.md").read_text()
     assert table.count("\n| ar") == 2 and "BrierLM-2" in table and table in stdout
+
+
+@pytest.fixture(scope="module")
+def plm_folder(tmp_path_factory, tokenizer):
+    """An untrained tiny PLM saved with `save_pretrained`: a language model, not an autoencoder."""
+    from hf_latentlm.families import build_model
+
+    folder = tmp_path_factory.mktemp("cli") / "plm"
+    build_model("plm", "tiny", tokenizer).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory):
+    from hf_latentlm.training.corpus import load_corpus_documents
+
+    path = tmp_path_factory.mktemp("cli-text") / "macbeth.txt"
+    path.write_text(load_corpus_documents("test")[0])
+    return path
+
+
+def test_calm_refuses_a_plm_folder_as_autoencoder_and_creates_nothing(tmp_path, run_cli, plm_folder, small_text):
+    out = tmp_path / "runs" / "calm"
+    code, stdout, err = run_cli("train", "--family", "calm", "--preset", "tiny", "--output-dir", str(out),
+                                "--autoencoder", str(plm_folder), "--max-steps", "1", "--train-file",
+                                str(small_text), "--validation-file", str(small_text))
+    assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
+    assert f"--autoencoder {str(plm_folder)!r} holds a 'plm' model, expected a 'calm_autoencoder'" in err, err
+    assert not out.exists() and not out.parent.exists()
+
+
+def damaged_copy(source, tmp_path, damage):
+    import shutil
+
+    folder = tmp_path / "damaged"
+    shutil.copytree(source, folder)
+    damage(folder)
+    return folder
+
+
+@pytest.mark.parametrize("case", [
+    "missing train file", "empty train file", "train file not UTF-8", "train file is a folder",
+    "missing validation file", "missing tokenizer", "missing component", "component config not JSON",
+    "component without weights",
+])
+def test_refused_train_inputs_leave_no_output_folder(tmp_path, run_cli, plm_folder, small_text, case):
+    out = tmp_path / "runs" / "model"
+    text = tmp_path / "text.txt"
+    family, needle, args = "plm", None, ["--train-file", str(small_text), "--validation-file", str(small_text)]
+    if case == "missing train file":
+        args[1], needle = str(tmp_path / "missing.txt"), "does not exist"
+    elif case == "empty train file":
+        text.write_text("  \n\n")
+        args[1], needle = str(text), "is empty"
+    elif case == "train file not UTF-8":
+        text.write_bytes(b"ROMEO.\n\xff\xfe\x80 latin-1 \xe9t\xe9\n" * 50)
+        args[1], needle = str(text), "cannot be read as UTF-8"
+    elif case == "train file is a folder":
+        args[1], needle = str(tmp_path), "is not a file"
+    elif case == "missing validation file":
+        args[3], needle = str(tmp_path / "missing.txt"), "does not exist"
+    elif case == "missing tokenizer":
+        args += ["--tokenizer", str(tmp_path / "no-such-tokenizer")]
+        needle = "no such folder"
+    else:  # a component folder that is missing or damaged (the calm family needs an autoencoder)
+        family = "calm"
+        folder = {"missing component": lambda: tmp_path / "no-such-ae",
+                  "component config not JSON": lambda: damaged_copy(
+                      plm_folder, tmp_path, lambda f: (f / "config.json").write_text('{"model_type": ')),
+                  "component without weights": lambda: damaged_copy(
+                      plm_folder, tmp_path, lambda f: (f / "model.safetensors").unlink())}[case]()
+        args += ["--autoencoder", str(folder)]
+        needle = {"missing component": "does not exist", "component config not JSON": "config.json is not valid JSON",
+                  "component without weights": "has no weights"}[case]
+    code, stdout, err = run_cli("train", "--family", family, "--preset", "tiny", "--output-dir", str(out),
+                                "--max-steps", "1", "--batch-size", "2", *args)
+    assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
+    assert needle in err, err
+    assert not out.exists() and not out.parent.exists()

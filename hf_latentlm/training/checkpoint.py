@@ -2,7 +2,8 @@
 
 A checkpoint folder `checkpoint-<step>` holds:
 - the model (`save_pretrained`: config + safetensors weights) and the tokenizer files, so the
-  folder alone is enough for `generate`, `eval` and a Hub upload;
+  folder alone is enough for `generate`, `eval` and a Hub upload; `tokenizer_config.json` names a
+  tokenizer class transformers has itself (`save_tokenizer`), so the tokenizer needs no remote code;
 - `optimizer.safetensors`: every optimizer state tensor, keyed `state.<param index>.<name>`;
 - `rng_rank<r>.safetensors`: torch (CPU, and CUDA when present) RNG state of each process;
   `rng_rank<r>.json` (r > 0): its Python and NumPy RNG state;
@@ -115,7 +116,7 @@ def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, schedule
     def write(folder: Path):
         model.save_pretrained(folder)
         if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
+            save_tokenizer(tokenizer, folder)
         tensors, param_groups = optimizer_state_to_flat(optimizer)
         save_file(tensors, folder / "optimizer.safetensors")
         rng_tensors, rng_meta = rank_rng[0]
@@ -131,6 +132,44 @@ def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, schedule
         for old in list_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def save_tokenizer(tokenizer, folder: str | os.PathLike) -> None:
+    """`tokenizer.save_pretrained(folder)`, with a `tokenizer_config.json` that `AutoTokenizer` resolves without
+    remote code.
+
+    A tokenizer of a custom class (remote code from its Hub repository, or a subclass defined by the user) is
+    saved under that class's name and, if registered for the Auto classes, an `auto_map`: `AutoTokenizer` then
+    asks for `trust_remote_code` (an interactive [y/N] prompt). When the folder has a `tokenizer.json`, which holds
+    the whole tokenization pipeline, the config names the nearest transformers class the custom one derives from
+    instead and drops the `auto_map`; the switch is kept only if that class tokenizes a probe text exactly as the
+    tokenizer does (else the custom class stays, and loading it needs its code)."""
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    def own_class(name):
+        found = tokenizer_class_from_name(name) if isinstance(name, str) else None
+        return found if found is not None and found.__module__.startswith("transformers.") else None
+
+    folder = Path(folder)
+    tokenizer.save_pretrained(folder)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if own_class(config.get("tokenizer_class")) is not None and "auto_map" not in config:
+        return
+    base = next((cls for cls in type(tokenizer).__mro__ if own_class(cls.__name__) is cls), None)
+    if base is None or not (folder / "tokenizer.json").is_file():
+        return
+    custom = config_file.read_text(encoding="utf-8")
+    config["tokenizer_class"] = base.__name__
+    config.pop("auto_map", None)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+    probe = "ROMEO.\nBut, soft! what light through yonder window breaks? 123 \u00e9t\u00e9 \u65e5\u672c\t<|endoftext|>"
+    try:
+        same = base.from_pretrained(folder)(probe)["input_ids"] == tokenizer(probe)["input_ids"]
+    except Exception:  # whatever keeps the base class from reading these files: the custom class stays
+        same = False
+    if not same:
+        config_file.write_text(custom, encoding="utf-8")
 
 
 def save_rank_rng(checkpoint: Path, rank: int, rng: tuple[dict, dict] | None = None) -> None:

@@ -71,7 +71,8 @@ def load_text_documents(paths: list[str]) -> list[str]:
     ``\\n``; the text is otherwise unchanged.
 
     Raises:
-        ValueError: if a path does not exist, is not a file, or holds only whitespace.
+        ValueError: if a path does not exist, is not a file, cannot be read as UTF-8 text, or holds
+            only whitespace.
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
@@ -81,7 +82,10 @@ def load_text_documents(paths: list[str]) -> list[str]:
         if not p.is_file():
             what = "is not a file" if p.exists() else "does not exist"
             raise ValueError(f"text file {str(path)!r} {what}")
-        text = p.read_text(encoding="utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
+        try:
+            text = p.read_text(encoding="utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"text file {str(path)!r} cannot be read as UTF-8 text ({err})") from err
         if not text.strip():
             raise ValueError(f"text file {str(path)!r} is empty")
         documents.append(text)

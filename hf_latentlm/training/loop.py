@@ -29,8 +29,10 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from ..families import build_model
+from ..loading import check_model_folder
 from ..presets import get_preset
-from .checkpoint import capture_rng_state, latest_checkpoint, load_checkpoint, load_rank_rng, save_checkpoint
+from .checkpoint import (capture_rng_state, latest_checkpoint, load_checkpoint, load_rank_rng, save_checkpoint,
+                         save_tokenizer)
 from .corpus import load_default_tokenizer
 from .data import documents_to_dataset, load_split_documents, pack_dataset
 
@@ -224,13 +226,15 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
     # process as an independent single-process job (DistributedType.NO).
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
     set_seed(cfg.seed)
-    output_dir = Path(cfg.output_dir)
-    if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
 
     tokenizer, train_rows, val_rows = load_rows(cfg, tokenizer, train_rows, val_rows)
     model, optimizer, scheduler = build(cfg, model, tokenizer)
     checkpoint, start_step = resume(cfg, accelerator, model, optimizer, scheduler)
+    # Created only now that every input (files, tokenizer, components, checkpoint) has loaded: a run refused
+    # for a bad input leaves nothing behind.
+    if accelerator.is_main_process:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
     # The scheduler is stepped by us once per optimizer step, so it is not prepared.
     model, optimizer = accelerator.prepare(model, optimizer)
     if checkpoint is not None:
@@ -246,11 +250,7 @@ def load_rows(cfg: TrainConfig, tokenizer, train_rows, val_rows):
     """Phase 1: the tokenizer and the packed [N, seq_len] train / validation rows (the given ones, or
     the embedded corpus / the user's files); validation is cut to `eval_batches` batches."""
     if tokenizer is None:
-        if cfg.tokenizer:
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
-        else:
-            tokenizer = load_default_tokenizer()
+        tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else load_default_tokenizer()
     if train_rows is None:
         docs = load_split_documents("train", cfg.train_files, cfg.validation_files)
         train_rows = pack_dataset(documents_to_dataset(docs), tokenizer, cfg.seq_len)["input_ids"]
@@ -262,10 +262,28 @@ def load_rows(cfg: TrainConfig, tokenizer, train_rows, val_rows):
     return tokenizer, train_rows, val_rows
 
 
+def load_tokenizer(name: str):
+    """The user's tokenizer (a folder or a Hub id) through `AutoTokenizer`, refused with one ValueError naming it
+    when it cannot load. Remote code is not run: a tokenizer that needs it is refused instead of prompting
+    [y/N] in the middle of a run (pass such a tokenizer object to `train(tokenizer=...)`)."""
+    from transformers import AutoTokenizer
+
+    path = Path(name).expanduser()
+    if not path.exists() and (path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1):
+        raise ValueError(f"--tokenizer {name!r}: no such folder")  # a path, not a Hub id
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--tokenizer {name!r} does not load: {err}") from err
+
+
 def build(cfg: TrainConfig, model, tokenizer):
     """Phase 2: the model (unless given; components come from `cfg.components`), AdamW and the
     learning-rate schedule."""
     if model is None:
+        for name, folder in cfg.components.items():
+            if isinstance(folder, (str, os.PathLike)):
+                check_model_folder(folder, f"--{name} {str(folder)!r}")
         model = build_model(cfg.family, cfg.preset, tokenizer, **cfg.components, **cfg.model_kwargs)
     optimizer = make_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
@@ -377,7 +395,7 @@ def _save_final(output_dir: Path, model, tokenizer):
     tmp = output_dir / f".tmp-final-{os.getpid()}"
     model.save_pretrained(tmp)
     if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
     for item in tmp.iterdir():
         os.replace(item, output_dir / item.name)
     tmp.rmdir()

@@ -1,0 +1,159 @@
+"""Folders written by training name a tokenizer class transformers has itself, so `AutoTokenizer` loads
+them without remote code for the tokenizer and without an interactive [y/N] prompt."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_latentlm.training.checkpoint import latest_checkpoint, save_tokenizer
+from hf_latentlm.training.corpus import default_tokenizer_path, load_corpus_documents
+from hf_latentlm.training.loop import TrainConfig, train
+
+PASSAGE = "HAMLET.\nTo be, or not to be, that is the question:\n\u2014Zo\u00eb, \u65e5\u672c\t  end<|endoftext|>"
+
+# Loads each folder's tokenizer in one fresh process and prints, per folder, its class's module and the ids
+# of PASSAGE. "package": hf_latentlm's model classes are registered, so config.json needs no remote code and
+# every remote-code decision is the tokenizer's own; "readme": the README's form, without the package imported.
+LOADERS = {
+    "package": "import hf_latentlm.families\n"
+               "from transformers import AutoTokenizer\n"
+               "load = lambda folder: AutoTokenizer.from_pretrained(folder)\n",
+    "readme": "from transformers import AutoTokenizer\n"
+              "load = lambda folder: AutoTokenizer.from_pretrained(folder, trust_remote_code=True)\n",
+}
+
+
+def load_in_fresh_process(folders, loader: str, home) -> list[dict]:
+    """[{"module", "ids"}] of each folder's tokenizer loaded by LOADERS[loader], with stdin closed: a [y/N]
+    prompt would read EOF and fail, and its text would show in the output."""
+    code = ("import json, sys\n" + LOADERS[loader] +
+            "for folder in sys.argv[2:]:\n"
+            "    tok = load(folder)\n"
+            "    print(json.dumps({'module': type(tok).__module__, 'ids': tok(sys.argv[1])['input_ids']}))\n")
+    env = dict(os.environ, HF_HOME=str(home), HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-c", code, PASSAGE, *map(str, folders)], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert "[y/N]" not in done.stdout + done.stderr, done.stdout + done.stderr
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(folders):]]
+
+
+def assert_resolves_without_remote_code(folders, tokenizer, home):
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    for folder in folders:
+        config = json.loads((Path(folder) / "tokenizer_config.json").read_text())
+        assert "auto_map" not in config
+        assert tokenizer_class_from_name(config["tokenizer_class"]).__module__.startswith("transformers.")
+    for loader in LOADERS:
+        for loaded in load_in_fresh_process(folders, loader, home):
+            assert loaded["module"].startswith("transformers."), (loader, loaded["module"])
+            assert loaded["ids"] == tokenizer(PASSAGE)["input_ids"], loader
+
+
+CUSTOM_TOKENIZERS = '''
+from transformers import TokenizersBackend
+
+
+class ShakespeareTokenizer(TokenizersBackend):
+    """A custom class that changes nothing: tokenizer.json holds its whole pipeline."""
+
+
+class ShoutingTokenizer(TokenizersBackend):
+    """A custom class whose own code changes the tokenization."""
+
+    def __call__(self, text, *args, **kwargs):
+        return super().__call__(text.upper() if isinstance(text, str) else text, *args, **kwargs)
+'''
+
+
+def train_tiny_plm(output_dir, tokenizer, rows):
+    cfg = TrainConfig(family="plm", preset="tiny", output_dir=str(output_dir), max_steps=2, batch_size=2,
+                      seq_len=64, eval_every=0, save_every=1, keep_checkpoints=0, log_every=1, progress_bar=False)
+    train(cfg, tokenizer=tokenizer, train_rows=rows[:32])
+    return [Path(output_dir), latest_checkpoint(output_dir)]
+
+
+@pytest.fixture
+def custom_tokenizers(tmp_path, monkeypatch):
+    """A module of custom tokenizer classes, importable under a name unique to this test."""
+    name = f"tokenization_custom_{tmp_path.name.replace('-', '_')}"
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / f"{name}.py").write_text(CUSTOM_TOKENIZERS)
+    monkeypatch.syspath_prepend(str(code))
+    yield importlib.import_module(name)
+    sys.modules.pop(name, None)
+
+
+def test_embedded_tokenizer_saved_by_training_loads_without_prompt(tmp_path, tokenizer, tiny_rows):
+    folders = train_tiny_plm(tmp_path / "run", tokenizer, tiny_rows)
+    for folder in folders:
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
+    assert_resolves_without_remote_code(folders, tokenizer, tmp_path / "hf")
+
+
+def test_custom_class_tokenizer_saved_by_training_resolves_to_its_transformers_base(tmp_path, tiny_rows,
+                                                                                     custom_tokenizers):
+    # A tokenizer whose class came with remote code (here: defined outside transformers, registered for the Auto
+    # classes, as a Hub repository's tokenization file is): saved as is, AutoTokenizer asks [y/N].
+    cls = custom_tokenizers.ShakespeareTokenizer
+    cls.register_for_auto_class()
+    custom = cls.from_pretrained(default_tokenizer_path())
+    folders = train_tiny_plm(tmp_path / "run", custom, tiny_rows)
+    for folder in folders:
+        assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    assert_resolves_without_remote_code(folders, custom, tmp_path / "hf")
+
+
+def test_custom_class_that_changes_tokenization_keeps_its_class(tmp_path, custom_tokenizers):
+    cls = custom_tokenizers.ShoutingTokenizer
+    cls.register_for_auto_class()
+    shouting = cls.from_pretrained(default_tokenizer_path())
+    save_tokenizer(shouting, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    # TokenizersBackend would tokenize differently: the folder keeps the class that needs its code.
+    assert config["tokenizer_class"] == "ShoutingTokenizer" and "AutoTokenizer" in config["auto_map"]
+
+
+def write_user_tokenizer(folder: Path, tokenizer_class: str) -> Path:
+    """A user's tokenizer folder: the embedded BPE's files under another class name (e.g. a GPT-2 style one)."""
+    folder.mkdir()
+    source = Path(default_tokenizer_path())
+    (folder / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, tokenizer_class=tokenizer_class)))
+    return folder
+
+
+def test_users_own_tokenizer_saved_by_cli_training_resolves(tmp_path, run_cli):
+    from transformers import AutoTokenizer
+
+    user = write_user_tokenizer(tmp_path / "user-tokenizer", "GPT2Tokenizer")
+    text = tmp_path / "plays.txt"
+    text.write_text("\n\n".join(load_corpus_documents("test")[:1]))
+    out = tmp_path / "run"
+    code, _, err = run_cli("train", "--family", "plm", "--preset", "tiny", "--output-dir", str(out), "--tokenizer",
+                           str(user), "--train-file", str(text), "--validation-file", str(text), "--max-steps", "1",
+                           "--eval-every", "0", "--batch-size", "2", "--no-sample")
+    assert code == 0, err
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "GPT2Tokenizer"
+    assert_resolves_without_remote_code([out], AutoTokenizer.from_pretrained(str(user)), tmp_path / "hf")
+
+
+def test_cli_refuses_a_tokenizer_that_needs_remote_code_without_prompt_or_output(tmp_path, run_cli,
+                                                                                 custom_tokenizers):
+    cls = custom_tokenizers.ShakespeareTokenizer
+    cls.register_for_auto_class()
+    cls.from_pretrained(default_tokenizer_path()).save_pretrained(tmp_path / "remote-code-tokenizer")
+    out = tmp_path / "runs" / "plm"
+    code, _, err = run_cli("train", "--family", "plm", "--preset", "tiny", "--output-dir", str(out),
+                           "--tokenizer", str(tmp_path / "remote-code-tokenizer"), "--max-steps", "1")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--tokenizer" in err and "trust_remote_code" in err
+    assert not out.exists() and not out.parent.exists()
