@@ -40,6 +40,8 @@ class FamilySpec:
     components: argument name -> family that produces it; each becomes a `--<name> DIR` option of `train`.
     preset_overrides: preset name -> config overrides that depend on scale.
     training_report: `report(folder) -> str`, printed by `hf-latentlm train` when a run finishes (components).
+    lora_target_modules: the recommended PEFT `target_modules` (the trained backbone only, never a frozen
+        component); see docs/using_the_models.md.
     """
 
     name: str
@@ -50,6 +52,7 @@ class FamilySpec:
     components: Mapping[str, str] = field(default_factory=dict)
     preset_overrides: Mapping[str, Mapping] = field(default_factory=dict)
     training_report: Callable[[str], str] | None = None
+    lora_target_modules: str | list[str] | None = None
 
     @property
     def model_type(self) -> str | None:
@@ -69,6 +72,9 @@ class FamilySpec:
 FAMILIES: dict[str, FamilySpec] = {}
 #: The matched autoregressive baseline every speed and quality number is compared with.
 BASELINE_FAMILY = "ar"
+#: LoRA targets of the shared decoder blocks: attention and MLP projections of `model.layers.*` only. The bare
+#: projection names would also wrap CALM's frozen autoencoder and its energy head (tests/test_peft_trl.py).
+BACKBONE_LORA_TARGETS = r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 
 
 def register_family(spec: FamilySpec) -> FamilySpec:
@@ -202,6 +208,7 @@ register_family(FamilySpec(name="ar", build=build_ar_baseline))
 
 register_family(FamilySpec(
     name="plm", build=build_plm, config_class=PLMConfig, model_class=PLMForCausalLM,
+    lora_target_modules=BACKBONE_LORA_TARGETS,
     # The paper's N_aux = 512 / M = 128 are the config defaults (used by `base`); on 2 CPU cores fitting them at
     # every position costs 5.3 s per `small` step (4080 positions) vs 0.63 s for N_aux = 128 / M = 32
     # (`python scripts/time_voronoi.py`), so the CPU presets use the latter.
@@ -227,5 +234,5 @@ register_family(FamilySpec(
 
 register_family(FamilySpec(
     name="calm", build=build_calm, config_class=CALMConfig, model_class=CALMForCausalLM,
-    components={"autoencoder": "calm-ae"},
+    components={"autoencoder": "calm-ae"}, lora_target_modules=BACKBONE_LORA_TARGETS,
 ))

@@ -2,7 +2,7 @@
 and 10), as they work today with PEFT 0.21 / TRL 1.16 (see ../shared/notes/hf-stack-facts.md).
 
 What these tests establish, per family:
-- LoRA: which `target_modules` wrap the backbone and nothing else (`RECOMMENDED_TARGET_MODULES`); the bare projection
+- LoRA: which `target_modules` wrap the backbone and nothing else (the registry's `lora_target_modules`); the bare projection
   names also wrap CALM's frozen autoencoder, whose LoRA layers then never receive a gradient. An adapter trained with
   the family's own loss, saved, reloaded by `AutoPeftModelForCausalLM` in a process where `hf_latentlm` cannot be
   imported and merged gives the same outputs and the same generated tokens as the merged model here.
@@ -29,10 +29,8 @@ from hf_latentlm.families import get_family
 
 FAMILIES = multi_token_families()
 
-# Attention and MLP projections of the backbone's decoder blocks (`hf_latentlm/modeling/layers.py`), matched as a
-# regex on the full module name: the bare names below would also match the SwiGLU MLPs of CALM's frozen autoencoder
-# and of its energy head.
-RECOMMENDED_TARGET_MODULES = r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+# The bare projection names, which would also match the SwiGLU MLPs of CALM's frozen autoencoder and of its energy
+# head; the registry's `lora_target_modules` (a regex on the full module name) matches the backbone's blocks only.
 PROJECTION_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PEFT_LOADER = Path(__file__).parent / "peft_isolated_load.py"
 PROMPT = [[5, 60, 700, 42, 9, 31, 17, 8]]
@@ -82,7 +80,7 @@ def test_lora_targets_the_backbone_projections_and_no_frozen_component(family, t
               if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad}
     assert bool(frozen) == bool(get_family(family).components), "frozen Linear layers are those of the components"
 
-    recommended = get_peft_model(model, LoraConfig(target_modules=RECOMMENDED_TARGET_MODULES, r=4))
+    recommended = get_peft_model(model, LoraConfig(target_modules=get_family(family).lora_target_modules, r=4))
     assert lora_wrapped(recommended) == backbone
     assert {n for n, p in recommended.named_parameters() if p.requires_grad} == {
         f"base_model.model.{m}.lora_{ab}.default.weight" for m in backbone for ab in "AB"}
@@ -130,7 +128,8 @@ def test_lora_fine_tune_save_and_reload_merged_without_the_package(family, token
     before = head_output(base, prompt)
     frozen_before = {n: p.detach().clone() for n, p in base.named_parameters()}
 
-    model = get_peft_model(base, LoraConfig(target_modules=RECOMMENDED_TARGET_MODULES, r=4, task_type="CAUSAL_LM"))
+    targets = get_family(family).lora_target_modules
+    model = get_peft_model(base, LoraConfig(target_modules=targets, r=4, task_type="CAUSAL_LM"))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.train()
     for step in range(3):
@@ -148,7 +147,7 @@ def test_lora_fine_tune_save_and_reload_merged_without_the_package(family, token
     model.save_pretrained(adapter_dir)
     adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str(base_dir)
-    assert adapter_config["target_modules"] == RECOMMENDED_TARGET_MODULES
+    assert adapter_config["target_modules"] == get_family(family).lora_target_modules
 
     unmerged = head_output(model, prompt)
     merged = model.merge_and_unload().eval()
