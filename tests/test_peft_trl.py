@@ -32,7 +32,7 @@ FAMILIES = multi_token_families()
 # The bare projection names, which would also match the SwiGLU MLPs of CALM's frozen autoencoder and of its energy
 # head; the registry's `lora_target_modules` (a regex on the full module name) matches the backbone's blocks only.
 PROJECTION_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PEFT_LOADER = Path(__file__).parent / "peft_isolated_load.py"
+PEFT_LOADER = Path(__file__).parent / "modeling" / "peft_isolated_load.py"
 PROMPT = [[5, 60, 700, 42, 9, 31, 17, 8]]
 
 

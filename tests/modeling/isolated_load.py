@@ -5,27 +5,19 @@ state) as JSON.
 argv: purelib platlib checkpoint auto_class prompt_json max_new_tokens generate_options_json
 """
 
-import importlib.abc
 import json
 import sys
 
+from without_package import assert_package_not_loaded, block_package
+
 purelib, platlib, checkpoint, auto_class, prompt, max_new, options = sys.argv[1:8]
-
-
-class BlockPackage(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "hf_latentlm" or name.startswith("hf_latentlm."):
-            raise ImportError("hf_latentlm is deliberately not importable here")
-
-
-sys.meta_path.insert(0, BlockPackage())
-sys.path += [p for p in (purelib, platlib) if p not in sys.path]  # no .pth processing: no editable finder
+block_package(purelib, platlib)
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
 model = getattr(transformers, auto_class).from_pretrained(checkpoint, trust_remote_code=True).eval()
-assert not [m for m in sys.modules if m.startswith("hf_latentlm")]
+assert_package_not_loaded()
 ids = torch.tensor(json.loads(prompt))
 if model.can_generate():
     tokens = model.generate(ids, max_new_tokens=int(max_new), **json.loads(options))

@@ -6,28 +6,20 @@ generates.
 argv: purelib platlib adapter_dir prompt_json max_new_tokens generate_options_json
 """
 
-import importlib.abc
 import json
 import sys
 
+from without_package import assert_package_not_loaded, block_package
+
 purelib, platlib, adapter, prompt, max_new, options = sys.argv[1:7]
-
-
-class BlockPackage(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "hf_latentlm" or name.startswith("hf_latentlm."):
-            raise ImportError("hf_latentlm is deliberately not importable here")
-
-
-sys.meta_path.insert(0, BlockPackage())
-sys.path += [p for p in (purelib, platlib) if p not in sys.path]  # no .pth processing: no editable finder
+block_package(purelib, platlib)
 
 import torch  # noqa: E402
 from peft import AutoPeftModelForCausalLM  # noqa: E402
 
 peft_model = AutoPeftModelForCausalLM.from_pretrained(adapter, trust_remote_code=True)
 merged = peft_model.merge_and_unload().eval()
-assert not [m for m in sys.modules if m.startswith("hf_latentlm")]
+assert_package_not_loaded()
 ids = torch.tensor(json.loads(prompt))
 with torch.no_grad():
     out = merged(input_ids=ids)
