@@ -259,7 +259,12 @@ def voronoi_owners(
         # can never win: drop the columns that are closed at every position of the chunk (a big saving for peaked
         # distributions; the owners are unchanged because those candidates are excluded anyway).
         is_open = capacities[rows] > 0
-        width = int(torch.nonzero(is_open.any(dim=0)).max()) + 1
+        if torch.compiler.is_compiling():
+            # Under torch.compile keep every column: the trimmed width is data-dependent (a graph break), and the
+            # owners do not change (closed columns get CLOSED_OFFSET and never enter an open cell's load).
+            width = is_open.shape[1]
+        else:
+            width = int(torch.nonzero(is_open.any(dim=0)).max()) + 1
         cand, caps = candidates[rows, :width], capacities[rows, :width]
         scores = all_scores[cand]  # [C, M, N]
         offsets = fit_laguerre_offsets(
@@ -303,21 +308,40 @@ def quantile_owners(logits: torch.Tensor, num_auxiliaries: int) -> torch.Tensor:
 
 @torch.no_grad()
 def draw_auxiliary_in_cell(
-    owners: torch.Tensor, targets: torch.Tensor, generator: torch.Generator | None = None
+    owners: torch.Tensor,
+    targets: torch.Tensor,
+    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Index `[P]` of an auxiliary drawn uniformly from the cell of `targets`, or -1 where the target owns none.
 
     One uniform number per position: r = floor(U * |cell|) selects the r-th member of the cell in bank order (found
     with a cumulative count), exactly uniform over the cell. -1 marks targets outside the top M or with capacity 0;
-    the decoder reads the mask auxiliary there.
+    the decoder reads the mask auxiliary there. `uniform` [P] in [0, 1) gives the numbers U instead of drawing them
+    from `generator` (default: the global RNG), e.g. `fixed_uniforms` for a deterministic evaluation.
     """
     in_cell = owners == targets[:, None]  # [P, N]
     cell_size = in_cell.sum(dim=-1)
-    uniform = torch.rand(owners.shape[0], generator=generator, device=owners.device)
+    if uniform is None:
+        uniform = torch.rand(owners.shape[0], generator=generator, device=owners.device)
     rank = torch.minimum((uniform * cell_size).long(), (cell_size - 1).clamp(min=0))  # 0-based rank in the cell
     hit = in_cell & (in_cell.cumsum(dim=-1) == (rank + 1)[:, None])  # exactly one True per non-empty row
     index = hit.long().argmax(dim=-1)
     return torch.where(cell_size > 0, index, torch.full_like(index, -1))
+
+
+def fixed_uniforms(count: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """`[count]` float32 numbers in [0, 1): the golden-ratio (Weyl) sequence frac((j + 1/2) / phi), j = 0..count-1.
+
+    A fixed stand-in for `count` uniform draws where the result must not depend on any RNG (PLM's eval-mode
+    auxiliaries): evenly spread over [0, 1) for every count, and built from tensor ops only, so it compiles (a
+    seeded `torch.Generator` cannot be created inside a `torch.compile`d function). Integer arithmetic in units of
+    2^-24 keeps it exact in float32 on every device and for any count (float `j / phi` loses the fraction for large j).
+    """
+    scale = 1 << 24
+    step = round(scale * (5**0.5 - 1) / 2)
+    j = torch.arange(count, device=device, dtype=torch.long)
+    return ((j * step + step // 2) % scale).float() / scale
 
 
 @torch.no_grad()

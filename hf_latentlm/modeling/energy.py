@@ -30,10 +30,12 @@ def energy_loss(samples: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
         raise ValueError(f"energy_loss needs at least 2 model samples per step, got {n}")
     fidelity = 2 * torch.cdist(samples, targets.to(samples.dtype)).mean(dim=(1, 2))
     # Squared distances, then sqrt only off the diagonal: sqrt'(0) is infinite, and cdist's own guard for it
-    # differs between backends.
+    # differs between backends. The diagonal is masked with `where` (1.0 under the sqrt, weight 0 after it), not
+    # dropped by boolean indexing, which torch.compile cannot trace without a graph break.
     sq = (samples[:, :, None, :] - samples[:, None, :, :]).pow(2).sum(-1)  # [P, N, N]
     off = ~torch.eye(n, dtype=torch.bool, device=samples.device)
-    diversity = sq[:, off].clamp(min=1e-12).sqrt().sum(-1) / (n * (n - 1))
+    distance = torch.where(off, sq.clamp(min=1e-12), 1.0).sqrt()
+    diversity = torch.where(off, distance, 0.0).sum(dim=(1, 2)) / (n * (n - 1))
     return fidelity - diversity, fidelity, diversity
 
 

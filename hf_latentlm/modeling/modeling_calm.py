@@ -50,7 +50,8 @@ from .modeling_backbone import BackbonePreTrainedModel, check_forward_kwargs
 @dataclass
 class CALMAutoencoderOutput(ModelOutput):
     """`loss` = K × token cross-entropy + kl_weight × clamped KL. The scalars are logged by the training loop:
-    `token_accuracy` of the decoded (sampled, in training also dropped-out) latent, `posterior_std` the mean σ."""
+    `token_accuracy` of the decoded latent (sampled and dropped out in training, the posterior mean in eval mode
+    unless `sample_latent=True`), `posterior_std` the mean σ."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -176,6 +177,9 @@ class CALMAutoencoder(BackbonePreTrainedModel):
     supports_gradient_checkpointing = False  # no attention blocks to checkpoint
     _no_split_modules = None
     main_input_name = "input_ids"
+    _can_compile_fullgraph = True  # MLPs only; eval and training forwards compile (tests/modeling/test_compile.py)
+    # `resize_token_embeddings` is supported as is: the output logits read `embed_tokens.weight` and token
+    # replacement reads `config.vocab_size`, which transformers' resize updates together (tests/modeling/test_calm.py).
 
     def __init__(self, config: CALMAutoencoderConfig):
         super().__init__(config)
@@ -233,15 +237,18 @@ class CALMAutoencoder(BackbonePreTrainedModel):
         return torch.where(swap, torch.randint_like(chunks, self.config.vocab_size), chunks)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, attention_mask=None,
-                **kwargs) -> CALMAutoencoderOutput:
+                sample_latent: bool | None = None, **kwargs) -> CALMAutoencoderOutput:
         """input_ids [B, T] (T a multiple of K) or chunks [B, L, K]. With labels (same shape; −100 = ignore), the
-        loss. In training mode the input is corrupted and the sampled latent dropped out; in eval mode the
-        sampled latent is decoded as is."""
+        loss. In training mode the input is corrupted and the sampled latent dropped out.
+        sample_latent: decode a sampled z = μ + σ·ε (True) or the posterior mean μ (False). Default: sample only
+        in training, so that an eval-mode forward is deterministic (and compiles to the same numbers);
+        `reconstruction_accuracy` reports both decodings."""
         cfg = self.config
         chunks = input_ids if input_ids.dim() == 3 else chunk_tokens(input_ids, cfg.chunk_size)
         mean, log_std = self.encode(self.replace_tokens(chunks))
         std = log_std.exp()
-        z = mean + std * torch.randn_like(mean)
+        sample = self.training if sample_latent is None else sample_latent
+        z = mean + std * torch.randn_like(mean) if sample else mean
         z = F.dropout(z, p=cfg.latent_dropout, training=self.training)
         logits = self.decode_logits(z)
         out = CALMAutoencoderOutput(logits=logits, latent_mean=mean, latent_log_std=log_std,
@@ -314,6 +321,26 @@ class EnergyHead(nn.Module):
 class CALMPreTrainedModel(BackbonePreTrainedModel):
     config_class = CALMConfig
     _can_record_outputs = {"hidden_states": DecoderBlock, "attentions": OutputRecorder(AttentionProbs)}
+    # The inference forward compiles with fullgraph=True, and so does the energy objective (tests/modeling/
+    # test_compile.py).
+    _can_compile_fullgraph = True
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True):
+        """Refused (before anything changes) unless the size stays the same: the vocabulary belongs to the frozen
+        autoencoder, which maps every chunk to and from its latent, so a new token has no latent and the saved
+        config would disagree with the autoencoder's. Resize the autoencoder, retrain it, then build a new CALM
+        with `CALMForCausalLM.from_autoencoder`."""
+        if new_num_tokens is not None or pad_to_multiple_of is not None:
+            size = self.get_input_embeddings().weight.shape[0] if new_num_tokens is None else new_num_tokens
+            if pad_to_multiple_of is not None:
+                size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
+            if size != self.config.vocab_size:
+                raise NotImplementedError(
+                    f"{type(self).__name__} cannot resize its token embeddings ({self.config.vocab_size} -> {size}): "
+                    f"the vocabulary belongs to the frozen autoencoder (chunks <-> latents). Resize and retrain a "
+                    f"CALMAutoencoder, then build a new model with CALMForCausalLM.from_autoencoder")
+        return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
 
 
 class CALMModel(CALMPreTrainedModel):
@@ -472,19 +499,31 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         scored = (targets != -100).all(-1)
         if attention_mask is not None:
             scored &= attention_mask[:, cfg.chunk_size:].view_as(targets).bool().all(-1)
+        # Draws for every step (scored or not), from the global RNG.
+        target_noise = torch.randn(*scored.shape, cfg.num_target_samples, cfg.latent_size, device=hidden.device)
+        model_noise = torch.rand(*scored.shape, cfg.num_model_samples, cfg.noise_size, device=hidden.device,
+                                 dtype=hidden.dtype) - 0.5
+        loss, fidelity, diversity = self.masked_energy_loss(hidden, targets, scored, target_noise, model_noise)
+        return CALMOutput(loss=loss, last_hidden_state=hidden, energy_fidelity=fidelity.detach(),
+                          energy_diversity=diversity.detach(), hidden_states=out.hidden_states,
+                          attentions=out.attentions)
+
+    def masked_energy_loss(self, hidden: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor,
+                           target_noise: torch.Tensor, model_noise: torch.Tensor):
+        """Mean energy loss over the scored steps, and its fidelity and diversity parts (scalars).
+
+        hidden [B, L, d]: the state that predicts each target chunk; targets [B, L, K] (−100 allowed where not
+        scored); scored [B, L] bool; target_noise [B, L, M, l] standard normal (samples of the target posterior
+        μ + σ·ε); model_noise [B, L, N, d_noise] uniform in [-0.5, 0.5] (the energy head's input).
+        Every step is computed and the per-step losses are weighted by `scored` (no boolean indexing: static shapes
+        under torch.compile, the same value); nothing scored gives 0, not NaN."""
         with torch.no_grad():
-            mean, log_std = self.autoencoder.encode(targets[scored])  # [P, l]
-            eps = torch.randn(mean.shape[0], cfg.num_target_samples, mean.shape[-1], device=mean.device)
-            target_samples = mean[:, None] + log_std.exp()[:, None] * eps  # [P, M, l]
-        h = hidden[scored]
-        noise = torch.rand(h.shape[0], cfg.num_model_samples, cfg.noise_size, device=h.device, dtype=h.dtype) - 0.5
-        samples = self.sample_latents(h, noise).float()  # [P, N, l]
-        loss, fidelity, diversity = energy_loss(samples, target_samples.float())
-        steps = scored.sum().clamp(min=1)  # a batch with nothing to score gives 0, not NaN
-        return CALMOutput(loss=loss.sum() / steps, last_hidden_state=hidden,
-                          energy_fidelity=fidelity.detach().sum() / steps,
-                          energy_diversity=diversity.detach().sum() / steps,
-                          hidden_states=out.hidden_states, attentions=out.attentions)
+            mean, log_std = self.autoencoder.encode(targets.clamp(min=0))  # unscored steps: any token, weight 0
+            target_samples = mean[..., None, :] + log_std.exp()[..., None, :] * target_noise  # [B, L, M, l]
+        samples = self.sample_latents(hidden, model_noise).float()  # [B, L, N, l]
+        loss, fidelity, diversity = energy_loss(samples.flatten(0, 1), target_samples.flatten(0, 1).float())
+        keep, steps = scored.flatten(), scored.sum().clamp(min=1)
+        return tuple(torch.where(keep, part, 0.0).sum() / steps for part in (loss, fidelity, diversity))
 
     # ------------------------------------------------------------------------------------------------------------
     # generate

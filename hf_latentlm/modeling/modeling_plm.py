@@ -26,6 +26,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .auxiliaries import (
     decode_auxiliary,
     draw_auxiliary_in_cell,
+    fixed_uniforms,
     quantile_owners,
     sample_auxiliary_bank,
     voronoi_owners,
@@ -173,6 +174,24 @@ class PLMDecodingState:
 class PLMPreTrainedModel(BackbonePreTrainedModel):
     config_class = PLMConfig
     _can_record_outputs = {"hidden_states": DecoderBlock, "attentions": OutputRecorder(AttentionProbs)}
+    # The inference forward compiles with fullgraph=True, and so does the objective (labels) with the default
+    # block_stride = block_size (tests/modeling/test_compile.py); with block_stride != block_size the number of
+    # decoder rows depends on the random phase (see `block_layout`).
+    _can_compile_fullgraph = True
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True):
+        """transformers' resize (embedding, LM head and `config.vocab_size` together), refused BEFORE anything changes
+        when the new vocabulary is smaller than `auxiliary_top_m`: the config could then not be loaded again."""
+        if new_num_tokens is not None or pad_to_multiple_of is not None:
+            size = self.get_input_embeddings().weight.shape[0] if new_num_tokens is None else new_num_tokens
+            if pad_to_multiple_of is not None:
+                size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
+            if size < self.config.auxiliary_top_m:
+                raise ValueError(f"cannot resize the token embeddings to {size}: PLMConfig.auxiliary_top_m "
+                                 f"({self.config.auxiliary_top_m}) must not exceed vocab_size; lower auxiliary_top_m "
+                                 f"first")
+        return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -321,45 +340,76 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
             return quantile_owners(logits, cfg.num_auxiliaries), None
         return None, None
 
-    def block_layout(self, length: int, phase: int):
+    def block_layout(self, length: int, phase: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decoder rows of one sequence: target position, block id and block start of each row.
-        Block z starts at 1 + z·s − phase; blocks are truncated to targets in [1, length)."""
+        Block z starts at 1 + z·s − phase; blocks are truncated to targets in [1, length).
+
+        Tensor ops only, on the device of `phase` (an int or a 0-d tensor): the random phase of a training step
+        never reaches Python, so torch.compile traces the layout without a graph break. With s = K (the default)
+        every target is decoded exactly once, so there are always length − 1 rows and the shapes are static; with
+        s ≠ K the row count depends on the phase (a data-dependent shape under compile)."""
         K, s = self.config.block_size, self.config.block_stride
-        pos, block, start = [], [], []
-        z, first = 0, 1 - phase
-        while first < length:
-            lo, hi = max(first, 1), min(first + K, length)
-            if hi > lo:
-                pos += range(lo, hi)
-                block += [z] * (hi - lo)
-                start += [lo] * (hi - lo)
-            z, first = z + 1, first + s
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-        return as_long(pos), as_long(block), as_long(start)
+        phase = torch.as_tensor(phase, dtype=torch.long)
+        device = phase.device
+        # Every block that may hold a target for some phase in [0, s), K candidate rows each; rows outside
+        # [1, length) are dropped below (a block starting before 1 keeps its tail).
+        block = torch.arange(self.num_layout_blocks(length), device=device)[:, None].expand(-1, K)
+        first = 1 + block * s - phase  # [Z, K]
+        pos = first + torch.arange(K, device=device)
+        keep = ((pos >= 1) & (pos < length)).flatten()
+        if s == K:
+            # A stable sort puts the kept rows first in their (block, offset) order; their number is static.
+            rows = torch.sort((~keep).to(torch.uint8), stable=True).indices[:length - 1]
+        else:
+            rows = keep.nonzero().squeeze(1)
+        return pos.flatten()[rows], block.flatten()[rows], first.clamp(min=1).flatten()[rows]
+
+    def num_layout_blocks(self, length: int) -> int:
+        """An upper bound on the block ids of `block_layout(length, phase)` for any phase (static: no data)."""
+        return (length + self.config.block_stride - 1) // self.config.block_stride + 1
 
     def plm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask=None, **kwargs) -> PLMOutput:
+        """The PLM objective: draw the block layout and the auxiliaries (no gradient), then `decoder_objective`."""
         cfg, device = self.config, input_ids.device
         batch, length = input_ids.shape
         if length < 2:
             raise ValueError("PLM training needs sequences of at least 2 tokens")
-        # A fresh block phase per training step; phase 0 in eval mode so validation loss is deterministic.
-        phase = int(torch.randint(cfg.block_stride, ())) if self.training else 0
-        dec_pos, dec_block, dec_start = (t.to(device) for t in self.block_layout(length, phase))
-        num_dec = dec_pos.numel()
-        targets = labels[:, dec_pos]  # [B, D]
+        # A fresh block phase per training step, drawn from the global CPU RNG as a tensor (a resumed run restores
+        # that RNG; a Python int would break a compiled graph); phase 0 in eval mode so validation is deterministic.
+        phase = torch.randint(cfg.block_stride, ()) if self.training else torch.zeros((), dtype=torch.long)
+        layout = self.block_layout(length, phase.to(device))
+        aux, tv = self.draw_auxiliaries(input_ids, labels, attention_mask, layout[0])
+        return self.decoder_objective(input_ids, labels, attention_mask, layout, aux, tv, **kwargs)
 
-        # 1) Encoder distribution for the auxiliaries, without gradient (u ~ sg[q]).
-        with torch.no_grad():
-            q_logits = self(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # row j-1 -> x_j
+    @torch.no_grad()
+    def draw_auxiliaries(self, input_ids, labels, attention_mask, dec_pos) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Auxiliary index of every decoder row [B, D] (−1: mask auxiliary) from the encoder's distribution
+        (u ~ sg[q]), and the Voronoi fit's TV per position (None for other auxiliary types).
+
+        Training draws from the global RNG; eval mode uses `fixed_uniforms` over the decoder rows (the same for
+        every sequence of the batch), so the eval loss is deterministic and a row's loss does not depend on the
+        rest of the batch."""
+        batch, length = input_ids.shape
+        targets = labels[:, dec_pos].clamp(min=0)  # [B, D]
+        q_logits = self(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # row j-1 -> x_j
         owners, tv = self.auxiliary_owners(q_logits.reshape(-1, q_logits.shape[-1]))
         if owners is None:
-            aux = torch.full((batch, num_dec), -1, dtype=torch.long, device=device)
-        else:
-            owners = owners.view(batch, length - 1, -1)[:, dec_pos - 1]  # [B, D, N_aux]
-            aux = draw_auxiliary_in_cell(owners.reshape(batch * num_dec, -1), targets.clamp(min=0).reshape(-1))
-            aux = aux.view(batch, num_dec)
+            return torch.full_like(targets, -1), tv
+        owners = owners.view(batch, length - 1, -1)[:, dec_pos - 1]  # [B, D, N_aux]
+        num_dec = dec_pos.shape[0]
+        uniform = None if self.training else fixed_uniforms(num_dec, input_ids.device).repeat(batch)
+        aux = draw_auxiliary_in_cell(owners.reshape(batch * num_dec, -1), targets.reshape(-1), uniform=uniform)
+        return aux.view(batch, num_dec), tv
 
-        # 2) Encoder + decoder rows in one differentiable forward.
+    def decoder_objective(self, input_ids, labels, attention_mask, layout, aux, tv=None, **kwargs) -> PLMOutput:
+        """Encoder + decoder rows in one differentiable forward, given the block layout (`block_layout`) and the
+        auxiliaries [B, D] (`draw_auxiliaries`), and the normalised loss with its logged parts."""
+        cfg, device = self.config, input_ids.device
+        batch, length = input_ids.shape
+        dec_pos, dec_block, dec_start = layout
+        num_dec = dec_pos.shape[0]
+        targets = labels[:, dec_pos]  # [B, D]
+
         enc_pos = torch.arange(length, device=device)
         embeds = torch.cat([self.model.embed_tokens(input_ids), self.model.embed_auxiliaries(aux)], dim=1)
         positions = torch.cat([enc_pos, dec_pos])
@@ -376,7 +426,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         logits = self.lm_head(out.last_hidden_state)
         enc_logits, dec_logits = logits[:, :length - 1], logits[:, length:]
 
-        # 3) Losses. Encoder: every labelled target. Decoder: labelled targets of a block up to and including
+        # Losses. Encoder: every labelled target. Decoder: labelled targets of a block up to and including
         # its first end-of-document target.
         enc_valid = labels[:, 1:] != -100
         enc_nll = F.cross_entropy(enc_logits.float().transpose(1, 2), labels[:, 1:].clamp(min=0), reduction="none")
@@ -396,7 +446,9 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         with torch.no_grad():
             first = dec_pos == dec_start
             correct = ((dec_logits.argmax(-1) == targets) | first) & dec_valid
-            reconstructed = self.reconstructed_tokens(correct, dec_block, dec_pos - dec_start, first)
+            reconstructed = self.reconstructed_tokens(correct, dec_block, dec_pos - dec_start, first,
+                                                      num_blocks=self.num_layout_blocks(length),
+                                                      block_size=cfg.block_size)
             uses_mask = ((aux < 0) & dec_valid).sum() / n_dec.clamp(min=1)
         return PLMOutput(
             loss=loss, logits=logits[:, :length], decoder_logits=dec_logits,
@@ -415,18 +467,24 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         return (labels[:, dec_pos] != -100) & ~eos_inside
 
     @staticmethod
-    def reconstructed_tokens(correct: torch.Tensor, block: torch.Tensor, offset: torch.Tensor,
-                             first: torch.Tensor) -> torch.Tensor:
+    def reconstructed_tokens(correct: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, first: torch.Tensor,
+                             num_blocks: int | None = None, block_size: int | None = None) -> torch.Tensor:
         """R (App. 17): mean over blocks of the length of the correctly decoded prefix, the first token
         counted as correct. correct [B, D] (False on unscored rows; first rows True when scored),
-        block / offset / first [D]: block id, offset inside the block, first row of its block."""
+        block / offset / first [D]: block id, offset inside the block, first row of its block.
+        num_blocks / block_size: bounds on the block ids / offsets (default: read from the data; pass static
+        bounds to keep the shapes data-independent under torch.compile). 0 when no block is scored."""
         batch = correct.shape[0]
-        grid = correct.new_zeros(batch, int(block.max()) + 1, int(offset.max()) + 1, dtype=torch.long)
+        num_blocks = int(block.max()) + 1 if num_blocks is None else num_blocks
+        block_size = int(offset.max()) + 1 if block_size is None else block_size
+        grid = correct.new_zeros(batch, num_blocks, block_size, dtype=torch.long)
         grid[:, block, offset] = correct.long()
         per_block = grid.cumprod(-1).sum(-1)  # [B, Z]
-        scored = torch.zeros_like(per_block, dtype=torch.bool)
-        scored[:, block[first]] = correct[:, first]  # a block counts when its first row is scored
-        return per_block[scored].float().mean() if scored.any() else per_block.new_zeros((), dtype=torch.float)
+        # A block counts when its first row is scored (one first row per block, so the scatter sums one value).
+        first_scored = (correct & first).long()
+        scored = per_block.new_zeros(per_block.shape).scatter_add_(1, block.expand(batch, -1), first_scored) > 0
+        # Masked mean instead of boolean indexing: the same value, static shapes.
+        return (per_block * scored).sum().float() / scored.sum().clamp(min=1)
 
     # ------------------------------------------------------------------------------------------------
     # generation (the loop is `MultiTokenGenerationMixin.generate`; options are `PLMGenerationOptions`)

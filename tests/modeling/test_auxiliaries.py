@@ -10,6 +10,7 @@ from hf_latentlm.modeling.auxiliaries import (
     decode_auxiliary,
     draw_auxiliary_in_cell,
     fit_laguerre_offsets,
+    fixed_uniforms,
     largest_remainder_capacities,
     mean_total_variation,
     quantile_owners,
@@ -197,6 +198,18 @@ def test_deterministic(setup, assignment):
         assert torch.equal(x, y)
 
 
+def test_untrimmed_fit_under_compile_gives_the_same_owners(setup, assignment, monkeypatch):
+    """Under torch.compile the fit keeps every candidate column (the trimmed width is data-dependent); closed
+    columns never take an auxiliary, so the owners are exactly those of the trimmed eager fit."""
+    head, bank, logits = setup
+    peaked = logits[24:48]  # trimming drops many closed columns here
+    assert (assignment.capacities[24:48] > 0).any(0).nonzero().max() + 1 < M
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    untrimmed = voronoi_owners(peaked, head, bank, top_m=M)
+    assert torch.equal(untrimmed.owners, assignment.owners[24:48])
+    assert torch.equal(untrimmed.total_variation, assignment.total_variation[24:48])
+
+
 def test_scores_use_unnormalised_lm_head_rows():
     # One token with a 3x longer row wins more of the bank at equal offsets: check that the fit still hits capacities
     # and that scaling the whole head (same geometry, scaled scores) leaves the owners unchanged (sigma-relative fit).
@@ -256,6 +269,20 @@ def test_draw_is_uniform_over_the_cell_and_seeded():
     assert ((counts[[0, 2, 3, 5, 7]].float() / 4000 - 1).abs() < 0.06).all()
     again = draw_auxiliary_in_cell(owners, targets, generator=torch.Generator().manual_seed(0))
     assert torch.equal(index, again)
+
+
+def test_given_uniforms_replace_the_rng():
+    """Eval-mode draws (PLM) use fixed numbers: no RNG is read, and the pick is the floor(U·|cell|)-th member."""
+    u = fixed_uniforms(10_000)
+    assert u.dtype == torch.float32 and 0 <= u.min() and u.max() < 1
+    assert torch.equal(u, fixed_uniforms(10_000)) and torch.equal(u[:7], fixed_uniforms(7))
+    assert (torch.bincount((u * 10).long(), minlength=10) - 1000).abs().max() <= 2  # evenly spread
+    owners = torch.tensor([[3, 1, 3, 3, 2, 3, 1, 3]]).repeat(4, 1)
+    targets = torch.tensor([3, 3, 1, 2])
+    state = torch.get_rng_state()
+    index = draw_auxiliary_in_cell(owners, targets, uniform=torch.tensor([0.0, 0.99, 0.6, 0.3]))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert index.tolist() == [0, 7, 6, 4]  # cell of 3: [0, 2, 3, 5, 7]; cell of 1: [1, 6]; cell of 2: [4]
 
 
 def test_mask_path_for_targets_without_auxiliaries(assignment):

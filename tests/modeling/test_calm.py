@@ -105,6 +105,57 @@ def test_autoencoder_corrupts_only_in_training(tokenizer, tiny_rows):
     assert torch.equal(ae.replace_tokens(chunks), chunks)
 
 
+def test_autoencoder_samples_only_in_training_or_when_asked(tokenizer, tiny_rows, tmp_path):
+    """Eval mode decodes the posterior mean: deterministic, the same for a row alone or in a batch, and after a
+    save/load. Training (or sample_latent=True) decodes a sampled z."""
+    torch.manual_seed(0)
+    ae = build_model("calm-ae", "tiny", tokenizer).eval()
+    x = tiny_rows[:3]
+    first, second = ae(x, labels=x), ae(x, labels=x)
+    assert torch.equal(first.logits, second.logits) and torch.equal(first.loss, second.loss)
+    torch.testing.assert_close(first.logits, ae.decode_logits(ae.encode(x.view(3, -1, 4))[0]))
+    torch.testing.assert_close(ae(x[1:2]).logits[0], first.logits[1], atol=1e-5, rtol=0)
+    ae.save_pretrained(tmp_path / "ae")
+    torch.testing.assert_close(CALMAutoencoder.from_pretrained(tmp_path / "ae").eval()(x).logits, first.logits)
+    assert not torch.equal(ae(x, sample_latent=True).logits, first.logits)
+    ae.train()
+    assert not torch.equal(ae(x).logits, ae(x).logits)
+
+
+def test_autoencoder_resizes_its_vocabulary_consistently(tokenizer, tiny_rows, tmp_path):
+    """The autoencoder owns its vocabulary: embedding, output logits (tied to it) and config.vocab_size move
+    together, and the resized model trains, saves and loads."""
+    torch.manual_seed(0)
+    ae = build_model("calm-ae", "tiny", tokenizer, token_replace_prob=0.5).eval()
+    for size in (4100, 99):
+        ae.resize_token_embeddings(size)
+        x = tiny_rows[:2] % size
+        assert ae.config.vocab_size == size and ae(x).logits.shape[-1] == size
+        ae.save_pretrained(tmp_path / str(size))
+        again = CALMAutoencoder.from_pretrained(tmp_path / str(size)).eval()
+        torch.testing.assert_close(again(x).logits, ae(x).logits)
+    ae.train()
+    assert (ae.replace_tokens(x.view(2, -1, 4)) < 99).all()  # corruption draws from the new vocabulary
+    ae(x, labels=x).loss.backward()
+
+
+def test_calm_refuses_to_resize_its_vocabulary_before_changing_anything(tmp_path):
+    """CALM's vocabulary belongs to its frozen autoencoder: a resize is refused with a clear error, the model and
+    its config are untouched and still save and load; a resize to the same size is allowed (no change)."""
+    ae_config = CALMAutoencoderConfig(vocab_size=99, chunk_size=4, hidden_size=32, intermediate_size=64, latent_size=8)
+    model = CALMForCausalLM(CALMConfig(vocab_size=99, chunk_size=4, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=1, autoencoder_config=ae_config))
+    for target in (model, model.model):
+        with pytest.raises(NotImplementedError, match="frozen autoencoder"):
+            target.resize_token_embeddings(120)
+        with pytest.raises(NotImplementedError, match="frozen autoencoder"):
+            target.resize_token_embeddings(None, pad_to_multiple_of=64)
+    assert model.config.vocab_size == 99 == model.model.embed_tokens.num_embeddings
+    assert model.resize_token_embeddings(99) is model.model.embed_tokens
+    model.save_pretrained(tmp_path / "calm")
+    assert CALMForCausalLM.from_pretrained(tmp_path / "calm").config.vocab_size == 99
+
+
 def test_trained_autoencoder_reconstructs_from_sampled_latents(trained_autoencoder, tiny_rows):
     ae = CALMAutoencoder.from_pretrained(trained_autoencoder).eval()
     r = ae.reconstruction_accuracy(tiny_rows[1600:1700], generator=torch.Generator().manual_seed(0))
@@ -149,13 +200,27 @@ def test_ignored_labels_remove_their_steps(trained_autoencoder, tokenizer, tiny_
     torch.manual_seed(0)
     out = model(input_ids=tiny_rows[:1], labels=labels)
     assert out.loss.item() == 0 and out.loss.requires_grad  # nothing to score: 0, never NaN
-    labels = tiny_rows[:1].clone()
-    labels[:, 8:] = -100  # chunk 1 only
+    # Every step is computed and weighted by the mask (static shapes for torch.compile): with the same draws, the
+    # loss equals that of the scored steps alone, and the unscored ones (targets -100) get no gradient and no NaN.
+    ids = tiny_rows[:2]
+    labels = ids.clone()
+    labels[0, 8:20] = labels[1, 40:41] = -100  # steps 1-4 of row 0 and step 9 of row 1 are not scored
     torch.manual_seed(0)
-    partial = model(input_ids=tiny_rows[:1], labels=labels)
-    torch.manual_seed(0)
-    alone = model(input_ids=tiny_rows[:1, :8], labels=tiny_rows[:1, :8])
-    torch.testing.assert_close(partial.loss, alone.loss)
+    out = model(input_ids=ids, labels=labels)
+    hidden = model(input_ids=ids[:, :-4]).last_hidden_state.detach().requires_grad_()
+    targets = labels.view(2, -1, 4)[:, 1:]
+    scored = (targets != -100).all(-1)
+    cfg = model.config
+    torch.manual_seed(0)  # the forward's draws, in its order
+    target_noise = torch.randn(*scored.shape, cfg.num_target_samples, cfg.latent_size)
+    model_noise = torch.rand(*scored.shape, cfg.num_model_samples, cfg.noise_size) - 0.5
+    masked = model.masked_energy_loss(hidden, targets, scored, target_noise, model_noise)
+    torch.testing.assert_close(masked, (out.loss, out.energy_fidelity, out.energy_diversity))
+    alone = model.masked_energy_loss(hidden[scored][None], targets[scored][None], scored[scored][None],
+                                     target_noise[scored][None], model_noise[scored][None])
+    torch.testing.assert_close(masked, alone)
+    masked[0].backward()
+    assert torch.isfinite(hidden.grad).all() and (hidden.grad[~scored] == 0).all()
 
 
 def test_backbone_is_causal_over_chunks_and_cache_matches(trained_calm, tiny_rows):

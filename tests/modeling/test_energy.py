@@ -56,6 +56,15 @@ def test_energy_score_prefers_the_true_distribution():
     assert scores["true"] < min(scores["shifted"], scores["collapsed"], scores["wide"]) - 0.02, scores
 
 
+def test_energy_loss_traces_without_graph_breaks():
+    """It runs at every CALM training step: no boolean indexing (the diagonal is masked), so torch.compile captures
+    it whole."""
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(energy_loss)(torch.randn(3, 4, 5), torch.randn(3, 2, 5))
+    torch._dynamo.reset()
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+
+
 def test_energy_loss_rejects_bad_shapes():
     with pytest.raises(ValueError, match="at least 2 model samples"):
         energy_loss(torch.zeros(2, 1, 3), torch.zeros(2, 4, 3))

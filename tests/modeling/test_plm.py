@@ -125,6 +125,68 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, tiny_rows):
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_block_layout_takes_a_tensor_phase(tokenizer):
+    """The training step's phase stays a tensor (no Python int, no graph break under torch.compile)."""
+    for stride in (4, 2, 5):
+        model = tiny_plm(tokenizer, block_size=4, block_stride=stride)
+        for phase in range(stride):
+            as_int = model.block_layout(13, phase)
+            as_tensor = model.block_layout(13, torch.tensor(phase))
+            assert all(torch.equal(a, b) for a, b in zip(as_int, as_tensor)), (stride, phase)
+            assert int(as_int[1].max()) < model.num_layout_blocks(13)
+
+
+def test_eval_objective_is_deterministic_and_training_still_samples(trained_plm, tiny_rows):
+    """Eval mode reads no RNG (phase 0, fixed numbers for the auxiliary draws); training draws the phase and the
+    auxiliaries from the global RNG, so a seed repeats a step and another seed changes it. (The trained model:
+    an untrained one rarely has the target in its top M, so every row would read the mask auxiliary.)"""
+    x = tiny_rows[1600:1602, :32]
+    runs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        runs.append(trained_plm(input_ids=x, labels=x))
+    assert runs[0].mask_auxiliary_fraction < 0.9  # a good share of the rows read a drawn auxiliary
+    assert torch.equal(runs[0].loss, runs[1].loss) and torch.equal(runs[0].decoder_logits, runs[1].decoder_logits)
+    losses = []
+    try:
+        trained_plm.train()
+        for seed in (1, 1, 2):
+            torch.manual_seed(seed)
+            losses.append(trained_plm(input_ids=x, labels=x).loss)
+    finally:
+        trained_plm.eval()
+    assert torch.equal(losses[0], losses[1]) and not torch.equal(losses[0], losses[2])
+
+
+def test_eval_objective_of_a_row_does_not_depend_on_its_batch(trained_plm, tiny_rows):
+    x = tiny_rows[1600:1603, :32]
+    batched = trained_plm(input_ids=x, labels=x)
+    for b in range(3):
+        alone = trained_plm(input_ids=x[b:b + 1], labels=x[b:b + 1])
+        torch.testing.assert_close(batched.decoder_logits[b], alone.decoder_logits[0], atol=1e-5, rtol=0)
+
+
+def test_resize_token_embeddings_keeps_the_checkpoint_consistent(tokenizer, tmp_path):
+    """Embedding, LM head and config.vocab_size move together, and the result saves, loads, generates and trains;
+    a size below auxiliary_top_m (a config that could not be loaded again) is refused before anything changes."""
+    model = tiny_plm(tokenizer).eval()
+    with pytest.raises(ValueError, match="auxiliary_top_m"):
+        model.resize_token_embeddings(model.config.auxiliary_top_m - 1)
+    with pytest.raises(ValueError, match="auxiliary_top_m"):
+        model.model.resize_token_embeddings(20, pad_to_multiple_of=8)  # the base model too (AutoModel)
+    assert model.config.vocab_size == 4096 == model.lm_head.out_features == model.model.embed_tokens.num_embeddings
+    for requested, size in ((4100, 4100), (33, 40)):
+        model.resize_token_embeddings(requested, pad_to_multiple_of=8 if requested == 33 else None)
+        assert model.config.vocab_size == size == model.lm_head.out_features == model.model.embed_tokens.num_embeddings
+        model.save_pretrained(tmp_path / str(size))
+        again = PLMForCausalLM.from_pretrained(tmp_path / str(size)).eval()
+        x = torch.tensor([[5, 6, 7, 8, 9]]) % size
+        torch.testing.assert_close(again(input_ids=x).logits, model(input_ids=x).logits)
+        out = again.generate(x, max_new_tokens=6, auxiliary_seeds=[1], eos_token_id=None)
+        assert out.shape == (1, 11) and (out < size).all()
+        assert torch.isfinite(again(input_ids=out, labels=out).loss)
+
+
 # ---------------------------------------------------------------------------------------------- decoding
 
 def test_exact_quadratic_decoding_is_lossless(trained_plm, tiny_rows):
