@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import filecmp
 import hashlib
-import io
 import json
 import lzma
 import os

@@ -13,7 +13,6 @@ What these tests establish, per family:
   every family with its own loss.
 """
 
-import copy
 import json
 import math
 import subprocess

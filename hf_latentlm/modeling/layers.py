@@ -19,7 +19,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import is_torch_greater_or_equal
 
-
 # `enable_gqa` appeared in torch 2.5; the package allows torch>=2.4, so keep a fallback.
 _SDPA_HAS_GQA = is_torch_greater_or_equal("2.5")
 
@@ -291,29 +290,15 @@ class DecoderBlock(GradientCheckpointingLayer):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(hidden_size, eps=rms_norm_eps)
-        self.self_attn = Attention(
-            hidden_size,
-            num_heads,
-            num_kv_heads,
-            head_dim=head_dim,
-            qk_norm=qk_norm,
-            rms_norm_eps=rms_norm_eps,
-            attention_dropout=attention_dropout,
-            layer_idx=layer_idx,
-            config=config,
-        )
+        self.self_attn = Attention(hidden_size, num_heads, num_kv_heads, head_dim=head_dim, qk_norm=qk_norm,
+                                   rms_norm_eps=rms_norm_eps, attention_dropout=attention_dropout,
+                                   layer_idx=layer_idx, config=config)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps=rms_norm_eps)
         self.mlp = SwiGLUMLP(hidden_size, intermediate_size)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        return_mid: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, cache: Cache | None = None,
+                return_mid: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         attn_out = self.self_attn(self.input_layernorm(hidden_states), cos, sin, attention_mask, cache=cache)
         mid = hidden_states + attn_out
         out = mid + self.mlp(self.post_attention_layernorm(mid))
@@ -355,6 +340,27 @@ def init_backbone_weights(module: nn.Module, std: float) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # Mask builders (bool, True = may attend)
 # --------------------------------------------------------------------------------------------------------------------
+
+
+def causal_layout(
+    attention_mask: torch.Tensor | None,
+    batch: int,
+    length: int,
+    past: int,
+    device: torch.device | str | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [B, length] and boolean causal mask [B or 1, 1, length, past + length] of `length` new items after
+    `past` cached ones. `attention_mask`: optional 2-D padding mask over the cached + new items (1 = real, left
+    padding); positions then count real items only. Given `position_ids` are kept."""
+    if attention_mask is not None and attention_mask.shape[-1] != past + length:
+        raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} items, expected cached + new = "
+                         f"{past + length}")
+    mask = causal_mask(length, past + length, device=device, padding_mask=attention_mask)
+    if position_ids is None:
+        position_ids = (make_padding_position_ids(attention_mask)[:, past:] if attention_mask is not None else
+                        torch.arange(past, past + length, device=device)[None].expand(batch, -1))
+    return position_ids, mask
 
 
 def causal_mask(

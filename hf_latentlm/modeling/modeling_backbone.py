@@ -8,7 +8,6 @@ from transformers import PreTrainedModel
 
 from .layers import init_backbone_weights
 
-
 # Keyword arguments transformers (and TRL) pass to a model's forward besides the named ones; anything else is a
 # mistake that must not pass silently.
 ACCEPTED_FORWARD_KWARGS = frozenset({"output_attentions", "output_hidden_states", "num_items_in_batch"})
@@ -18,6 +17,25 @@ def check_forward_kwargs(model, kwargs: dict) -> None:
     unknown = sorted(set(kwargs) - ACCEPTED_FORWARD_KWARGS)
     if unknown:
         raise TypeError(f"{type(model).__name__}.forward() got unexpected keyword argument(s) {unknown}")
+
+
+def check_backbone_inputs(config, input_ids, inputs_embeds, kwargs: dict) -> None:
+    """What every backbone forward refuses: both or neither of input_ids / inputs_embeds, and attentions asked of
+    the SDPA path (which has no probabilities to return)."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    if kwargs.get("output_attentions") and config._attn_implementation != "eager":
+        raise ValueError("output_attentions needs attn_implementation='eager' (SDPA does not return attention "
+                         "probabilities)")
+
+
+def resized_vocab_size(model, new_num_tokens: int | None, pad_to_multiple_of: int | None) -> int:
+    """The vocabulary size `resize_token_embeddings(new_num_tokens, pad_to_multiple_of)` would give, computed before
+    anything changes so that a family can refuse it first."""
+    size = model.get_input_embeddings().weight.shape[0] if new_num_tokens is None else new_num_tokens
+    if pad_to_multiple_of is not None:
+        size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
+    return size
 
 
 class BackbonePreTrainedModel(PreTrainedModel):
@@ -47,6 +65,17 @@ class BackbonePreTrainedModel(PreTrainedModel):
             self.config.auto_map["AutoModelForCausalLM"] = flat_name(type(self))
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True):
+        """transformers' resize (embedding, output layer and `config.vocab_size` together), after
+        `check_vocab_resize` has had the chance to refuse it before anything changes."""
+        if new_num_tokens is not None or pad_to_multiple_of is not None:
+            self.check_vocab_resize(resized_vocab_size(self, new_num_tokens, pad_to_multiple_of))
+        return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+
+    def check_vocab_resize(self, size: int) -> None:
+        """Raise if resizing the vocabulary to `size` would leave the checkpoint inconsistent (default: any size)."""
+
     def get_input_embeddings(self):
         return self.base_model.embed_tokens
 
@@ -54,4 +83,4 @@ class BackbonePreTrainedModel(PreTrainedModel):
         self.base_model.embed_tokens = value
 
 
-__all__ = ["BackbonePreTrainedModel", "check_forward_kwargs"]
+__all__ = ["BackbonePreTrainedModel", "check_backbone_inputs", "check_forward_kwargs", "resized_vocab_size"]

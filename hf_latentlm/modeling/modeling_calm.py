@@ -25,7 +25,12 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_calm import TEMPERATURE_SAMPLERS, CALMAutoencoderConfig, CALMConfig
-from .energy import energy_loss, exact_temperature_choice, exact_temperature_n, pool_temperature_choice
+from .energy import (
+    energy_loss,
+    exact_temperature_choice,
+    exact_temperature_n,
+    pool_temperature_choice,
+)
 from .generation import (
     DecodingStep,
     GenerateOutput,
@@ -40,11 +45,14 @@ from .layers import (
     RMSNorm,
     RotaryEmbedding,
     SwiGLUMLP,
-    causal_mask,
+    causal_layout,
     decoder_layers,
-    make_padding_position_ids,
 )
-from .modeling_backbone import BackbonePreTrainedModel, check_forward_kwargs
+from .modeling_backbone import (
+    BackbonePreTrainedModel,
+    check_backbone_inputs,
+    check_forward_kwargs,
+)
 
 
 @dataclass
@@ -61,6 +69,7 @@ class CALMAutoencoderOutput(ModelOutput):
     kl: torch.Tensor | None = None
     token_accuracy: torch.Tensor | None = None
     posterior_std: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
@@ -178,6 +187,9 @@ class CALMAutoencoder(BackbonePreTrainedModel):
     _no_split_modules = None
     main_input_name = "input_ids"
     _can_compile_fullgraph = True  # MLPs only; eval and training forwards compile (tests/modeling/test_compile.py)
+    _supports_sdpa = False  # no attention at all
+    # Hidden states: the embeddings, then the output of every residual block, encoder then decoder.
+    _can_record_outputs = {"hidden_states": ResidualMLP}
     # `resize_token_embeddings` is supported as is: the output logits read `embed_tokens.weight` and token
     # replacement reads `config.vocab_size`, which transformers' resize updates together (tests/modeling/test_calm.py).
 
@@ -236,13 +248,16 @@ class CALMAutoencoder(BackbonePreTrainedModel):
         swap = torch.rand(chunks.shape, device=chunks.device) < p
         return torch.where(swap, torch.randint_like(chunks, self.config.vocab_size), chunks)
 
+    @capture_outputs
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, attention_mask=None,
                 sample_latent: bool | None = None, **kwargs) -> CALMAutoencoderOutput:
         """input_ids [B, T] (T a multiple of K) or chunks [B, L, K]. With labels (same shape; −100 = ignore), the
         loss. In training mode the input is corrupted and the sampled latent dropped out.
         sample_latent: decode a sampled z = μ + σ·ε (True) or the posterior mean μ (False). Default: sample only
         in training, so that an eval-mode forward is deterministic (and compiles to the same numbers);
-        `reconstruction_accuracy` reports both decodings."""
+        `reconstruction_accuracy` reports both decodings. `output_hidden_states` and `return_dict` apply as in
+        transformers."""
+        check_forward_kwargs(self, kwargs)
         cfg = self.config
         chunks = input_ids if input_ids.dim() == 3 else chunk_tokens(input_ids, cfg.chunk_size)
         mean, log_std = self.encode(self.replace_tokens(chunks))
@@ -325,22 +340,15 @@ class CALMPreTrainedModel(BackbonePreTrainedModel):
     # test_compile.py).
     _can_compile_fullgraph = True
 
-    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
-                                mean_resizing: bool = True):
-        """Refused (before anything changes) unless the size stays the same: the vocabulary belongs to the frozen
-        autoencoder, which maps every chunk to and from its latent, so a new token has no latent and the saved
-        config would disagree with the autoencoder's. Resize the autoencoder, retrain it, then build a new CALM
-        with `CALMForCausalLM.from_autoencoder`."""
-        if new_num_tokens is not None or pad_to_multiple_of is not None:
-            size = self.get_input_embeddings().weight.shape[0] if new_num_tokens is None else new_num_tokens
-            if pad_to_multiple_of is not None:
-                size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
-            if size != self.config.vocab_size:
-                raise NotImplementedError(
-                    f"{type(self).__name__} cannot resize its token embeddings ({self.config.vocab_size} -> {size}): "
-                    f"the vocabulary belongs to the frozen autoencoder (chunks <-> latents). Resize and retrain a "
-                    f"CALMAutoencoder, then build a new model with CALMForCausalLM.from_autoencoder")
-        return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+    def check_vocab_resize(self, size: int) -> None:
+        """Refused unless the size stays the same: the vocabulary belongs to the frozen autoencoder, which maps every
+        chunk to and from its latent, so a new token has no latent and the saved config would disagree with the
+        autoencoder's. Resize the autoencoder, retrain it, then build a new CALM with `from_autoencoder`."""
+        if size != self.config.vocab_size:
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot resize its token embeddings ({self.config.vocab_size} -> {size}): "
+                f"the vocabulary belongs to the frozen autoencoder (chunks <-> latents). Resize and retrain a "
+                f"CALMAutoencoder, then build a new model with CALMForCausalLM.from_autoencoder")
 
 
 class CALMModel(CALMPreTrainedModel):
@@ -379,11 +387,7 @@ class CALMModel(CALMPreTrainedModel):
         `output_hidden_states` / `output_attentions` (the latter with attn_implementation="eager") are recorded by
         transformers' output capturing (`_can_record_outputs`).
         """
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        if kwargs.get("output_attentions") and self.config._attn_implementation != "eager":
-            raise ValueError("output_attentions needs attn_implementation='eager' (SDPA does not return attention "
-                             "probabilities)")
+        check_backbone_inputs(self.config, input_ids, inputs_embeds, kwargs)
         K = self.config.chunk_size
         hidden = self.compress(chunk_tokens(input_ids, K)) if inputs_embeds is None else inputs_embeds
         batch, length = hidden.shape[:2]
@@ -395,11 +399,8 @@ class CALMModel(CALMPreTrainedModel):
             if attention_mask.shape[-1] != (past + length) * K:
                 raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens, expected cached + new = "
                                  f"{(past + length) * K}")
-            chunk_mask = attention_mask.view(batch, past + length, K).any(-1)
-        if position_ids is None:
-            position_ids = (make_padding_position_ids(chunk_mask)[:, past:] if chunk_mask is not None else
-                            torch.arange(past, past + length, device=hidden.device)[None].expand(batch, -1))
-        mask = causal_mask(length, past + length, device=hidden.device, padding_mask=chunk_mask)
+            chunk_mask = attention_mask.view(batch, past + length, K).any(-1)  # a chunk with a real token counts
+        position_ids, mask = causal_layout(chunk_mask, batch, length, past, hidden.device, position_ids)
         cos, sin = self.rotary(position_ids, dtype=hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, mask, cache=cache)

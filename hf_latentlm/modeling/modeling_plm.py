@@ -32,18 +32,28 @@ from .auxiliaries import (
     voronoi_owners,
 )
 from .configuration_plm import PLMConfig, check_acceptance
-from .generation import DecodingStep, GenerateOutput, GenerationOptions, MultiTokenGenerationMixin, row_seeds
+from .generation import (
+    DecodingStep,
+    GenerateOutput,
+    GenerationOptions,
+    MultiTokenGenerationMixin,
+    row_seeds,
+)
 from .layers import (
     AttentionProbs,
     DecoderBlock,
     RMSNorm,
     RotaryEmbedding,
-    causal_mask,
+    causal_layout,
     decoder_layers,
     make_padding_position_ids,
     visibility_mask,
 )
-from .modeling_backbone import BackbonePreTrainedModel, check_forward_kwargs
+from .modeling_backbone import (
+    BackbonePreTrainedModel,
+    check_backbone_inputs,
+    check_forward_kwargs,
+)
 
 
 @dataclass
@@ -179,19 +189,11 @@ class PLMPreTrainedModel(BackbonePreTrainedModel):
     # decoder rows depends on the random phase (see `block_layout`).
     _can_compile_fullgraph = True
 
-    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
-                                mean_resizing: bool = True):
-        """transformers' resize (embedding, LM head and `config.vocab_size` together), refused BEFORE anything changes
-        when the new vocabulary is smaller than `auxiliary_top_m`: the config could then not be loaded again."""
-        if new_num_tokens is not None or pad_to_multiple_of is not None:
-            size = self.get_input_embeddings().weight.shape[0] if new_num_tokens is None else new_num_tokens
-            if pad_to_multiple_of is not None:
-                size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
-            if size < self.config.auxiliary_top_m:
-                raise ValueError(f"cannot resize the token embeddings to {size}: PLMConfig.auxiliary_top_m "
-                                 f"({self.config.auxiliary_top_m}) must not exceed vocab_size; lower auxiliary_top_m "
-                                 f"first")
-        return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+    def check_vocab_resize(self, size: int) -> None:
+        """A vocabulary smaller than `auxiliary_top_m` is refused: the config could then not be loaded again."""
+        if size < self.config.auxiliary_top_m:
+            raise ValueError(f"cannot resize the token embeddings to {size}: PLMConfig.auxiliary_top_m "
+                             f"({self.config.auxiliary_top_m}) must not exceed vocab_size; lower auxiliary_top_m first")
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -242,11 +244,7 @@ class PLMModel(PLMPreTrainedModel):
         `output_hidden_states` / `output_attentions` (the latter with attn_implementation="eager") are recorded by
         transformers' output capturing (`_can_record_outputs`).
         """
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        if kwargs.get("output_attentions") and self.config._attn_implementation != "eager":
-            raise ValueError("output_attentions needs attn_implementation='eager' (SDPA does not return attention "
-                             "probabilities)")
+        check_backbone_inputs(self.config, input_ids, inputs_embeds, kwargs)
         embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, length = embeds.shape[:2]
         if use_cache and cache is None:
@@ -257,15 +255,7 @@ class PLMModel(PLMPreTrainedModel):
             if position_ids is None:
                 raise ValueError("a 4-D attention_mask needs explicit position_ids")
         else:
-            if attention_mask is not None and attention_mask.shape[-1] != past + length:
-                raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens, expected cached + new = "
-                                 f"{past + length}")
-            mask = causal_mask(length, past + length, device=embeds.device, padding_mask=attention_mask)
-            if position_ids is None:
-                if attention_mask is not None:
-                    position_ids = make_padding_position_ids(attention_mask)[:, past:]
-                else:
-                    position_ids = torch.arange(past, past + length, device=embeds.device)[None].expand(batch, -1)
+            position_ids, mask = causal_layout(attention_mask, batch, length, past, embeds.device, position_ids)
         cos, sin = self.rotary(position_ids, dtype=embeds.dtype)
         hidden = embeds
         captured = {}

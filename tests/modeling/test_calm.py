@@ -404,3 +404,19 @@ def test_autoencoder_folder_loads_through_automodel(trained_autoencoder):
     auto_map = json.loads((trained_autoencoder / "config.json").read_text())["auto_map"]
     assert auto_map == {"AutoConfig": "configuration_calm.CALMAutoencoderConfig",
                         "AutoModel": "modeling_calm.CALMAutoencoder"}
+
+
+def test_autoencoder_follows_the_transformers_output_conventions(tokenizer, tiny_rows):
+    ae = build_model("calm-ae", "tiny", tokenizer).eval()
+    ids = tiny_rows[:2, :16]
+    out = ae(ids, output_hidden_states=True)
+    blocks = 2 * (ae.config.num_encoder_layers + ae.config.num_decoder_layers)
+    assert len(out.hidden_states) == 1 + blocks  # the embeddings, then every residual block
+    torch.testing.assert_close(out.hidden_states[0], ae.embed_tokens(ids.view(2, -1, 4)))
+    assert ae(ids).hidden_states is None
+    as_tuple = ae(ids, return_dict=False)
+    assert isinstance(as_tuple, tuple)
+    torch.testing.assert_close(as_tuple[0], out.logits)
+    with pytest.raises(TypeError, match="foo"):
+        ae(ids, foo=1)
+    assert not ae._supports_sdpa  # no attention: nothing for transformers to dispatch

@@ -6,14 +6,8 @@ import os
 import pytest
 import torch
 
-from hf_latentlm.modeling import (
-    CALMAutoencoder,
-    CALMAutoencoderConfig,
-    CALMConfig,
-    CALMForCausalLM,
-    PLMConfig,
-    PLMForCausalLM,
-)
+from hf_latentlm.modeling import CALMAutoencoder, CALMAutoencoderConfig, CALMConfig, CALMForCausalLM
+from hf_latentlm.modeling import PLMConfig, PLMForCausalLM
 
 BACKBONE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2)

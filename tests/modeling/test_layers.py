@@ -1,6 +1,5 @@
 """Tests for the shared transformer core (hf_latentlm/modeling/layers.py). Tiny sizes, CPU only."""
 
-from functools import partial
 
 import pytest
 import torch

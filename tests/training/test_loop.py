@@ -1,6 +1,5 @@
 import dataclasses
 import json
-import math
 import os
 import shutil
 import subprocess
