@@ -187,11 +187,6 @@ def step_losses(output) -> dict[str, torch.Tensor]:
     return {key: value.detach().float() for key, value in {"loss": output.loss, **parts}.items()}
 
 
-def loss_parts(output) -> dict[str, float]:
-    """Every 0-dim tensor of a model output other than `loss`: the named parts to log."""
-    return {key: value.item() for key, value in step_losses(output).items() if key != "loss"}
-
-
 def to_floats(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
     """0-dim tensors on one device as floats, in a single device-to-host copy (one sync)."""
     return dict(zip(tensors, torch.stack([t.float() for t in tensors.values()]).tolist()))
