@@ -118,14 +118,14 @@ def check_components(family: str, components: Mapping[str, object]) -> None:
 
 
 def load_component(name: str, source: str, folder: str) -> PreTrainedModel:
-    """The trained `source`-family model saved in `folder`, refused with one line if it is of another type or its
-    weights do not match the class (missing or unexpected tensors)."""
-    from transformers import AutoConfig
+    """The trained `source`-family model saved in `folder`, refused with one line if the folder is damaged, holds
+    another model type, or its weights do not match the class (missing or unexpected tensors)."""
+    from .loading import check_model_folder
 
     spec = get_family(source)
-    if not (Path(folder) / "config.json").is_file():
-        raise FileNotFoundError(f"--{name} {folder!r} is not a saved {name} folder (no config.json)")
-    model_type = AutoConfig.from_pretrained(folder, trust_remote_code=True).model_type
+    if not Path(folder).is_dir():
+        raise FileNotFoundError(f"--{name} {folder!r} does not exist: not a saved {name} folder")
+    model_type = check_model_folder(folder, f"--{name} {folder!r}")["model_type"]  # also: weights intact
     if model_type != spec.model_type:
         raise ValueError(f"--{name} {folder!r} holds a {model_type!r} model, expected a {spec.model_type!r} "
                          f"(trained with --family {source})")

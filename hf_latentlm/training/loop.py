@@ -29,7 +29,6 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from ..families import build_model
-from ..loading import check_model_folder
 from ..presets import get_preset
 from .checkpoint import (capture_rng_state, latest_checkpoint, load_checkpoint, load_rank_rng, save_checkpoint,
                          save_tokenizer)
@@ -275,10 +274,7 @@ def load_tokenizer(name: str):
 def build(cfg: TrainConfig, model, tokenizer):
     """Phase 2: the model (unless given; components come from `cfg.components`), AdamW and the
     learning-rate schedule."""
-    if model is None:
-        for name, folder in cfg.components.items():
-            if isinstance(folder, (str, os.PathLike)):
-                check_model_folder(folder, f"--{name} {str(folder)!r}")
+    if model is None:  # components are checked (folder intact, type, weights) by the registry
         model = build_model(cfg.family, cfg.preset, tokenizer, **cfg.components, **cfg.model_kwargs)
     optimizer = make_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
