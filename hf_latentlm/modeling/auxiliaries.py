@@ -61,6 +61,30 @@ class VoronoiAssignment(NamedTuple):
     total_variation: torch.Tensor
 
 
+class TokenScores(NamedTuple):
+    """Scores of every token against every auxiliary, precomputed once per LM-head weight version (`token_scores`).
+
+    scores: [V, N] float32, e_v . e_u for every token v and auxiliary u.
+    mean:   [V] float32, mean of each token's scores over the bank.
+    std:    [V] float32, std of each token's scores over the bank.
+    """
+
+    scores: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+@torch.no_grad()
+def token_scores(output_embeddings: torch.Tensor, bank: torch.Tensor) -> TokenScores:
+    """`TokenScores` of the LM-head rows `output_embeddings` [V, d] (unnormalised) against the bank [N, d].
+
+    Pass the result to `voronoi_owners(..., scores=...)` to skip the [V, d] x [d, N] product on every call (decode
+    time); the owners are bit-identical to those computed without it.
+    """
+    scores = output_embeddings.detach().float() @ bank.detach().float().to(output_embeddings.device).T
+    return TokenScores(scores, scores.mean(dim=1), scores.std(dim=1))
+
+
 def sample_auxiliary_bank(num_auxiliaries: int, dim: int, seed: int) -> torch.Tensor:
     """`[N, d]` float32 unit vectors, uniform on the sphere S^{d-1}, from a private seeded generator.
 
@@ -230,6 +254,8 @@ def voronoi_owners(
     sweeps: int = 12,
     shortlist: int = 8,
     chunk_size: int = 256,
+    *,
+    scores: TokenScores | None = None,
 ) -> VoronoiAssignment:
     """Laguerre-cell owners of every auxiliary at every position (PLM Eq. 10).
 
@@ -238,6 +264,8 @@ def voronoi_owners(
     bank:              [N, d] auxiliary unit vectors (`sample_auxiliary_bank`).
     top_m:             number M of candidate tokens per position.
     chunk_size:        positions fitted at once; the scores of a chunk take chunk_size * N * M floats.
+    scores:            optional `token_scores(output_embeddings, bank)`, e.g. cached per LM-head weight version; the
+                       result is identical, without the [V, d] x [d, N] product.
 
     The owners of a position depend only on that position's logits (not on batching or chunking).
     """
@@ -248,8 +276,9 @@ def voronoi_owners(
 
     # All token-auxiliary scores once; [V, N] so that gathering a candidate copies one contiguous row of N scores.
     # Their per-token mean and std over the bank feed the offset initialisation.
-    all_scores = output_embeddings.detach().float() @ bank.detach().float().to(output_embeddings.device).T
-    token_mean, token_std = all_scores.mean(dim=1), all_scores.std(dim=1)
+    if scores is None:
+        scores = token_scores(output_embeddings, bank)
+    all_scores, token_mean, token_std = scores
 
     owners = torch.empty(num_pos, num_aux, dtype=torch.long, device=logits.device)
     total_variation = torch.empty(num_pos, dtype=torch.float32, device=logits.device)
@@ -266,9 +295,9 @@ def voronoi_owners(
         else:
             width = int(torch.nonzero(is_open.any(dim=0)).max()) + 1
         cand, caps = candidates[rows, :width], capacities[rows, :width]
-        scores = all_scores[cand]  # [C, M, N]
+        chunk_scores = all_scores[cand]  # [C, M, N]
         offsets = fit_laguerre_offsets(
-            scores.transpose(1, 2),
+            chunk_scores.transpose(1, 2),
             caps,
             rounds=rounds,
             sweeps=sweeps,
@@ -278,7 +307,7 @@ def voronoi_owners(
         )
         # Final hard assignment over ALL candidates. `max(dim).indices` is the first maximum (lowest candidate rank)
         # like argmax, and ~2x faster than argmax over a non-innermost dim on CPU.
-        local = scores.add_(offsets[:, :, None]).max(dim=1).indices  # [C, N]
+        local = chunk_scores.add_(offsets[:, :, None]).max(dim=1).indices  # [C, N]
         owners[rows] = cand.gather(1, local)
         cell_sizes = torch.zeros_like(caps).scatter_add_(1, local, torch.ones_like(local))
         total_variation[rows] = 0.5 * (cell_sizes - caps).abs().sum(dim=-1).float() / num_aux

@@ -15,6 +15,8 @@ from hf_latentlm.modeling.auxiliaries import (
     mean_total_variation,
     quantile_owners,
     sample_auxiliary_bank,
+    TokenScores,
+    token_scores,
     top_candidates,
     voronoi_owners,
 )
@@ -328,3 +330,17 @@ def test_quantile_owners_match_bruteforce_and_sizes():
     assert ((sizes - 64 * torch.softmax(logits, -1)).abs() < 1.0 + 1e-4).all()
     index = draw_auxiliary_in_cell(owners, owners[:, 17])
     assert torch.equal(decode_auxiliary(owners, index), owners[:, 17])
+
+
+def test_precomputed_token_scores_give_identical_owners(setup, assignment):
+    head, bank, logits = setup
+    ts = token_scores(head, bank)
+    assert isinstance(ts, TokenScores)
+    assert ts.scores.shape == (V, N) and ts.mean.shape == (V,) and ts.std.shape == (V,)
+    assert torch.allclose(ts.scores, head @ bank.T, atol=1e-5)
+    b = voronoi_owners(logits, head, bank, top_m=M, scores=ts)
+    for x, y in zip(b, assignment):
+        assert torch.equal(x, y)
+    # decode-size call: a few rows, cached scores
+    rows = voronoi_owners(logits[[3, 40, 70, 90]], head, bank, top_m=M, scores=ts)
+    assert torch.equal(rows.owners, assignment.owners[[3, 40, 70, 90]])
