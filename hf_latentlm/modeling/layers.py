@@ -228,9 +228,11 @@ class Attention(nn.Module):
         if getattr(self.config, "_attn_implementation", None) == "eager":
             out = self.eager_attention(q, k, v, attention_mask, row_has_key, dropout)
         else:
-            # SDPA's `enable_gqa` is only served by the flash and math kernels; flash takes no mask, so with a mask
-            # it would fall back to the slow math kernel on GPU. With a mask we repeat the kv heads instead.
-            use_gqa_flag = self.num_kv_groups > 1 and attention_mask is None and _SDPA_HAS_GQA
+            # SDPA's `enable_gqa` is only served by the flash and math kernels; on GPU flash takes no mask, so with a
+            # mask it would fall back to the slow math kernel there, and we repeat the kv heads instead. The CPU
+            # kernels take a mask with `enable_gqa`, which saves the copy of every cached key.
+            use_gqa_flag = (self.num_kv_groups > 1 and _SDPA_HAS_GQA
+                            and (attention_mask is None or q.device.type == "cpu"))
             if self.num_kv_groups > 1 and not use_gqa_flag:
                 k = k.repeat_interleave(self.num_kv_groups, dim=1)
                 v = v.repeat_interleave(self.num_kv_groups, dim=1)

@@ -28,7 +28,9 @@ from .auxiliaries import (
     draw_auxiliary_in_cell,
     fixed_uniforms,
     quantile_owners,
+    TokenScores,
     sample_auxiliary_bank,
+    token_scores,
     voronoi_owners,
 )
 from .configuration_plm import PLMConfig, check_acceptance
@@ -165,12 +167,22 @@ class PLMGenerationOptions(GenerationOptions):
 
 
 @dataclass
+class DecodingCallLayout:
+    """The query rows of one quadratic-decoding call (`PLMForCausalLM.decoding_call_layout`), relative to the
+    position i of the first token the call commits: width verify rows, then width² proposal rows (m, k)."""
+
+    offset: torch.Tensor  # [W] position of each row minus i (verify r: r - 1; proposal (m, k): m + k)
+    proposal_offset: torch.Tensor  # [width²] generated-index offset of each proposal row's auxiliary (m + k)
+    proposal_block: torch.Tensor  # [width²] m of each proposal row
+    local_mask: torch.Tensor  # [W, W] bool: which of the call's own rows each row sees
+
+
+@dataclass
 class PLMDecodingState:
     """What quadratic decoding carries from one call to the next, per row."""
 
-    cache: DynamicCache  # keys of the prompt and of every verify row so far
-    key_pos: torch.Tensor  # [B, S] position of each cached key
-    key_valid: torch.Tensor  # [B, S] False for padding and for rejected verify rows
+    cache: DynamicCache  # keys of the prompt and of the verify rows kept so far
+    key_valid: torch.Tensor  # [B, S] False for padding and for verify rows rejected in this row only
     last_token: torch.Tensor  # [B] last committed token (input of the first verify row)
     next_pos: torch.Tensor  # [B] position of the next token to commit
     pending: torch.Tensor  # [B, width - 1] proposed tokens awaiting verification
@@ -179,6 +191,9 @@ class PLMDecodingState:
     width: int  # K_pred for quadratic decoding, 1 for Voronoi decoding
     propose: bool  # quadratic decoding: also run the proposal blocks
     acceptance: AcceptanceRule
+    call_layout: DecodingCallLayout
+    eos_columns: torch.Tensor  # [V] bool: the EOS ids, suppressed before `min_new_tokens`
+    min_new_tokens: int
 
 
 class PLMPreTrainedModel(BackbonePreTrainedModel):
@@ -324,11 +339,25 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         if cfg.auxiliary_type == "voronoi":
             fit = voronoi_owners(logits, self.lm_head.weight.detach().float(), self.model.auxiliary_bank.float(),
                                  cfg.auxiliary_top_m, rounds=cfg.sinkhorn_rounds, sweeps=cfg.sinkhorn_sweeps,
-                                 shortlist=cfg.sinkhorn_shortlist)
+                                 shortlist=cfg.sinkhorn_shortlist, scores=self.auxiliary_token_scores())
             return fit.owners, fit.total_variation
         if cfg.auxiliary_type == "quantile":
             return quantile_owners(logits, cfg.num_auxiliaries), None
         return None, None
+
+    def auxiliary_token_scores(self) -> TokenScores:
+        """e_v · e_u for every token and auxiliary (`token_scores`), recomputed only when the LM head or the bank
+        changed (tensor identity and in-place version): once per optimizer step in training, once per model in
+        decoding, instead of once per Voronoi fit."""
+        weight, bank = self.lm_head.weight, self.model.auxiliary_bank
+        if torch.compiler.is_compiling():  # no Python-side cache inside a graph
+            return token_scores(weight.detach().float(), bank.float())
+        key = (weight.data_ptr(), weight._version, weight.device, weight.dtype, bank.data_ptr(), bank._version)
+        cached = self.__dict__.get("_token_scores_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, token_scores(weight.detach().float(), bank.float()))
+            self.__dict__["_token_scores_cache"] = cached  # a plain attribute: not a buffer, never saved
+        return cached[1]
 
     def block_layout(self, length: int, phase: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decoder rows of one sequence: target position, block id and block start of each row.
@@ -359,29 +388,30 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         return (length + self.config.block_stride - 1) // self.config.block_stride + 1
 
     def plm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask=None, **kwargs) -> PLMOutput:
-        """The PLM objective: draw the block layout and the auxiliaries (no gradient), then `decoder_objective`."""
-        cfg, device = self.config, input_ids.device
-        batch, length = input_ids.shape
-        if length < 2:
+        """The PLM objective with a fresh block layout: `decoder_objective` with auxiliaries drawn from this pass."""
+        if input_ids.shape[1] < 2:
             raise ValueError("PLM training needs sequences of at least 2 tokens")
         # A fresh block phase per training step, drawn from the global CPU RNG as a tensor (a resumed run restores
-        # that RNG; a Python int would break a compiled graph); phase 0 in eval mode so validation is deterministic.
-        phase = torch.randint(cfg.block_stride, ()) if self.training else torch.zeros((), dtype=torch.long)
-        layout = self.block_layout(length, phase.to(device))
-        aux, tv = self.draw_auxiliaries(input_ids, labels, attention_mask, layout[0])
-        return self.decoder_objective(input_ids, labels, attention_mask, layout, aux, tv, **kwargs)
+        # that RNG, and the training loop seeds it per rank; a Python int would break a compiled graph); phase 0 in
+        # eval mode so validation is deterministic.
+        phase = (torch.randint(self.config.block_stride, ()) if self.training
+                 else torch.zeros((), dtype=torch.long))
+        layout = self.block_layout(input_ids.shape[1], phase.to(input_ids.device))
+        return self.decoder_objective(input_ids, labels, attention_mask, layout, **kwargs)
 
     @torch.no_grad()
-    def draw_auxiliaries(self, input_ids, labels, attention_mask, dec_pos) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Auxiliary index of every decoder row [B, D] (−1: mask auxiliary) from the encoder's distribution
-        (u ~ sg[q]), and the Voronoi fit's TV per position (None for other auxiliary types).
+    def draw_auxiliaries(self, q_logits: torch.Tensor, input_ids: torch.Tensor,
+                         dec_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Auxiliary index of every decoder row [B, D] (−1: mask auxiliary), u ~ sg[q], and the Voronoi fit's TV per
+        position (None for other auxiliary types).
 
-        Training draws from the global RNG; eval mode uses `fixed_uniforms` over the decoder rows (the same for
-        every sequence of the batch), so the eval loss is deterministic and a row's loss does not depend on the
-        rest of the batch."""
+        q_logits [B, T-1, V]: encoder logits, row j-1 scoring x_j. Each decoder row's auxiliary is drawn from the cell
+        of the OBSERVED token it predicts (`input_ids`), never from `labels`: a row whose label is masked (-100) is
+        not scored, but it is still an input of the later rows of its block. Training draws from the global RNG;
+        eval mode uses `fixed_uniforms` over the decoder rows (the same for every sequence of the batch), so the eval
+        loss is deterministic and a row's loss does not depend on the rest of the batch."""
         batch, length = input_ids.shape
-        targets = labels[:, dec_pos].clamp(min=0)  # [B, D]
-        q_logits = self(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # row j-1 -> x_j
+        targets = input_ids[:, dec_pos]  # [B, D]
         owners, tv = self.auxiliary_owners(q_logits.reshape(-1, q_logits.shape[-1]))
         if owners is None:
             return torch.full_like(targets, -1), tv
@@ -391,47 +421,51 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         aux = draw_auxiliary_in_cell(owners.reshape(batch * num_dec, -1), targets.reshape(-1), uniform=uniform)
         return aux.view(batch, num_dec), tv
 
-    def decoder_objective(self, input_ids, labels, attention_mask, layout, aux, tv=None, **kwargs) -> PLMOutput:
-        """Encoder + decoder rows in one differentiable forward, given the block layout (`block_layout`) and the
-        auxiliaries [B, D] (`draw_auxiliaries`), and the normalised loss with its logged parts."""
-        cfg, device = self.config, input_ids.device
+    def decoder_objective(self, input_ids, labels, attention_mask, layout, aux=None, **kwargs) -> PLMOutput:
+        """The normalised PLM loss with its logged parts, for a given block layout (`block_layout`).
+
+        aux [B, D]: the decoder rows' auxiliaries; None draws them from this call's encoder pass (`draw_auxiliaries`).
+        Passing them fixes the auxiliary realisation, as PLM's DPO score does.
+
+        Two passes (paper §3): the encoder pass over the tokens, with gradient, whose keys stay in a cache; the
+        auxiliaries are fitted from its detached logits; the decoder rows then read those keys (so decoder loss
+        trains the encoder pass too) and, causally, the rows of their own block. Under gradient checkpointing
+        (which drops caches) one joint forward over [tokens; auxiliaries] computes the same thing, after a no-grad
+        encoder pass for the auxiliaries.
+        Positions follow the padding like the plain forward's: with a 2-D `attention_mask` (left padding) a row's
+        encoder logits equal `forward(input_ids, attention_mask)`'s, and padded targets are never scored."""
+        cfg = self.config
         batch, length = input_ids.shape
         dec_pos, dec_block, dec_start = layout
-        num_dec = dec_pos.shape[0]
+        capture = (cfg.alignment_encoder_layer, cfg.alignment_decoder_layer) if cfg.alignment_weight > 0 else None
+        passes = (self._joint_pass if self.model.gradient_checkpointing and self.training and torch.is_grad_enabled()
+                  else self._two_passes)
+        enc_logits, dec_logits, mids, aux, tv, enc_out = passes(input_ids, attention_mask, layout, aux, capture, kwargs)
+
+        # Scored rows: labelled targets that are real tokens. Encoder: every one. Decoder: those of a block up to
+        # and including its first end-of-document target.
+        scored = labels != -100
+        if attention_mask is not None:
+            scored = scored & attention_mask.bool()
         targets = labels[:, dec_pos]  # [B, D]
-
-        enc_pos = torch.arange(length, device=device)
-        embeds = torch.cat([self.model.embed_tokens(input_ids), self.model.embed_auxiliaries(aux)], dim=1)
-        positions = torch.cat([enc_pos, dec_pos])
-        mask = visibility_mask(
-            query_pos=positions, query_limit=torch.cat([enc_pos + 1, dec_start]),
-            query_group=torch.cat([torch.full_like(enc_pos, -1), dec_block]),
-            key_pos=positions, key_group=torch.cat([torch.full_like(enc_pos, -1), dec_block]),
-            key_valid=None if attention_mask is None else torch.cat(
-                [attention_mask.bool(), torch.ones(batch, num_dec, dtype=torch.bool, device=device)], dim=1),
-        )
-        capture = (cfg.alignment_decoder_layer, cfg.alignment_encoder_layer)
-        out = self.model(inputs_embeds=embeds, position_ids=positions[None].expand(batch, -1), attention_mask=mask,
-                         capture_layers=capture, **kwargs)
-        logits = self.lm_head(out.last_hidden_state)
-        enc_logits, dec_logits = logits[:, :length - 1], logits[:, length:]
-
-        # Losses. Encoder: every labelled target. Decoder: labelled targets of a block up to and including
-        # its first end-of-document target.
-        enc_valid = labels[:, 1:] != -100
-        enc_nll = F.cross_entropy(enc_logits.float().transpose(1, 2), labels[:, 1:].clamp(min=0), reduction="none")
-        dec_valid = self.decoder_row_valid(input_ids, labels, dec_pos, dec_start)
+        enc_valid = scored[:, 1:]
+        enc_nll = F.cross_entropy(enc_logits[:, :-1].float().transpose(1, 2), labels[:, 1:].clamp(min=0),
+                                  reduction="none")
+        dec_valid = scored[:, dec_pos] & self.decoder_row_valid(input_ids, dec_pos, dec_start)
         dec_nll = F.cross_entropy(dec_logits.float().transpose(1, 2), targets.clamp(min=0), reduction="none")
-
-        dec_mid, enc_mid = out.mid_residuals
-        aligned = self.alignment_proj(dec_mid[:, length:])
-        reference = enc_mid[:, dec_pos - 1].detach()  # encoder row that predicts the same target
-        align = 1.0 - F.cosine_similarity(aligned.float(), reference.float(), dim=-1)
-
         n_enc, n_dec = enc_valid.sum(), dec_valid.sum()
         enc_sum, dec_sum = (enc_nll * enc_valid).sum(), (dec_nll * dec_valid).sum()
-        align_sum = (align * dec_valid).sum()
-        loss = (enc_sum + dec_sum + cfg.alignment_weight * align_sum) / (n_enc + n_dec).clamp(min=1)
+        total = enc_sum + dec_sum
+        align_sum = None
+        if capture is not None:
+            enc_mid, dec_mid = mids
+            # REPA-style: g_ψ(decoder state) against the encoder state of the row that predicts the same target.
+            aligned = self.alignment_proj(dec_mid)
+            reference = enc_mid[:, dec_pos - 1].detach()
+            align = 1.0 - F.cosine_similarity(aligned.float(), reference.float(), dim=-1)
+            align_sum = (align * dec_valid).sum()
+            total = total + cfg.alignment_weight * align_sum
+        loss = total / (n_enc + n_dec).clamp(min=1)
 
         with torch.no_grad():
             first = dec_pos == dec_start
@@ -441,20 +475,93 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
                                                       block_size=cfg.block_size)
             uses_mask = ((aux < 0) & dec_valid).sum() / n_dec.clamp(min=1)
         return PLMOutput(
-            loss=loss, logits=logits[:, :length], decoder_logits=dec_logits,
-            hidden_states=out.hidden_states, attentions=out.attentions,
+            loss=loss, logits=enc_logits, decoder_logits=dec_logits,
+            hidden_states=enc_out.hidden_states, attentions=enc_out.attentions,
             encoder_nll=enc_sum.detach() / n_enc.clamp(min=1), decoder_nll=dec_sum.detach() / n_dec.clamp(min=1),
-            alignment_loss=align_sum.detach() / n_dec.clamp(min=1), reconstructed_tokens=reconstructed,
-            auxiliary_tv=tv.mean() if tv is not None else None, mask_auxiliary_fraction=uses_mask,
+            alignment_loss=None if align_sum is None else align_sum.detach() / n_dec.clamp(min=1),
+            reconstructed_tokens=reconstructed, auxiliary_tv=tv.mean() if tv is not None else None,
+            mask_auxiliary_fraction=uses_mask,
         )
 
-    def decoder_row_valid(self, input_ids, labels, dec_pos, dec_start) -> torch.Tensor:
-        """[B, D] bool: the row's target is labelled and no end-of-document target precedes it inside its
-        block (a block stops at its first EOS target, which is itself still scored)."""
+    def _token_positions(self, input_ids, attention_mask) -> torch.Tensor:
+        """[B, T] rotary positions of the tokens: counted over real tokens only under a padding mask."""
+        if attention_mask is not None:
+            return make_padding_position_ids(attention_mask)
+        return torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+
+    def _decoder_visibility(self, layout, key_valid, length: int) -> torch.Tensor:
+        """Decoder rows over [the T token keys; the decoder rows' keys], in index space: the clean prefix before the
+        block start, and causally the rows of their own block."""
+        dec_pos, dec_block, dec_start = layout
+        enc_idx = torch.arange(length, device=dec_pos.device)
+        return visibility_mask(query_pos=dec_pos, query_limit=dec_start, query_group=dec_block,
+                               key_pos=torch.cat([enc_idx, dec_pos]),
+                               key_group=torch.cat([torch.full_like(enc_idx, -1), dec_block]), key_valid=key_valid)
+
+    def _two_passes(self, input_ids, attention_mask, layout, aux, capture, kwargs):
+        """Encoder pass into a cache, auxiliaries from its detached logits, decoder pass over the cached keys."""
+        dec_pos = layout[0]
+        batch, length = input_ids.shape
+        positions = self._token_positions(input_ids, attention_mask)
+        cache = DynamicCache(config=self.config)
+        enc = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
+                         capture_layers=capture[:1] if capture else (), **kwargs)
+        enc_logits = self.lm_head(enc.last_hidden_state)
+        tv = None
+        if aux is None:
+            aux, tv = self.draw_auxiliaries(enc_logits[:, :-1].detach(), input_ids, dec_pos)
+        key_valid = None
+        if attention_mask is not None:
+            key_valid = torch.cat([attention_mask.bool(), attention_mask.new_ones(batch, dec_pos.shape[0]).bool()], 1)
+        dec = self.model(inputs_embeds=self.model.embed_auxiliaries(aux), position_ids=positions[:, dec_pos],
+                         attention_mask=self._decoder_visibility(layout, key_valid, length), cache=cache,
+                         capture_layers=capture[1:] if capture else ())
+        mids = (enc.mid_residuals[0], dec.mid_residuals[0]) if capture else None
+        return enc_logits, self.lm_head(dec.last_hidden_state), mids, aux, tv, enc
+
+    def _joint_pass(self, input_ids, attention_mask, layout, aux, capture, kwargs):
+        """[tokens; auxiliaries] in one forward (no cache, so gradient checkpointing works): the encoder rows see the
+        causal prefix, the decoder rows what `_decoder_visibility` allows."""
+        dec_pos = layout[0]
+        batch, length = input_ids.shape
+        positions = self._token_positions(input_ids, attention_mask)
+        tv = None
+        if aux is None:
+            with torch.no_grad():
+                q_logits = self(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+            aux, tv = self.draw_auxiliaries(q_logits, input_ids, dec_pos)
+        num_dec = dec_pos.shape[0]
+        key_valid = None
+        if attention_mask is not None:
+            key_valid = torch.cat([attention_mask.bool(), attention_mask.new_ones(batch, num_dec).bool()], 1)
+        enc_idx = torch.arange(length, device=input_ids.device)
+        encoder_rows = visibility_mask(query_pos=enc_idx, query_limit=enc_idx + 1,
+                                       query_group=torch.full_like(enc_idx, -1),
+                                       key_pos=torch.cat([enc_idx, dec_pos]),
+                                       key_group=torch.cat([torch.full_like(enc_idx, -1), layout[1]]),
+                                       key_valid=key_valid)
+        mask = torch.cat([encoder_rows.expand(batch, -1, -1, -1),
+                          self._decoder_visibility(layout, key_valid, length).expand(batch, -1, -1, -1)], dim=2)
+        embeds = torch.cat([self.model.embed_tokens(input_ids), self.model.embed_auxiliaries(aux)], dim=1)
+        out = self.model(inputs_embeds=embeds, position_ids=torch.cat([positions, positions[:, dec_pos]], 1),
+                         attention_mask=mask, capture_layers=capture or (), **kwargs)
+        logits = self.lm_head(out.last_hidden_state)
+        mids = None
+        if capture:
+            mids = (out.mid_residuals[0][:, :length], out.mid_residuals[1][:, length:])
+        if out.hidden_states is not None:  # report the encoder rows, as the two-pass path does
+            out.hidden_states = tuple(h[:, :length] for h in out.hidden_states)
+        if out.attentions is not None:
+            out.attentions = tuple(a[..., :length, :length] for a in out.attentions)
+        return logits[:, :length], logits[:, length:], mids, aux, tv, out
+
+    def decoder_row_valid(self, input_ids, dec_pos, dec_start) -> torch.Tensor:
+        """[B, D] bool: no end-of-document target precedes the row's target inside its block (a block stops at its
+        first EOS target, which is itself still scored)."""
         eos = self.config.eos_token_id if self.config.eos_token_id is not None else -1
         eos_cum = F.pad((input_ids == eos).long().cumsum(1), (1, 0))  # eos_cum[:, p] = #EOS among x_<p
         eos_inside = (eos_cum[:, dec_pos] - eos_cum[:, dec_start]) > 0
-        return (labels[:, dec_pos] != -100) & ~eos_inside
+        return ~eos_inside
 
     @staticmethod
     def reconstructed_tokens(correct: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, first: torch.Tensor,
@@ -497,69 +604,81 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         if input_ids.shape[1] > 1:
             self(input_ids=input_ids[:, :-1], attention_mask=request.attention_mask[:, :-1],
                  position_ids=positions[:, :-1], cache=cache)
+        eos_columns = torch.zeros(cfg.vocab_size, dtype=torch.bool, device=device)
+        eos_columns[request.eos_ids[(request.eos_ids >= 0) & (request.eos_ids < cfg.vocab_size)]] = True
         state = PLMDecodingState(
-            cache=cache, key_pos=positions[:, :-1], key_valid=request.attention_mask[:, :-1].bool(),
+            cache=cache, key_valid=request.attention_mask[:, :-1].bool(),
             last_token=input_ids[:, -1], next_pos=request.attention_mask.long().sum(1),
             pending=torch.zeros(batch, width - 1, dtype=torch.long, device=device),
             pending_ok=torch.zeros(batch, dtype=torch.bool, device=device),  # False forces m = 0 (first round)
             aux_table=aux_table, width=width, propose=options.decoding == "quadratic",
-            acceptance=options.acceptance_rule)
+            acceptance=options.acceptance_rule, call_layout=self.decoding_call_layout(width, device),
+            eos_columns=eos_columns, min_new_tokens=request.min_new_tokens)
         # The prefill is a model call too (it commits no token), so it is counted.
         return state, int(input_ids.shape[1] > 1)
+
+    def decoding_call_layout(self, width: int, device) -> DecodingCallLayout:
+        """The query rows of one quadratic-decoding call and what they see among themselves; the same every call.
+
+        Verify row r (0 ≤ r < width) reads token x_{i-1+r} at position i-1+r. Proposal row (m, k) (0 ≤ m, k <
+        width) predicts x_{i+m+k} from the auxiliary u_{i+m+k}, reading the clean prefix x_<i+m, that is the cached
+        keys and verify rows r ≤ m, and the rows (m, k' ≤ k) of its own block. Every valid cached key lies before i,
+        so only this [W, W] part of the mask depends on the row."""
+        r = torch.arange(width, device=device)
+        m, k = (t.reshape(-1) for t in torch.meshgrid(r, r, indexing="ij"))
+        sees_verify = torch.cat([r[:, None] >= r[None, :], m[:, None] >= r[None, :]])  # [W, width]
+        sees_proposal = torch.cat([torch.zeros(width, width * width, dtype=torch.bool, device=device),
+                                   (m[:, None] == m[None, :]) & (k[:, None] >= k[None, :])])  # [W, width²]
+        if width == 1:  # one-token-per-call Voronoi decoding: the verify row only
+            sees_verify, sees_proposal, m, k = sees_verify[:1], sees_proposal[:1, :0], m[:0], k[:0]
+        return DecodingCallLayout(offset=torch.cat([r - 1, m + k]), proposal_offset=m + k, proposal_block=m,
+                                  local_mask=torch.cat([sees_verify, sees_proposal], dim=1))
 
     def _decoding_step(self, state: PLMDecodingState, new_tokens) -> DecodingStep:
         """One model call. Verify rows r = 0..width-1 read [last token, pending tokens] and give q_{i+r};
         proposal block m (if `state.propose`) decodes positions i+m .. i+m+width-1 from prefix x_<i+m and
         u_{i+m..}. Commits m + 1 tokens per row (m = accepted pending tokens) and updates the state."""
-        cache, num_new, width = state.cache, new_tokens.count, state.width
-        batch, device = state.pending.shape[0], state.pending.device
+        cache, num_new, width, layout = state.cache, new_tokens.count, state.width, state.call_layout
+        batch = state.pending.shape[0]
         i = state.next_pos  # [B] position of the first token to commit
-        r = torch.arange(width, device=device)
-        verify_tokens = torch.cat([state.last_token[:, None], state.pending], dim=1)  # [B, width]
-        verify_pos = i[:, None] - 1 + r  # input token x_{i-1+r} sits at position i-1+r
-        embeds = [self.model.embed_tokens(verify_tokens)]
-        q_pos, q_limit, q_group = [verify_pos], [verify_pos + 1], [torch.full_like(verify_pos, -1)]
+        embeds = self.model.embed_tokens(torch.cat([state.last_token[:, None], state.pending], dim=1))
         if state.propose:
-            m, k = torch.meshgrid(r, r, indexing="ij")  # proposal row (m, k) predicts position i+m+k
-            m, k = m.reshape(-1), k.reshape(-1)
-            aux = state.aux_table.gather(1, num_new[:, None] + m + k)  # [B, width²]
-            embeds.append(self.model.embed_auxiliaries(aux))
-            q_pos.append(i[:, None] + m + k)
-            q_limit.append(i[:, None] + m)
-            q_group.append(m.expand(batch, -1))
-        q_pos, q_limit, q_group = (torch.cat(t, dim=1) for t in (q_pos, q_limit, q_group))
-        mask = visibility_mask(
-            query_pos=q_pos, query_limit=q_limit, query_group=q_group,
-            key_pos=torch.cat([state.key_pos, q_pos], dim=1),
-            key_group=torch.cat([torch.full_like(state.key_pos, -1), q_group], dim=1),
-            key_valid=torch.cat([state.key_valid, torch.ones_like(q_pos, dtype=torch.bool)], dim=1))
-        logits = self(inputs_embeds=torch.cat(embeds, dim=1), attention_mask=mask, position_ids=q_pos,
+            aux = state.aux_table.gather(1, num_new[:, None] + layout.proposal_offset)  # [B, width²]
+            embeds = torch.cat([embeds, self.model.embed_auxiliaries(aux)], dim=1)
+        num_rows = embeds.shape[1]
+        mask = torch.cat([state.key_valid[:, None, None, :].expand(-1, 1, num_rows, -1),
+                          layout.local_mask[None, None].expand(batch, 1, -1, -1)], dim=-1)
+        logits = self(inputs_embeds=embeds, attention_mask=mask, position_ids=i[:, None] + layout.offset,
                       cache=cache).logits.float()
-        if state.propose:
-            cache.crop(-width * width)  # keep the verify rows' keys; proposal keys are never reused
 
-        q = logits[:, :width]  # [B, width, V]
+        q = logits[:, :width]  # [B, width, V]: q(. | x_<i+r)
+        index = num_new[:, None] + torch.arange(width, device=q.device)  # generated index of each verify row
+        if state.min_new_tokens > 0:  # `min_new_tokens`: no EOS before it, as transformers' logits processor
+            q = q.masked_fill((index < state.min_new_tokens)[..., None] & state.eos_columns, float("-inf"))
         owners, _ = self.auxiliary_owners(q.reshape(batch * width, -1))
-        sampled = decode_auxiliary(owners, state.aux_table.gather(1, num_new[:, None] + r).reshape(-1))
-        sampled = sampled.view(batch, width)
+        sampled = decode_auxiliary(owners, state.aux_table.gather(1, index).reshape(-1)).view(batch, width)
         if width > 1:
             accept = state.acceptance.accepts(state.pending, sampled[:, :-1], q[:, :-1]) & state.pending_ok[:, None]
             m_acc = accept.long().cumprod(1).sum(1)  # accepted pending tokens before the first rejection
         else:
-            m_acc = torch.zeros(batch, dtype=torch.long, device=device)
+            m_acc = torch.zeros(batch, dtype=torch.long, device=q.device)
         committed = torch.cat([state.pending, state.pending.new_zeros(batch, 1)], dim=1)
         committed.scatter_(1, m_acc[:, None], sampled.gather(1, m_acc[:, None]))
 
-        state.key_pos = torch.cat([state.key_pos, verify_pos], dim=1)
-        state.key_valid = torch.cat([state.key_valid, r[None] <= m_acc[:, None]], dim=1)
+        # Keep the keys of verify rows r <= m (their inputs are committed tokens); drop the proposal keys and the
+        # verify keys rejected in every row, and mark those rejected in some rows only as invalid.
+        kept = 1 + int(m_acc.max())
+        if num_rows > kept:
+            cache.crop(-(num_rows - kept))
+        state.key_valid = torch.cat([state.key_valid, index[:, :kept] - num_new[:, None] <= m_acc[:, None]], dim=1)
         state.last_token = committed.gather(1, m_acc[:, None]).squeeze(1)
         state.next_pos = i + m_acc + 1
         if state.propose and width > 1:
             proposals = logits[:, width:].argmax(-1).view(batch, width, width)  # [B, m, k]
             state.pending = proposals.gather(1, m_acc[:, None, None].expand(-1, 1, width)).squeeze(1)[:, 1:]
-            state.pending_ok = torch.ones(batch, dtype=torch.bool, device=device)
+            state.pending_ok = torch.ones(batch, dtype=torch.bool, device=q.device)
         else:
-            state.pending_ok = torch.zeros(batch, dtype=torch.bool, device=device)
+            state.pending_ok = torch.zeros(batch, dtype=torch.bool, device=q.device)
         return DecodingStep(committed, m_acc + 1)
 
 

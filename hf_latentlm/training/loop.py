@@ -235,6 +235,10 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
         # The RNG is restored last, after everything that may draw from it (building the model,
         # `prepare`), so the first resumed step draws exactly what the uninterrupted run drew.
         load_rank_rng(checkpoint, accelerator.process_index)
+    else:
+        # The model is built from one seed on every rank; what the steps draw (PLM block phases and auxiliaries,
+        # CALM noise) must differ per rank, so each rank continues from seed + rank.
+        set_seed(cfg.seed, device_specific=True)
     model.train()
     return train_steps(cfg, accelerator, model, optimizer, scheduler, tokenizer, train_rows, val_rows,
                        start_step, on_step)

@@ -75,7 +75,7 @@ def test_decoder_rows_stop_after_end_of_document(tokenizer):
     eos = tokenizer.eos_token_id
     ids = torch.tensor([[5, 6, eos, 7, 8, 9, 10, 11, 12]])
     pos, _, start = model.block_layout(ids.shape[1], phase=0)  # blocks [1..4], [5..8]
-    valid = model.decoder_row_valid(ids, ids, pos, start)[0]
+    valid = model.decoder_row_valid(ids, pos, start)[0]
     assert valid.tolist() == [True, True, False, False, True, True, True, True]
 
 
@@ -115,7 +115,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, tiny_rows):
     for checkpointing in (False, True):
         model = tiny_plm(tokenizer)
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
         model.train()
         torch.manual_seed(5)  # same block phase and auxiliary draws
         model(input_ids=x, labels=x).loss.backward()
