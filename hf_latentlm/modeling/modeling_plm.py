@@ -192,8 +192,6 @@ class PLMDecodingState:
     propose: bool  # quadratic decoding: also run the proposal blocks
     acceptance: AcceptanceRule
     call_layout: DecodingCallLayout
-    eos_columns: torch.Tensor  # [V] bool: the EOS ids, suppressed before `min_new_tokens`
-    min_new_tokens: int
 
 
 class PLMPreTrainedModel(BackbonePreTrainedModel):
@@ -604,16 +602,13 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         if input_ids.shape[1] > 1:
             self(input_ids=input_ids[:, :-1], attention_mask=request.attention_mask[:, :-1],
                  position_ids=positions[:, :-1], cache=cache)
-        eos_columns = torch.zeros(cfg.vocab_size, dtype=torch.bool, device=device)
-        eos_columns[request.eos_ids[(request.eos_ids >= 0) & (request.eos_ids < cfg.vocab_size)]] = True
         state = PLMDecodingState(
             cache=cache, key_valid=request.attention_mask[:, :-1].bool(),
             last_token=input_ids[:, -1], next_pos=request.attention_mask.long().sum(1),
             pending=torch.zeros(batch, width - 1, dtype=torch.long, device=device),
             pending_ok=torch.zeros(batch, dtype=torch.bool, device=device),  # False forces m = 0 (first round)
             aux_table=aux_table, width=width, propose=options.decoding == "quadratic",
-            acceptance=options.acceptance_rule, call_layout=self.decoding_call_layout(width, device),
-            eos_columns=eos_columns, min_new_tokens=request.min_new_tokens)
+            acceptance=options.acceptance_rule, call_layout=self.decoding_call_layout(width, device))
         # The prefill is a model call too (it commits no token), so it is counted.
         return state, int(input_ids.shape[1] > 1)
 
@@ -653,8 +648,6 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
 
         q = logits[:, :width]  # [B, width, V]: q(. | x_<i+r)
         index = num_new[:, None] + torch.arange(width, device=q.device)  # generated index of each verify row
-        if state.min_new_tokens > 0:  # `min_new_tokens`: no EOS before it, as transformers' logits processor
-            q = q.masked_fill((index < state.min_new_tokens)[..., None] & state.eos_columns, float("-inf"))
         owners, _ = self.auxiliary_owners(q.reshape(batch * width, -1))
         sampled = decode_auxiliary(owners, state.aux_table.gather(1, index).reshape(-1)).view(batch, width)
         if width > 1:
