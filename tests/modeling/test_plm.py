@@ -109,6 +109,114 @@ def test_decoder_rows_never_see_their_own_targets(tokenizer, tiny_rows):
     assert (a[~blind] - b[~blind]).abs().max() > 1e-4
 
 
+def rows_without_eos(rows, tokenizer, count, length):
+    picked = [r[:length] for r in rows if not (r[:length] == tokenizer.eos_token_id).any()][:count]
+    return torch.stack(picked)
+
+
+def test_masked_prompt_draws_auxiliaries_for_the_observed_tokens(trained_plm, tiny_rows, tokenizer, monkeypatch):
+    """SFT labels mask the prompt with -100; each decoder row's auxiliary must still lie in the Voronoi cell of the
+    token actually observed at its target position (it is an input of the later rows of its block)."""
+    x = rows_without_eos(tiny_rows[1700:], tokenizer, 2, 30)
+    labels = x.clone()
+    labels[:, :11] = -100  # blocks of 4 start at 1, 5, 9, 13: the block 9..12 mixes prompt and response rows
+    drawn = []
+    original = trained_plm.draw_auxiliaries
+    monkeypatch.setattr(trained_plm, "draw_auxiliaries", lambda *a: drawn.append(original(*a)) or drawn[-1])
+    trained_plm(input_ids=x, labels=labels)
+    aux = drawn[0][0]  # [B, D]
+    dec_pos = trained_plm.block_layout(x.shape[1], 0)[0]
+    # Independent reference: the owners of the plain forward's next-token distributions.
+    q = trained_plm(input_ids=x).logits[:, :-1]
+    owners = trained_plm.auxiliary_owners(q.reshape(-1, q.shape[-1]))[0].view(2, x.shape[1] - 1, -1)
+    for b in range(2):
+        for d, pos in enumerate(dec_pos.tolist()):
+            cell = owners[b, pos - 1] == x[b, pos]
+            if cell.any():
+                assert aux[b, d] >= 0 and cell[aux[b, d]], (b, pos)
+            else:
+                assert aux[b, d] == -1, (b, pos)
+    assert (aux[:, dec_pos < 11] >= 0).any(), "some prompt-side rows should have a cell to test"
+
+
+def test_masked_loss_is_the_unmasked_loss_restricted_to_the_response(trained_plm, tiny_rows, tokenizer):
+    """Labels only decide which rows are scored: the masked loss equals the unmasked run's per-row losses summed over
+    the response rows (targets = the observed tokens at the row's position, not shifted), over their count."""
+    model = trained_plm
+    weight = model.config.alignment_weight
+    model.config.alignment_weight = 0.0
+    try:
+        x = rows_without_eos(tiny_rows[1700:], tokenizer, 2, 30)
+        labels = x.clone()
+        labels[:, :11] = -100
+        full = model(input_ids=x, labels=x)
+        masked = model(input_ids=x, labels=labels)
+    finally:
+        model.config.alignment_weight = weight
+    dec_pos = model.block_layout(x.shape[1], 0)[0]
+    enc_nll = torch.nn.functional.cross_entropy(full.logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none")
+    dec_nll = torch.nn.functional.cross_entropy(full.decoder_logits.transpose(1, 2), x[:, dec_pos], reduction="none")
+    enc_rows = torch.arange(1, x.shape[1]) >= 11
+    dec_rows = dec_pos >= 11
+    expected = (enc_nll[:, enc_rows].sum() + dec_nll[:, dec_rows].sum()) / (2 * enc_rows.sum() + 2 * dec_rows.sum())
+    torch.testing.assert_close(masked.loss, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(masked.encoder_nll, enc_nll[:, enc_rows].mean(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(masked.decoder_nll, dec_nll[:, dec_rows].mean(), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(masked.loss, full.loss)
+
+
+def test_alignment_loss_matches_a_hand_computation(trained_plm, tiny_rows, tokenizer):
+    """1 - cos(g_psi(decoder mid residual at layer L//3), encoder mid residual at layer L//2 of the row j-1 that
+    predicts the same target x_j), averaged over scored decoder rows; mid residuals read from the blocks' inputs to
+    their post-attention norm."""
+    model, cfg = trained_plm, trained_plm.config
+    x = rows_without_eos(tiny_rows[1700:], tokenizer, 2, 24)
+    seen = {cfg.alignment_encoder_layer: [], cfg.alignment_decoder_layer: []}
+    hooks = [model.model.layers[i].post_attention_layernorm.register_forward_hook(
+        lambda mod, args, out, i=i: seen[i].append(args[0].detach())) for i in seen]
+    try:
+        out = model(input_ids=x, labels=x)
+    finally:
+        for h in hooks:
+            h.remove()
+    enc_mid = seen[cfg.alignment_encoder_layer][0]  # first call: the encoder pass [B, T, d]
+    dec_mid = seen[cfg.alignment_decoder_layer][-1]  # last call: the decoder pass [B, D, d]
+    dec_pos = model.block_layout(x.shape[1], 0)[0]
+    assert enc_mid.shape[1] == x.shape[1] and dec_mid.shape[1] == dec_pos.numel()
+    with torch.no_grad():
+        cos = torch.nn.functional.cosine_similarity(model.alignment_proj(dec_mid), enc_mid[:, dec_pos - 1], dim=-1)
+    torch.testing.assert_close(out.alignment_loss, (1 - cos).mean(), atol=1e-5, rtol=1e-5)
+    n = 2 * (x.shape[1] - 1)
+    torch.testing.assert_close(out.loss, (out.encoder_nll * n + out.decoder_nll * n
+                                          + cfg.alignment_weight * out.alignment_loss * n) / (2 * n))
+
+
+def test_zero_alignment_weight_skips_the_alignment(tokenizer, tiny_rows):
+    model = tiny_plm(tokenizer, alignment_weight=0.0).train()
+    out = model(input_ids=tiny_rows[:2, :16], labels=tiny_rows[:2, :16])
+    out.loss.backward()
+    assert out.alignment_loss is None
+    assert model.alignment_proj.weight.grad is None
+
+
+def test_objective_and_plain_forward_agree_under_left_padding(trained_plm, tiny_rows, tokenizer):
+    """With a 2-D attention_mask the objective's encoder logits are the plain forward's, and a padded row's equal the
+    same tokens unpadded; padded targets are not scored even when labelled."""
+    x = rows_without_eos(tiny_rows[1700:], tokenizer, 2, 20)
+    ids = torch.cat([torch.full((1, 5), tokenizer.pad_token_id), x[:1]], dim=1)
+    ids = torch.cat([ids, x[1:2, :25] if x.shape[1] >= 25 else torch.cat([x[1:2], x[1:2, :5]], 1)])
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    out = trained_plm(input_ids=ids, attention_mask=mask, labels=ids)  # pads labelled on purpose
+    plain = trained_plm(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(out.logits[0, 5:], plain[0, 5:], atol=1e-5, rtol=0)
+    alone = trained_plm(input_ids=x[:1]).logits[0]
+    torch.testing.assert_close(out.logits[0, 5:], alone, atol=1e-5, rtol=0)
+    labels = ids.clone()
+    labels[0, :5] = -100
+    torch.testing.assert_close(trained_plm(input_ids=ids, attention_mask=mask, labels=labels).loss, out.loss)
+
+
 def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, tiny_rows):
     x = tiny_rows[:2, :32]
     grads = []
