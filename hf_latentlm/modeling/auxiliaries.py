@@ -34,13 +34,17 @@ import torch
 
 # Offset-fit constants (`fit_laguerre_offsets`). Temperatures are in units of the per-position score scale `sigma`
 # (RMS over the candidates of the std of e_v . e_u over the bank), so the fit is the same whatever the norm of the
-# LM-head rows. Chosen on LM-head-like inputs (d=64, V=512, row norms 1-3, N=512, M=128, flat and peaked
-# distributions): with the paper's 2 rounds x 12 sweeps x shortlist 8 the mean TV is ~0.2% (paper: < 0.3%).
-TAU_START = 0.1  # first sweep: soft enough to move many boundaries at once, sharp enough that a shortlist of 8 holds
-#                  essentially all the soft mass (a softmax at 0.1 sigma puts ~e^-10 on the 8th-best candidate)
+# LM-head rows. Chosen with scripts/time_voronoi.py on LM-head-like inputs (d=256, V=4096, row norms 1-3, N=512,
+# M=128, entropies 0.5-6 nats): with the defaults 4 rounds x 5 sweeps x shortlist 6 the mean TV is ~0.1% (paper:
+# < 0.3%), at a fraction of the cost of the paper's 2 x 12 x 8.
+DEFAULT_ROUNDS = 4  # shortlist selections: one full selection, then 3 cheap refreshes (`_refresh_shortlist`)
+DEFAULT_SWEEPS = 5  # Sinkhorn updates per round
+DEFAULT_SHORTLIST = 6  # candidates per auxiliary in the soft assignment
+TAU_START = 0.05  # first sweep: soft enough to move many boundaries at once, sharp enough that a shortlist of 6 holds
+#                   essentially all the soft mass
 TAU_END = 1e-3  # last sweep: far below the typical score gap at a cell boundary, so soft loads ~ hard cell sizes
 MAX_STEP = 4.0  # clip of one update in units of the current tau: log(n / load) explodes for an (almost) empty cell
-MOMENTUM = 0.4  # heavy-ball over-relaxation: add 0.4 x the previous update (~0.35% -> ~0.18% TV; >= 0.6 oscillates)
+MOMENTUM = 0.3  # heavy-ball over-relaxation: add 0.3 x the previous update (0 -> ~0.45% TV, 0.3 -> ~0.07%, 0.6 diverges)
 CLOSED_OFFSET = -1.0e4  # offset of zero-capacity candidates, in units of sigma: they can never win an auxiliary
 LOG_FLOOR = -80.0  # softmax logits are clamped here before exp: exp(-80) is still a normal float32, and denormal
 #                    results make torch's CPU exp ~10x slower
@@ -137,9 +141,9 @@ def largest_remainder_capacities(probs: torch.Tensor, total: int) -> torch.Tenso
 def fit_laguerre_offsets(
     scores: torch.Tensor,
     capacities: torch.Tensor,
-    rounds: int = 2,
-    sweeps: int = 12,
-    shortlist: int = 8,
+    rounds: int = DEFAULT_ROUNDS,
+    sweeps: int = DEFAULT_SWEEPS,
+    shortlist: int = DEFAULT_SHORTLIST,
     *,
     score_mean: torch.Tensor | None = None,
     score_std: torch.Tensor | None = None,
@@ -168,22 +172,21 @@ def fit_laguerre_offsets(
         updates (one continuous schedule; rounds only mark shortlist refreshes).
       * Over-relaxation: each Sinkhorn step is scaled per cell by l_v / sum_u pi(v|u)(1 - pi(v|u)) >= 1, the inverse
         of the fraction of the cell's load that sits on its boundary (a diagonal Newton step). At small tau only
-        boundary auxiliaries respond to w_v, so the plain step is far too short: without this factor 24 sweeps end
-        at ~2% TV. Heavy-ball momentum (MOMENTUM x the previous step) is added on top.
+        boundary auxiliaries respond to w_v, so the plain step is far too short. Heavy-ball momentum (MOMENTUM x the
+        previous step) is added on top.
       * Clipping: each step is clipped to +-MAX_STEP * tau, since log(n / l) explodes for (almost) empty cells.
       * Reachable targets: a cell's load cannot exceed the number m_v of shortlists it appears in, so within a round
         the target is min(n_v, m_v - 1/2). Without this cap a cell missing from (almost) all shortlists is pushed up
         by the clip at every sweep with no feedback, and at the next refresh or the final argmax it swallows a large
-        part of the bank (seen: one capacity-1 token taking 444 of 512 auxiliaries).
+        part of the bank.
       * Shortlists: the soft assignment of each auxiliary only looks at its `shortlist` best candidates (by
-        s_uv + w_v), found by topk at the start. At every later round they are refreshed cheaply: the best candidate
-        outside the shortlist replaces the worst member when it now scores higher. In our tests this gives the same
-        TV as a fresh topk for a fraction of its cost, and it keeps every auxiliary's current winner in its shortlist.
+        s_uv + w_v), recomputed at the start of every round from the dense scores (`_top_candidates_per_auxiliary`:
+        repeated max, no `torch.topk`, which costs ~10x more over the candidate dimension on CPU).
     The caller takes the final hard argmax over all M candidates.
     """
     scores = scores.transpose(1, 2).float()  # [P, M, N]: contiguous when the caller passed a transposed view
     num_pos, num_cand, num_aux = scores.shape
-    shortlist = min(shortlist, num_cand)
+    shortlist = max(min(shortlist, num_cand), 1)
     is_open = capacities > 0
 
     if score_mean is None or score_std is None:
@@ -196,52 +199,95 @@ def fit_laguerre_offsets(
     init = -(score_mean.float() + score_std.float() * torch.special.ndtri(1 - share))
     closed = CLOSED_OFFSET * sigma
     offsets = torch.where(is_open, init, closed)
+    log_capacity = torch.log(capacities.float().clamp(min=1e-30))
 
     total_updates = max(rounds * sweeps, 1)
     decay = (TAU_END / TAU_START) ** (1.0 / max(total_updates - 1, 1))
+    # 1 / tau of every update, [P, updates]: one small op instead of one per sweep
+    inv_tau = (1.0 / (TAU_START * sigma)) * torch.tensor(
+        [decay ** -k for k in range(total_updates)], dtype=torch.float32, device=sigma.device
+    )
     previous = torch.zeros_like(offsets)
     update_index = 0
+    adjusted, work = torch.empty_like(scores), torch.empty_like(scores)  # dense scratch buffers of the refreshes
     short_idx = None
     for _ in range(rounds):
+        torch.add(scores, offsets[:, :, None], out=adjusted)
         if short_idx is None:
-            short_idx = torch.topk(scores + offsets[:, :, None], shortlist, dim=1).indices  # [P, K, N]
+            short_idx = _top_candidates_per_auxiliary(adjusted, shortlist, work)
         else:
-            short_idx = _refresh_shortlist(scores, offsets, short_idx)
+            short_idx = _refresh_shortlist(adjusted, short_idx, work)
         short_scores = scores.gather(1, short_idx)  # [P, K, N]
         flat_idx = short_idx.view(num_pos, -1)
         members = torch.zeros_like(offsets).scatter_add_(1, flat_idx, torch.ones_like(flat_idx, dtype=offsets.dtype))
-        target = torch.log(torch.minimum(capacities.float(), members - 0.5).clamp(min=1e-30))
+        target = torch.minimum(log_capacity, torch.log((members - 0.5).clamp(min=1e-30)))
         for _ in range(sweeps):
-            tau = TAU_START * decay**update_index * sigma  # [P, 1]
+            scale = inv_tau[:, update_index, None, None]  # [P, 1, 1]
             update_index += 1
-            # Softmax over the shortlist (dim 1), in place to keep the sweep at a few passes over P * K * N floats.
-            logits = short_scores + offsets.gather(1, flat_idx).view_as(short_scores)
-            logits = logits.sub_(logits.amax(dim=1, keepdim=True)).div_(tau[:, :, None]).clamp_(min=LOG_FLOOR)
-            soft = logits.exp_()
-            soft = soft.div_(soft.sum(dim=1, keepdim=True))  # pi(v | u), [P, K, N]
-            load = torch.zeros_like(offsets).scatter_add_(1, flat_idx, soft.view(num_pos, -1))
+            logits = (short_scores + offsets.gather(1, flat_idx).view_as(short_scores)).mul_(scale)
+            if shortlist == 2:
+                # two candidates: pi(first) = sigmoid of the scaled score gap
+                gap = (logits[:, 0] - logits[:, 1]).clamp_(LOG_FLOOR, -LOG_FLOOR)
+                first = torch.sigmoid(gap)
+                soft = torch.stack([first, 1.0 - first], dim=1)
+            else:
+                logits = logits.sub_(logits.amax(dim=1, keepdim=True)).clamp_(min=LOG_FLOOR)
+                soft = logits.exp_()
+                soft = soft.div_(soft.sum(dim=1, keepdim=True))  # pi(v | u), [P, K, N]
+            flat_soft = soft.view(num_pos, -1)
+            load = torch.zeros_like(offsets).scatter_add_(1, flat_idx, flat_soft)
             # sum_u pi (1 - pi) = load - sum_u pi^2
-            squares = torch.zeros_like(offsets).scatter_add_(1, flat_idx, soft.square_().view(num_pos, -1))
+            squares = torch.zeros_like(offsets).scatter_add_(1, flat_idx, flat_soft.square_())
             relaxation = (load / (load - squares).clamp(min=1e-12)).clamp(min=1.0)
             step = relaxation * (target - torch.log(load.clamp(min=1e-30)))
-            step = step.clamp(-MAX_STEP, MAX_STEP) * tau + MOMENTUM * previous
-            previous = torch.where(is_open, step, 0.0)
-            offsets = torch.where(is_open, offsets + step, closed)
+            step = step.clamp_(-MAX_STEP, MAX_STEP).div_(scale[:, :, 0]).add_(previous, alpha=MOMENTUM)
+            previous = step.masked_fill_(~is_open, 0.0)
+            offsets = offsets + step
     return offsets
 
 
-def _refresh_shortlist(scores: torch.Tensor, offsets: torch.Tensor, short_idx: torch.Tensor) -> torch.Tensor:
+def _refresh_shortlist(adjusted: torch.Tensor, short_idx: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
     """Swap the best candidate outside each auxiliary's shortlist in for its worst member, if it now scores higher.
 
-    scores [P, M, N], offsets [P, M], short_idx [P, K, N] -> new short_idx. One dense pass instead of a full topk.
+    adjusted [P, M, N] (scores + offsets; overwritten), short_idx [P, K, N], work: float buffer like `adjusted`
+    -> new short_idx. A few dense passes instead of a fresh selection; it keeps every auxiliary's current winner in
+    its shortlist.
     """
-    adjusted = scores + offsets[:, :, None]
-    member = adjusted.gather(1, short_idx)
-    outsider, outsider_idx = adjusted.scatter_(1, short_idx, float("-inf")).max(dim=1)  # [P, N]
-    worst, worst_slot = member.min(dim=1)
+    member = adjusted.gather(1, short_idx).neg_()
+    neg_worst, worst_slot = _max_and_first_index(member, member)  # [P, N]
+    outsider, outsider_idx = _max_and_first_index(adjusted.scatter_(1, short_idx, float("-inf")), work)
     slot_idx = short_idx.gather(1, worst_slot[:, None])
-    new_idx = torch.where((outsider > worst)[:, None], outsider_idx[:, None], slot_idx)
-    return short_idx.scatter(1, worst_slot[:, None], new_idx)
+    new_idx = torch.where((outsider + neg_worst > 0)[:, None], outsider_idx[:, None], slot_idx)
+    return short_idx.scatter_(1, worst_slot[:, None], new_idx)
+
+
+def _top_candidates_per_auxiliary(adjusted: torch.Tensor, k: int, work: torch.Tensor) -> torch.Tensor:
+    """Indices `[P, k, N]` of the k largest `adjusted [P, M, N]` over dim 1 per auxiliary (ties: lowest index first).
+
+    Overwrites `adjusted` and the float buffer `work`. Each pick is `_max_and_first_index`, then the picked entry is
+    set to -inf; `torch.topk` over a non-innermost dimension is ~10x slower on CPU.
+    """
+    picks = []
+    for j in range(k):
+        index = _max_and_first_index(adjusted, work)[1]
+        picks.append(index)
+        if j < k - 1:
+            adjusted.scatter_(1, index[:, None], float("-inf"))
+    return torch.stack(picks, dim=1)
+
+
+def _max_and_first_index(values: torch.Tensor, work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`values.max(dim=1)` for [P, M, N] float: max [P, N] and the lowest index among equal maxima, long [P, N].
+
+    Three vectorised passes (amax, compare into the float buffer `work`, which may be `values` itself, and a
+    weighted amax) instead of torch's max-with-indices over a non-innermost dimension, which is not vectorised on
+    CPU (~4x slower). The weights M - m are exact small integers in float32.
+    """
+    width = values.shape[1]
+    best = values.amax(dim=1, keepdim=True)
+    weights = torch.arange(width, 0, -1, dtype=values.dtype, device=values.device)[None, :, None]  # M - m
+    hit = torch.ge(values, best, out=work).mul_(weights)
+    return best[:, 0], (width - hit.amax(dim=1)).long()
 
 
 @torch.no_grad()
@@ -250,9 +296,9 @@ def voronoi_owners(
     output_embeddings: torch.Tensor,
     bank: torch.Tensor,
     top_m: int,
-    rounds: int = 2,
-    sweeps: int = 12,
-    shortlist: int = 8,
+    rounds: int = DEFAULT_ROUNDS,
+    sweeps: int = DEFAULT_SWEEPS,
+    shortlist: int = DEFAULT_SHORTLIST,
     chunk_size: int = 256,
     *,
     scores: TokenScores | None = None,
@@ -273,29 +319,30 @@ def voronoi_owners(
     num_aux = bank.shape[0]
     candidates, probs = top_candidates(logits, top_m)
     capacities = largest_remainder_capacities(probs, num_aux)
-
-    # All token-auxiliary scores once; [V, N] so that gathering a candidate copies one contiguous row of N scores.
-    # Their per-token mean and std over the bank feed the offset initialisation.
     if scores is None:
         scores = token_scores(output_embeddings, bank)
     all_scores, token_mean, token_std = scores
 
     owners = torch.empty(num_pos, num_aux, dtype=torch.long, device=logits.device)
     total_variation = torch.empty(num_pos, dtype=torch.float32, device=logits.device)
+    # Capacities are non-increasing along the candidate order, so zero-capacity candidates form a suffix that can
+    # never win. Positions are fitted in chunks of similar numbers of open candidates (peaked positions have few),
+    # and each chunk drops the columns closed at all of its positions; the owners are unchanged because those
+    # candidates are excluded anyway.
+    open_count = (capacities > 0).sum(dim=1)
+    compiling = torch.compiler.is_compiling()
+    order = None if compiling else torch.sort(open_count, stable=True).indices
     for start in range(0, num_pos, chunk_size):
-        rows = slice(start, start + chunk_size)
-        # Capacities are non-increasing along the candidate order, so zero-capacity candidates form a suffix that
-        # can never win: drop the columns that are closed at every position of the chunk (a big saving for peaked
-        # distributions; the owners are unchanged because those candidates are excluded anyway).
-        is_open = capacities[rows] > 0
-        if torch.compiler.is_compiling():
-            # Under torch.compile keep every column: the trimmed width is data-dependent (a graph break), and the
-            # owners do not change (closed columns get CLOSED_OFFSET and never enter an open cell's load).
-            width = is_open.shape[1]
+        if order is None:
+            # Under torch.compile keep every column and the batch order: the trimmed width is data-dependent (a graph
+            # break), and the owners do not change (closed columns get CLOSED_OFFSET and never take an auxiliary).
+            rows = torch.arange(start, min(start + chunk_size, num_pos), device=logits.device)
+            width = capacities.shape[1]
         else:
-            width = int(torch.nonzero(is_open.any(dim=0)).max()) + 1
+            rows = order[start : start + chunk_size]
+            width = int(open_count[rows[-1]])
         cand, caps = candidates[rows, :width], capacities[rows, :width]
-        chunk_scores = all_scores[cand]  # [C, M, N]
+        chunk_scores = all_scores.index_select(0, cand.reshape(-1)).view(cand.shape[0], width, num_aux)  # [C, M, N]
         offsets = fit_laguerre_offsets(
             chunk_scores.transpose(1, 2),
             caps,
@@ -305,9 +352,8 @@ def voronoi_owners(
             score_mean=token_mean[cand],
             score_std=token_std[cand],
         )
-        # Final hard assignment over ALL candidates. `max(dim).indices` is the first maximum (lowest candidate rank)
-        # like argmax, and ~2x faster than argmax over a non-innermost dim on CPU.
-        local = chunk_scores.add_(offsets[:, :, None]).max(dim=1).indices  # [C, N]
+        # Final hard assignment over ALL candidates, first maximum (lowest candidate rank) like argmax.
+        local = _max_and_first_index(chunk_scores.add_(offsets[:, :, None]), chunk_scores)[1]  # [C, N]
         owners[rows] = cand.gather(1, local)
         cell_sizes = torch.zeros_like(caps).scatter_add_(1, local, torch.ones_like(local))
         total_variation[rows] = 0.5 * (cell_sizes - caps).abs().sum(dim=-1).float() / num_aux
