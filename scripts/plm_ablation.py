@@ -1,4 +1,5 @@
-"""PLM ablations: auxiliary type (none / quantile / voronoi) and representation alignment on / off.
+"""PLM ablations: auxiliary type (none / quantile / voronoi), representation alignment on / off, and the
+auxiliaries read in directly (paper) or through a learned projection.
 
     python scripts/plm_ablation.py --preset small --max-steps 80 --output docs/plm_ablation.json
 
@@ -27,6 +28,7 @@ from hf_latentlm.training.loop import TrainConfig, train
 
 VARIANTS = {
     "voronoi + alignment": {"auxiliary_type": "voronoi"},
+    "voronoi + alignment, learned auxiliary projection": {"auxiliary_type": "voronoi", "auxiliary_projection": True},
     "voronoi, no alignment": {"auxiliary_type": "voronoi", "alignment_weight": 0.0},
     "quantile + alignment": {"auxiliary_type": "quantile"},
     "none + alignment": {"auxiliary_type": "none"},
@@ -38,13 +40,16 @@ def main():
     parser.add_argument("--preset", default="small")
     parser.add_argument("--max-steps", type=int, default=80)
     parser.add_argument("--output", default="docs/plm_ablation.json")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="which variants to train (default: all)")
     args = parser.parse_args()
     tokenizer = load_default_tokenizer()
     val = split_stream(tokenizer, "validation")
     rows = nll_rows(val, get_preset(args.preset).seq_len)[:64]
     prompts, _ = evaluation_windows(val, 8, 64, 1)
     results = {}
-    for name, overrides in VARIANTS.items():
+    for name in args.variants:
+        overrides = VARIANTS[name]
         torch.manual_seed(0)
         model = build_model("plm", args.preset, tokenizer, **overrides)
         start = time.perf_counter()

@@ -28,6 +28,9 @@ class PLMConfig(BackboneConfig):
         auxiliary_top_m (`int`, 128): M, candidate tokens per position; targets outside the top-M, or
             with zero capacity, get the learned mask auxiliary.
         auxiliary_seed (`int`, 0): seed of the auxiliary bank.
+        auxiliary_projection (`bool`, False): read the auxiliaries in through a learned d×d map. The paper feeds
+            the fixed e_u directly (its only added parameters are g_ψ and the mask auxiliary), which is the
+            default; the map is an ablation (docs/benchmarks.md, "PLM second pass").
         sinkhorn_rounds / sinkhorn_sweeps / sinkhorn_shortlist (`int`, 2 / 12 / 8): offset fitting.
     Alignment (REPA-style, Eq. 11):
         alignment_weight (`float`, 5.0): λ_align; 0 disables.
@@ -54,6 +57,7 @@ class PLMConfig(BackboneConfig):
         num_auxiliaries: int = 512,
         auxiliary_top_m: int = 128,
         auxiliary_seed: int = 0,
+        auxiliary_projection: bool = False,
         sinkhorn_rounds: int = 2,
         sinkhorn_sweeps: int = 12,
         sinkhorn_shortlist: int = 8,
@@ -73,6 +77,7 @@ class PLMConfig(BackboneConfig):
         self.num_auxiliaries = num_auxiliaries
         self.auxiliary_top_m = auxiliary_top_m
         self.auxiliary_seed = auxiliary_seed
+        self.auxiliary_projection = auxiliary_projection
         self.sinkhorn_rounds = sinkhorn_rounds
         self.sinkhorn_sweeps = sinkhorn_sweeps
         self.sinkhorn_shortlist = sinkhorn_shortlist

@@ -226,10 +226,10 @@ class PLMModel(PLMPreTrainedModel):
         super().__init__(config)
         d = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
-        # Fixed random unit vectors e_u (never trained, saved with the weights) and a learned read-in map:
-        # tokens and auxiliaries are embedded differently, everything above the embeddings is shared.
+        # Fixed random unit vectors e_u (never trained, saved with the weights), fed as they are or through a
+        # learned map (`auxiliary_projection`, an ablation): everything above the embeddings is shared.
         self.register_buffer("auxiliary_bank", sample_auxiliary_bank(config.num_auxiliaries, d, config.auxiliary_seed))
-        self.auxiliary_proj = nn.Linear(d, d, bias=False)
+        self.auxiliary_proj = nn.Linear(d, d, bias=False) if config.auxiliary_projection else None
         self.mask_auxiliary = nn.Parameter(torch.zeros(d))
         self.layers = decoder_layers(config)
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
@@ -239,8 +239,8 @@ class PLMModel(PLMPreTrainedModel):
 
     def embed_auxiliaries(self, aux_index: torch.Tensor) -> torch.Tensor:
         """Decoder input for auxiliary indices [...]; index −1 reads the learned mask auxiliary."""
-        e_u = self.auxiliary_bank[aux_index.clamp(min=0)]
-        embedded = self.auxiliary_proj(e_u.to(self.auxiliary_proj.weight.dtype))
+        e_u = self.auxiliary_bank[aux_index.clamp(min=0)].to(self.mask_auxiliary.dtype)
+        embedded = e_u if self.auxiliary_proj is None else self.auxiliary_proj(e_u)
         return torch.where((aux_index >= 0)[..., None], embedded, self.mask_auxiliary.to(embedded.dtype))
 
     @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
