@@ -245,6 +245,23 @@ def test_two_process_data_parallel_matches_single_process(tmp_path, tokenizer, t
     assert moved > 1e-3
 
 
+def test_ranks_draw_different_random_numbers_in_a_fresh_run(tmp_path, tiny_rows):
+    """Each rank's steps draw from its own seed (seed + rank) once the model is built: PLM block phases and
+    auxiliaries, CALM noise. Checked at the first checkpoint of a 2-process run whose steps draw nothing."""
+    rows_file = tmp_path / "rows.pt"
+    torch.save(tiny_rows[:16].clone(), rows_file)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(WORKER), str(tmp_path / "ddp"), str(rows_file), "2", "--max-steps", "1"]
+    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint = latest_checkpoint(tmp_path / "ddp")
+    states = [load_file(checkpoint / f"rng_rank{r}.safetensors")["torch"] for r in range(2)]
+    assert not torch.equal(*states)
+    # The model itself was built from the same seed: both ranks hold the same weights.
+    ranks = [load_file(tmp_path / "ddp" / f"rank{r}.safetensors") for r in range(2)]
+    assert all(torch.equal(ranks[0][name], ranks[1][name]) for name in ranks[0])
+
+
 def test_two_process_resume_matches_uninterrupted_two_process_run(tmp_path, tokenizer, tiny_rows):
     """torchrun with 2 CPU processes, for the first registered family whose training draws randomness: stopping
     after step 2 and resuming ends with the same weights as the straight run. The worker makes each rank draw a
