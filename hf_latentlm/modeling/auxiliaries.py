@@ -203,10 +203,13 @@ def fit_laguerre_offsets(
 
     total_updates = max(rounds * sweeps, 1)
     decay = (TAU_END / TAU_START) ** (1.0 / max(total_updates - 1, 1))
-    # 1 / tau of every update, [P, updates]: one small op instead of one per sweep
+    # 1 / tau and tau of every update as [updates, P, 1, (1)] tensors: one view per sweep instead of a few small ops
     inv_tau = (1.0 / (TAU_START * sigma)) * torch.tensor(
-        [decay ** -k for k in range(total_updates)], dtype=torch.float32, device=sigma.device
-    )
+        [decay**-k for k in range(total_updates)], dtype=torch.float32, device=sigma.device
+    )  # [P, updates]
+    inv_taus = inv_tau.t().contiguous()[:, :, None, None]
+    taus = (1.0 / inv_tau).t().contiguous()[:, :, None]
+    is_closed = ~is_open
     previous = torch.zeros_like(offsets)
     update_index = 0
     adjusted, work = torch.empty_like(scores), torch.empty_like(scores)  # dense scratch buffers of the refreshes
@@ -221,28 +224,22 @@ def fit_laguerre_offsets(
         flat_idx = short_idx.view(num_pos, -1)
         members = torch.zeros_like(offsets).scatter_add_(1, flat_idx, torch.ones_like(flat_idx, dtype=offsets.dtype))
         target = torch.minimum(log_capacity, torch.log((members - 0.5).clamp(min=1e-30)))
+        # Each sweep is ~25 torch ops whatever P: at decode sizes (a few positions) the op count is the cost.
         for _ in range(sweeps):
-            scale = inv_tau[:, update_index, None, None]  # [P, 1, 1]
-            update_index += 1
-            logits = (short_scores + offsets.gather(1, flat_idx).view_as(short_scores)).mul_(scale)
-            if shortlist == 2:
-                # two candidates: pi(first) = sigmoid of the scaled score gap
-                gap = (logits[:, 0] - logits[:, 1]).clamp_(LOG_FLOOR, -LOG_FLOOR)
-                first = torch.sigmoid(gap)
-                soft = torch.stack([first, 1.0 - first], dim=1)
-            else:
-                logits = logits.sub_(logits.amax(dim=1, keepdim=True)).clamp_(min=LOG_FLOOR)
-                soft = logits.exp_()
-                soft = soft.div_(soft.sum(dim=1, keepdim=True))  # pi(v | u), [P, K, N]
-            flat_soft = soft.view(num_pos, -1)
-            load = torch.zeros_like(offsets).scatter_add_(1, flat_idx, flat_soft)
-            # sum_u pi (1 - pi) = load - sum_u pi^2
-            squares = torch.zeros_like(offsets).scatter_add_(1, flat_idx, flat_soft.square_())
-            relaxation = (load / (load - squares).clamp(min=1e-12)).clamp(min=1.0)
-            step = relaxation * (target - torch.log(load.clamp(min=1e-30)))
-            step = step.clamp_(-MAX_STEP, MAX_STEP).div_(scale[:, :, 0]).add_(previous, alpha=MOMENTUM)
-            previous = step.masked_fill_(~is_open, 0.0)
+            # pi(v | u) = softmax over the shortlist (dim 1), in place: clamped before exp (see LOG_FLOOR)
+            logits = torch.add(short_scores, offsets.gather(1, flat_idx).view_as(short_scores))
+            logits = logits.mul_(inv_taus[update_index])
+            logits.sub_(logits.amax(dim=1, keepdim=True)).clamp_(min=LOG_FLOOR).exp_()
+            soft = logits.div_(logits.sum(dim=1, keepdim=True)).view(num_pos, -1)
+            load = torch.zeros_like(offsets).scatter_add_(1, flat_idx, soft)
+            squares = torch.zeros_like(offsets).scatter_add_(1, flat_idx, soft.square_())
+            # relaxation l / sum_u pi (1 - pi) = l / (l - sum_u pi^2) >= 1 (1 for an empty cell)
+            relaxation = torch.div(load, squares.neg_().add_(load).clamp_(min=1e-12)).clamp_(min=1.0)
+            step = relaxation.mul_(target - load.clamp_(min=1e-30).log_()).clamp_(-MAX_STEP, MAX_STEP)
+            step = step.mul_(taus[update_index]).add_(previous, alpha=MOMENTUM).masked_fill_(is_closed, 0.0)
             offsets = offsets + step
+            previous = step
+            update_index += 1
     return offsets
 
 
@@ -299,7 +296,7 @@ def voronoi_owners(
     rounds: int = DEFAULT_ROUNDS,
     sweeps: int = DEFAULT_SWEEPS,
     shortlist: int = DEFAULT_SHORTLIST,
-    chunk_size: int = 256,
+    chunk_size: int = 32,
     *,
     scores: TokenScores | None = None,
 ) -> VoronoiAssignment:
