@@ -114,19 +114,24 @@ def cmd_train(args) -> int:
         ids = tokenizer(args.sample_prompt, return_tensors="pt", add_special_tokens=False).input_ids
         options = dict(max_new_tokens=64, repeats=1)
         if cfg.family == BASELINE_FAMILY:
-            speed, compared = measure_generation_speed(model, ids, **options), None
+            speed = measure_generation_speed(model, ids, **options)
+            lines = [f"{cfg.family}: {speed['tokens_per_s']:.0f} tokens/s, "
+                     f"{1 / speed['model_calls_per_token']:.2f} tokens per model call"]
         else:
-            # The matched reference: a fresh baseline of the same preset, timed on the same prompt in this process.
-            compared = speed_versus_fresh_baseline(model, cfg.preset, tokenizer, ids, **options)
-            speed = compared["model"]["batch_1"]
-        line = (f"{cfg.family}: {speed['tokens_per_s']:.0f} tokens/s, "
-                f"{1 / speed['model_calls_per_token']:.2f} tokens per model call")
-        if compared:
-            ar = compared["baseline"]["batch_1"]
-            line += (f" | AR baseline ({cfg.preset}): {ar['tokens_per_s']:.0f} tokens/s, "
-                     f"{1 / ar['model_calls_per_token']:.2f} tokens per call"
-                     f" | speed ratio {compared['ratio']['batch_1']:.2f}x")
-        print(f"\n--- sample ({line}) ---\n{args.sample_prompt}{text}\n---")
+            lines = []
+            for label, kwargs in {"": {}, **spec.speed_variants}.items():
+                # The matched reference: a fresh baseline of the same preset, timed on the same prompt in this
+                # process next to each variant.
+                compared = speed_versus_fresh_baseline(model, cfg.preset, tokenizer, ids, generate_kwargs=dict(kwargs),
+                                                       **options)
+                speed, ar = compared["model"]["batch_1"], compared["baseline"]["batch_1"]
+                lines.append(f"{cfg.family}{f' ({label})' if label else ''}: {speed['tokens_per_s']:.0f} tokens/s, "
+                             f"{1 / speed['model_calls_per_token']:.2f} tokens per model call"
+                             f" | AR baseline ({cfg.preset}): {ar['tokens_per_s']:.0f} tokens/s, "
+                             f"{1 / ar['model_calls_per_token']:.2f} tokens per call"
+                             f" | speed ratio {compared['ratio']['batch_1']:.2f}x")
+        print("\n--- speed (batch 1, 64 new tokens, this process) ---\n" + "\n".join(lines))
+        print(f"--- sample ---\n{args.sample_prompt}{text}\n---")
     return 0
 
 

@@ -42,6 +42,8 @@ class FamilySpec:
     training_report: `report(folder) -> str`, printed by `hf-latentlm train` when a run finishes (components).
     lora_target_modules: the recommended PEFT `target_modules` (the trained backbone only, never a frozen
         component); see docs/using_the_models.md.
+    speed_variants: label -> extra `generate()` options that `hf-latentlm train` also times against the baseline
+        after a run, next to the default options (e.g. PLM's relaxed acceptance).
     """
 
     name: str
@@ -53,6 +55,7 @@ class FamilySpec:
     preset_overrides: Mapping[str, Mapping] = field(default_factory=dict)
     training_report: Callable[[str], str] | None = None
     lora_target_modules: str | list[str] | None = None
+    speed_variants: Mapping[str, Mapping] = field(default_factory=dict)
 
     @property
     def model_type(self) -> str | None:
@@ -208,7 +211,7 @@ register_family(FamilySpec(name="ar", build=build_ar_baseline))
 
 register_family(FamilySpec(
     name="plm", build=build_plm, config_class=PLMConfig, model_class=PLMForCausalLM,
-    lora_target_modules=BACKBONE_LORA_TARGETS,
+    lora_target_modules=BACKBONE_LORA_TARGETS, speed_variants={"nucleus acceptance": {"acceptance": "nucleus"}},
     # The paper's N_aux = 512 / M = 128 are the config defaults (used by `base`); on 2 CPU cores fitting them at
     # every position costs 5.3 s per `small` step (4080 positions) vs 0.63 s for N_aux = 128 / M = 32
     # (`python scripts/time_voronoi.py`), so the CPU presets use the latter.

@@ -65,6 +65,8 @@ def test_train_plm_prints_tokens_per_call_next_to_the_ar_baseline(tmp_path, run_
     found = re.search(r"plm: (\d+) tokens/s, .* \| AR baseline \(tiny\): (\d+) tokens/s, 1\.00 tokens per call "
                       r"\| speed ratio (\d+\.\d\d)x", stdout)
     assert found, stdout
+    # The relaxed rule the family registers is timed too, on its own line.
+    assert re.search(r"plm \(nucleus acceptance\): \d+ tokens/s, .* \| speed ratio \d+\.\d\dx", stdout), stdout
     plm, ar, ratio = int(found[1]), int(found[2]), float(found[3])
     # tokens/s are printed rounded to integers and the ratio to two decimals
     assert abs(ratio - plm / ar) <= 0.005 + 0.5 * (1 + plm / ar) / (ar - 0.5) + 1e-9
