@@ -39,6 +39,8 @@ import torch
 # < 0.3%), at a fraction of the cost of the paper's 2 x 12 x 8.
 DEFAULT_ROUNDS = 4  # shortlist selections: one full selection, then 3 cheap refreshes (`_refresh_shortlist`)
 DEFAULT_SWEEPS = 5  # Sinkhorn updates per round
+CHUNK_ELEMENTS = 32 * 128 * 512  # default chunk budget of `voronoi_owners` in scores (8 MB of float32)
+MIN_CHUNK = 32
 DEFAULT_SHORTLIST = 6  # candidates per auxiliary in the soft assignment
 TAU_START = 0.05  # first sweep: soft enough to move many boundaries at once, sharp enough that a shortlist of 6 holds
 #                   essentially all the soft mass
@@ -302,7 +304,7 @@ def voronoi_owners(
     rounds: int = DEFAULT_ROUNDS,
     sweeps: int = DEFAULT_SWEEPS,
     shortlist: int = DEFAULT_SHORTLIST,
-    chunk_size: int = 32,
+    chunk_size: int | None = None,
     *,
     scores: TokenScores | None = None,
 ) -> VoronoiAssignment:
@@ -312,7 +314,10 @@ def voronoi_owners(
     output_embeddings: [V, d] LM-head weight; its rows e_v are the cell sites, NOT normalised.
     bank:              [N, d] auxiliary unit vectors (`sample_auxiliary_bank`).
     top_m:             number M of candidate tokens per position.
-    chunk_size:        positions fitted at once; the scores of a chunk take chunk_size * N * M floats.
+    chunk_size:        positions fitted at once; the scores of a chunk take chunk_size * N * M floats. Default: as
+                       many positions as keep a chunk near CHUNK_ELEMENTS scores (at least 32), from the chunk's
+                       number of open candidates: small chunks keep large fits in cache, large ones keep small fits
+                       from paying the ~25 ops per sweep for a handful of positions.
     scores:            optional `token_scores(output_embeddings, bank)`, e.g. cached per LM-head weight version; the
                        result is identical, without the [V, d] x [d, N] product.
 
@@ -335,15 +340,23 @@ def voronoi_owners(
     open_count = (capacities > 0).sum(dim=1)
     compiling = torch.compiler.is_compiling()
     order = None if compiling else torch.sort(open_count, stable=True).indices
-    for start in range(0, num_pos, chunk_size):
+    widths = None if compiling else open_count[order].tolist()  # non-decreasing
+    start = 0
+    while start < num_pos:
         if order is None:
             # Under torch.compile keep every column and the batch order: the trimmed width is data-dependent (a graph
             # break), and the owners do not change (closed columns get CLOSED_OFFSET and never take an auxiliary).
-            rows = torch.arange(start, min(start + chunk_size, num_pos), device=logits.device)
             width = capacities.shape[1]
+            end = min(num_pos, start + (chunk_size or max(MIN_CHUNK, CHUNK_ELEMENTS // (width * num_aux))))
+            rows = torch.arange(start, end, device=logits.device)
         else:
-            rows = order[start : start + chunk_size]
-            width = int(open_count[rows[-1]])
+            end = min(num_pos, start + (chunk_size or MIN_CHUNK))
+            if chunk_size is None:  # grow while the chunk's [C, width, N] scores stay within the budget
+                while end < num_pos and (end + 1 - start) * widths[end] * num_aux <= CHUNK_ELEMENTS:
+                    end += 1
+            rows = order[start:end]
+            width = widths[end - 1]
+        start = end
         cand, caps = candidates[rows, :width], capacities[rows, :width]
         chunk_scores = all_scores.index_select(0, cand.reshape(-1)).view(cand.shape[0], width, num_aux)  # [C, M, N]
         offsets = fit_laguerre_offsets(
