@@ -28,7 +28,7 @@ from hf_latentlm.training.loop import TrainConfig, train
 
 VARIANTS = {
     "voronoi + alignment": {"auxiliary_type": "voronoi"},
-    "voronoi + alignment, learned auxiliary projection": {"auxiliary_type": "voronoi", "auxiliary_projection": True},
+    "voronoi + alignment, direct e_u (paper)": {"auxiliary_type": "voronoi", "auxiliary_projection": False},
     "voronoi, no alignment": {"auxiliary_type": "voronoi", "alignment_weight": 0.0},
     "quantile + alignment": {"auxiliary_type": "quantile"},
     "none + alignment": {"auxiliary_type": "none"},

