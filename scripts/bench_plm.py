@@ -15,31 +15,20 @@ import json
 import statistics
 from pathlib import Path
 
-import torch
-
 from hf_latentlm.eval.bench import benchmark_models, markdown_table
 from hf_latentlm.eval.harness import nll_rows, split_stream
-from hf_latentlm.eval.plm import reconstruction, sampler_total_variation, tokens_per_call
+from hf_latentlm.eval.plm import (
+    fresh_training_step_time,
+    reconstruction,
+    sampler_total_variation,
+    tokens_per_call,
+)
 from hf_latentlm.eval.sampling import evaluation_windows
-from hf_latentlm.eval.speed import speed_versus_baseline, training_step_time
-from hf_latentlm.families import build_model
+from hf_latentlm.eval.speed import speed_versus_baseline
 from hf_latentlm.loading import load_model_and_tokenizer
 from hf_latentlm.presets import get_preset
-from hf_latentlm.training.loop import TrainConfig, make_optimizer
 
 ACCEPTANCE = {"exact": {}, "epsilon": {"acceptance": "epsilon"}, "nucleus": {"acceptance": "nucleus"}}
-
-
-def plm_training_step_time(family: str, preset: str, tokenizer, rows: torch.Tensor, steps: int,
-                           batch_size: int) -> dict:
-    """Step time of a fresh model at preset sizes; for PLM also the share spent fitting auxiliaries."""
-    torch.manual_seed(0)
-    model = build_model(family, preset, tokenizer)
-    optimizer = make_optimizer(model, TrainConfig(preset=preset).resolved())
-    result = training_step_time(model, rows, steps, batch_size, optimizer,
-                                timed_method="auxiliary_owners" if family == "plm" else None)
-    result["auxiliary_fit_share"] = result.pop("auxiliary_owners_share", 0.0)
-    return result
 
 
 def main():
@@ -87,8 +76,9 @@ def main():
         for ar_name in ar_rows for b in (1, 8)}
     train_rows = nll_rows(split_stream(tokenizer, "train"), get_preset(args.preset).seq_len)
     batch = 16
-    extras["training"] = {fam: plm_training_step_time(fam, args.preset, tokenizer, train_rows, args.train_steps, batch)
-                          for fam in ("ar", "plm")}
+    extras["training"] = {fam: fresh_training_step_time(fam, args.preset, tokenizer, train_rows, args.train_steps,
+                                                        batch) for fam in ("ar", "plm")}
+    extras["training"]["plm"]["auxiliary_fit_share"] = extras["training"]["plm"].pop("auxiliary_owners_share")
     extras["training"]["plm_over_ar_step_time"] = (extras["training"]["plm"]["seconds_per_step"]
                                                    / extras["training"]["ar"]["seconds_per_step"])
     report["plm"] = extras
@@ -96,8 +86,8 @@ def main():
     Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
     print(markdown_table(report))
     top = f"ar_top{plm.config.auxiliary_top_m}"
-    print(f"| acceptance | tokens/call | tok/s b1 | ×AR b1 | ×AR-top-M b1 | call cost (AR steps) b1 | tok/s b8 | ×AR b8 "
-          f"| ×AR-top-M b8 | call cost b8 |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("| acceptance | tokens/call | tok/s b1 | ×AR b1 | ×AR-top-M b1 | call cost (AR steps) b1 | tok/s b8 | ×AR b8 "
+          "| ×AR-top-M b8 | call cost b8 |\n|---|---|---|---|---|---|---|---|---|---|")
     for name, row in extras["acceptance"].items():
         print(f"| {name} | {row['tokens_per_call']:.2f} | " + " | ".join(
             f"{row[f'tokens_per_s_batch_{b}']:.0f} | {row[f'speed_vs_ar_batch_{b}']:.2f} | "

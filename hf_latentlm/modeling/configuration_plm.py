@@ -43,9 +43,9 @@ class PLMConfig(BackboneConfig):
             a learned affine map kept in the weights but unused at inference.
     Generation defaults (each can be overridden in `generate()`):
         k_pred (`int`, 4): proposal width K_pred (1 ≤ K_pred ≤ block_size).
-        acceptance (`str`, "exact"): "exact" (lossless: identical to one-token-per-call Voronoi
-            sampling), "epsilon" (also accept x_j when q(x_j) > ε) or "nucleus" (also accept x_j inside
-            the ρ-nucleus of q).
+        acceptance (`str`, "exact"): "exact" (lossless relative to one-token-per-call Voronoi sampling, which
+            is itself a top-M truncation of the encoder's softmax), "epsilon" (also accept x_j when q(x_j) > ε)
+            or "nucleus" (also accept x_j inside the ρ-nucleus of q).
         acceptance_epsilon (`float`, 2e-3), acceptance_nucleus (`float`, 0.94).
     """
 

@@ -94,8 +94,9 @@ PLMGenerateOutput = GenerateOutput
 class AcceptanceRule:
     """When quadratic decoding keeps a pending (proposed) token x at a verify row with encoder distribution q.
 
-    "exact": only when x equals the token the Voronoi sampler draws there, so decoding is lossless (identical to
-    one token per call for the same auxiliaries). "epsilon": also when q(x) > `epsilon`. "nucleus": also when x
+    "exact": only when x equals the token the Voronoi sampler draws there, so decoding is lossless relative to
+    one-token-per-call Voronoi sampling (identical tokens for the same auxiliaries; that sampler is a top-M
+    truncation of the encoder's softmax). "epsilon": also when q(x) > `epsilon`. "nucleus": also when x
     lies inside the top-`nucleus` probability mass (the mass of tokens more likely than x is below it).
     """
 

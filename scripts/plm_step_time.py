@@ -1,0 +1,37 @@
+"""Training step time of PLM against the matched AR baseline at one preset, fresh models, one process run, for
+several auxiliary settings (N_aux / top-M), with the share of each PLM step spent fitting the auxiliaries.
+
+    python scripts/plm_step_time.py --preset small --settings 128/32 256/64 512/128
+"""
+
+import argparse
+import json
+
+from hf_latentlm.eval.harness import nll_rows, split_stream
+from hf_latentlm.eval.plm import fresh_training_step_time as step_time
+from hf_latentlm.presets import get_preset
+from hf_latentlm.training.corpus import load_default_tokenizer
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--settings", nargs="+", default=["128/32", "512/128"], help="N_aux/top-M pairs")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
+    args = parser.parse_args()
+    tokenizer = load_default_tokenizer()
+    rows = nll_rows(split_stream(tokenizer, "train"), get_preset(args.preset).seq_len)
+    ar = step_time("ar", args.preset, tokenizer, rows, args.steps)
+    print(json.dumps({"ar": ar}), flush=True)
+    print("| N_aux / M | PLM s/step | AR s/step | PLM / AR | fit share | fit s/step |\n|---|---|---|---|---|---|")
+    for setting in args.settings:
+        n_aux, top_m = (int(x) for x in setting.split("/"))
+        plm = step_time("plm", args.preset, tokenizer, rows, args.steps, num_auxiliaries=n_aux, auxiliary_top_m=top_m)
+        share = plm["auxiliary_owners_share"]
+        print(f"| {n_aux} / {top_m} | {plm['seconds_per_step']:.2f} | {ar['seconds_per_step']:.2f} | "
+              f"{plm['seconds_per_step'] / ar['seconds_per_step']:.2f} | {share:.2f} | "
+              f"{share * plm['seconds_per_step']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Where one quadratic-decoding call of PLM spends its time, next to an AR step, batch 1, one process run.
+
+    python scripts/profile_plm_decoding.py --plm runs/plm-small --ar runs/ar-small [--acceptance nucleus]
+
+Times `generate()` of both models on the same 64-token validation prompt (128 new tokens, EOS ignored, median of 3 after a
+warm-up) and splits the PLM time per call into the Voronoi fit (`auxiliary_owners`), the network forward and the
+rest (auxiliary lookup, acceptance, cache and state bookkeeping).
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from hf_latentlm.eval.harness import split_stream
+from hf_latentlm.eval.speed import CallCounter, timing_method
+from hf_latentlm.loading import load_model_and_tokenizer
+
+
+def timed_generate(model, prompt, new_tokens: int, repeats: int = 3, **kwargs) -> dict:
+    fit, forward = [0.0], [0.0]
+    runs = []
+    for attempt in range(repeats + 1):
+        fit[0] = forward[0] = 0.0
+        torch.manual_seed(0)
+        with (timing_method(model, "auxiliary_owners", fit) if hasattr(model, "auxiliary_owners") else
+              torch.no_grad()), timing_method(model, "forward", forward), CallCounter(model) as calls:
+            start = time.perf_counter()
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, eos_token_id=None, **kwargs)
+            total = time.perf_counter() - start
+        if attempt:
+            runs.append((total, fit[0], forward[0], calls.calls))
+    total, fit_s, forward_s, calls = (statistics.median(r[i] for r in runs) for i in range(4))
+    return {"ms_per_call": 1e3 * total / calls, "fit_ms_per_call": 1e3 * fit_s / calls,
+            "forward_ms_per_call": 1e3 * forward_s / calls, "calls": calls, "tokens_per_call": new_tokens / calls,
+            "tokens_per_s": new_tokens / total}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plm", required=True)
+    parser.add_argument("--ar", required=True)
+    parser.add_argument("--acceptance", default="nucleus")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    plm, tokenizer = load_model_and_tokenizer(args.plm)
+    ar, _ = load_model_and_tokenizer(args.ar)
+    prompt = split_stream(tokenizer, "validation")[:64][None]
+    with torch.no_grad():
+        ar_row = timed_generate(ar.eval(), prompt, args.new_tokens, do_sample=True, top_k=0, top_p=1.0)
+        plm_row = timed_generate(plm.eval(), prompt, args.new_tokens, acceptance=args.acceptance)
+    plm_row["call_cost_in_ar_steps"] = plm_row["ms_per_call"] / ar_row["ms_per_call"]
+    plm_row["forward_cost_in_ar_steps"] = plm_row["forward_ms_per_call"] / ar_row["ms_per_call"]
+    plm_row["speed_vs_ar"] = plm_row["tokens_per_s"] / ar_row["tokens_per_s"]
+    print(json.dumps({"ar": ar_row, f"plm ({args.acceptance})": plm_row}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
