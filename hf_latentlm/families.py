@@ -213,7 +213,7 @@ register_family(FamilySpec(
     name="plm", build=build_plm, config_class=PLMConfig, model_class=PLMForCausalLM,
     lora_target_modules=BACKBONE_LORA_TARGETS, speed_variants={"nucleus acceptance": {"acceptance": "nucleus"}},
     # The paper's N_aux = 512 / M = 128 are the config defaults (used by `base`). On 2 CPU cores fitting them at
-    # every position of a `small` step (4080 positions) still costs about twice the whole AR step, against ~0.5 x
+    # every position of a `small` step (4080 positions) still costs about three AR steps, against ~0.5 of one
     # for N_aux = 128 / M = 32 (docs/benchmarks.md, "PLM second pass"), so the CPU presets use the latter.
     preset_overrides={
         "tiny": {"block_size": 4, "k_pred": 4, "num_auxiliaries": 128, "auxiliary_top_m": 32},
