@@ -4,13 +4,17 @@
 
 Times `generate()` of both models on the same 64-token validation prompt (128 new tokens, EOS ignored, median of 3 after a
 warm-up) and splits the PLM time per call into the Voronoi fit (`auxiliary_owners`), the network forward and the
-rest (auxiliary lookup, acceptance, cache and state bookkeeping).
+rest (auxiliary lookup, acceptance, cache and state bookkeeping); then prints a cProfile of one PLM run, top
+functions by cumulative and by own time.
 """
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -26,7 +30,7 @@ def timed_generate(model, prompt, new_tokens: int, repeats: int = 3, **kwargs) -
         fit[0] = forward[0] = 0.0
         torch.manual_seed(0)
         with (timing_method(model, "auxiliary_owners", fit) if hasattr(model, "auxiliary_owners") else
-              torch.no_grad()), timing_method(model, "forward", forward), CallCounter(model) as calls:
+              nullcontext()), timing_method(model, "forward", forward), CallCounter(model) as calls:
             start = time.perf_counter()
             model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens, eos_token_id=None, **kwargs)
@@ -45,6 +49,7 @@ def main():
     parser.add_argument("--ar", required=True)
     parser.add_argument("--acceptance", default="nucleus")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--top", type=int, default=25, help="functions listed by cumulative time (0: no cProfile)")
     args = parser.parse_args()
     plm, tokenizer = load_model_and_tokenizer(args.plm)
     ar, _ = load_model_and_tokenizer(args.ar)
@@ -56,6 +61,16 @@ def main():
     plm_row["forward_cost_in_ar_steps"] = plm_row["forward_ms_per_call"] / ar_row["ms_per_call"]
     plm_row["speed_vs_ar"] = plm_row["tokens_per_s"] / ar_row["tokens_per_s"]
     print(json.dumps({"ar": ar_row, f"plm ({args.acceptance})": plm_row}, indent=1))
+    if args.top:
+        # One more PLM run under cProfile: torch ops show as builtins, so their tottime is arithmetic (plus the
+        # per-op dispatch) and the rest of a function's cumulative time is Python overhead.
+        profiler = cProfile.Profile()
+        with torch.no_grad():
+            profiler.enable()
+            plm.generate(prompt, max_new_tokens=args.new_tokens, eos_token_id=None, acceptance=args.acceptance)
+            profiler.disable()
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.top)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
 
 
 if __name__ == "__main__":

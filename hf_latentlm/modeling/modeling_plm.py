@@ -174,7 +174,6 @@ class DecodingCallLayout:
 
     offset: torch.Tensor  # [W] position of each row minus i (verify r: r - 1; proposal (m, k): m + k)
     proposal_offset: torch.Tensor  # [width²] generated-index offset of each proposal row's auxiliary (m + k)
-    proposal_block: torch.Tensor  # [width²] m of each proposal row
     local_mask: torch.Tensor  # [W, W] bool: which of the call's own rows each row sees
 
 
@@ -489,19 +488,29 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
             return make_padding_position_ids(attention_mask)
         return torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
 
-    def _decoder_visibility(self, layout, key_valid, length: int) -> torch.Tensor:
-        """Decoder rows over [the T token keys; the decoder rows' keys], in index space: the clean prefix before the
-        block start, and causally the rows of their own block."""
+    def _objective_visibility(self, layout, attention_mask, length: int, encoder_rows: bool) -> torch.Tensor:
+        """Visibility of [the encoder rows, if `encoder_rows`; the decoder rows] over [the T token keys; the decoder
+        rows' keys], in index space: an encoder row sees the causal token prefix, a decoder row the clean prefix
+        before its block start and, causally, the rows of its own block. Padded token keys are hidden."""
         dec_pos, dec_block, dec_start = layout
         enc_idx = torch.arange(length, device=dec_pos.device)
-        return visibility_mask(query_pos=dec_pos, query_limit=dec_start, query_group=dec_block,
-                               key_pos=torch.cat([enc_idx, dec_pos]),
-                               key_group=torch.cat([torch.full_like(enc_idx, -1), dec_block]), key_valid=key_valid)
+        no_group = torch.full_like(enc_idx, -1)
+        key_valid = None
+        if attention_mask is not None:
+            key_valid = torch.cat([attention_mask.bool(), attention_mask.new_ones(
+                attention_mask.shape[0], dec_pos.shape[0], dtype=torch.bool)], dim=1)
+        query_pos, query_limit, query_group = dec_pos, dec_start, dec_block
+        if encoder_rows:
+            query_pos, query_limit = torch.cat([enc_idx, dec_pos]), torch.cat([enc_idx + 1, dec_start])
+            query_group = torch.cat([no_group, dec_block])
+        return visibility_mask(query_pos=query_pos, query_limit=query_limit, query_group=query_group,
+                               key_pos=torch.cat([enc_idx, dec_pos]), key_group=torch.cat([no_group, dec_block]),
+                               key_valid=key_valid)
 
     def _two_passes(self, input_ids, attention_mask, layout, aux, capture, kwargs):
         """Encoder pass into a cache, auxiliaries from its detached logits, decoder pass over the cached keys."""
         dec_pos = layout[0]
-        batch, length = input_ids.shape
+        length = input_ids.shape[1]
         positions = self._token_positions(input_ids, attention_mask)
         cache = DynamicCache(config=self.config)
         enc = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
@@ -510,38 +519,24 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         tv = None
         if aux is None:
             aux, tv = self.draw_auxiliaries(enc_logits[:, :-1].detach(), input_ids, dec_pos)
-        key_valid = None
-        if attention_mask is not None:
-            key_valid = torch.cat([attention_mask.bool(), attention_mask.new_ones(batch, dec_pos.shape[0]).bool()], 1)
         dec = self.model(inputs_embeds=self.model.embed_auxiliaries(aux), position_ids=positions[:, dec_pos],
-                         attention_mask=self._decoder_visibility(layout, key_valid, length), cache=cache,
+                         attention_mask=self._objective_visibility(layout, attention_mask, length, False), cache=cache,
                          capture_layers=capture[1:] if capture else ())
         mids = (enc.mid_residuals[0], dec.mid_residuals[0]) if capture else None
         return enc_logits, self.lm_head(dec.last_hidden_state), mids, aux, tv, enc
 
     def _joint_pass(self, input_ids, attention_mask, layout, aux, capture, kwargs):
         """[tokens; auxiliaries] in one forward (no cache, so gradient checkpointing works): the encoder rows see the
-        causal prefix, the decoder rows what `_decoder_visibility` allows."""
+        causal prefix, the decoder rows what they see in the two-pass path (`_objective_visibility`)."""
         dec_pos = layout[0]
-        batch, length = input_ids.shape
+        length = input_ids.shape[1]
         positions = self._token_positions(input_ids, attention_mask)
         tv = None
         if aux is None:
             with torch.no_grad():
                 q_logits = self(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
             aux, tv = self.draw_auxiliaries(q_logits, input_ids, dec_pos)
-        num_dec = dec_pos.shape[0]
-        key_valid = None
-        if attention_mask is not None:
-            key_valid = torch.cat([attention_mask.bool(), attention_mask.new_ones(batch, num_dec).bool()], 1)
-        enc_idx = torch.arange(length, device=input_ids.device)
-        encoder_rows = visibility_mask(query_pos=enc_idx, query_limit=enc_idx + 1,
-                                       query_group=torch.full_like(enc_idx, -1),
-                                       key_pos=torch.cat([enc_idx, dec_pos]),
-                                       key_group=torch.cat([torch.full_like(enc_idx, -1), layout[1]]),
-                                       key_valid=key_valid)
-        mask = torch.cat([encoder_rows.expand(batch, -1, -1, -1),
-                          self._decoder_visibility(layout, key_valid, length).expand(batch, -1, -1, -1)], dim=2)
+        mask = self._objective_visibility(layout, attention_mask, length, True)
         embeds = torch.cat([self.model.embed_tokens(input_ids), self.model.embed_auxiliaries(aux)], dim=1)
         out = self.model(inputs_embeds=embeds, position_ids=torch.cat([positions, positions[:, dec_pos]], 1),
                          attention_mask=mask, capture_layers=capture or (), **kwargs)
@@ -628,7 +623,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
                                    (m[:, None] == m[None, :]) & (k[:, None] >= k[None, :])])  # [W, width²]
         if width == 1:  # one-token-per-call Voronoi decoding: the verify row only
             sees_verify, sees_proposal, m, k = sees_verify[:1], sees_proposal[:1, :0], m[:0], k[:0]
-        return DecodingCallLayout(offset=torch.cat([r - 1, m + k]), proposal_offset=m + k, proposal_block=m,
+        return DecodingCallLayout(offset=torch.cat([r - 1, m + k]), proposal_offset=m + k,
                                   local_mask=torch.cat([sees_verify, sees_proposal], dim=1))
 
     def _decoding_step(self, state: PLMDecodingState, new_tokens) -> DecodingStep:
@@ -665,7 +660,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         kept = 1 + int(m_acc.max())
         if num_rows > kept:
             cache.crop(-(num_rows - kept))
-        state.key_valid = torch.cat([state.key_valid, index[:, :kept] - num_new[:, None] <= m_acc[:, None]], dim=1)
+        state.key_valid = torch.cat([state.key_valid, torch.arange(kept, device=q.device) <= m_acc[:, None]], dim=1)
         state.last_token = committed.gather(1, m_acc[:, None]).squeeze(1)
         state.next_pos = i + m_acc + 1
         if state.propose and width > 1:
