@@ -5,7 +5,9 @@ several auxiliary settings (N_aux / top-M), with the share of each PLM step spen
 """
 
 import argparse
+import cProfile
 import json
+import pstats
 
 from hf_latentlm.eval.harness import nll_rows, split_stream
 from hf_latentlm.eval.plm import fresh_training_step_time as step_time
@@ -18,6 +20,8 @@ def main():
     parser.add_argument("--preset", default="small")
     parser.add_argument("--settings", nargs="+", default=["128/32", "512/128"], help="N_aux/top-M pairs")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
+    parser.add_argument("--top", type=int, default=0, help="cProfile one more PLM measurement per setting and "
+                        "list this many functions by cumulative and by own time")
     args = parser.parse_args()
     tokenizer = load_default_tokenizer()
     rows = nll_rows(split_stream(tokenizer, "train"), get_preset(args.preset).seq_len)
@@ -27,6 +31,12 @@ def main():
     for setting in args.settings:
         n_aux, top_m = (int(x) for x in setting.split("/"))
         plm = step_time("plm", args.preset, tokenizer, rows, args.steps, num_auxiliaries=n_aux, auxiliary_top_m=top_m)
+        if args.top:
+            profiler = cProfile.Profile()
+            profiler.runcall(step_time, "plm", args.preset, tokenizer, rows, 1, num_auxiliaries=n_aux,
+                             auxiliary_top_m=top_m)
+            for key in ("cumulative", "tottime"):
+                pstats.Stats(profiler).sort_stats(key).print_stats(args.top)
         share = plm["auxiliary_owners_share"]
         print(f"| {n_aux} / {top_m} | {plm['seconds_per_step']:.2f} | {ar['seconds_per_step']:.2f} | "
               f"{plm['seconds_per_step'] / ar['seconds_per_step']:.2f} | {share:.2f} | "
