@@ -1,0 +1,305 @@
+# Copyright 2025 The hf-latentlm authors. Licensed under the Apache License, Version 2.0.
+"""Shared latent-flow core for the latent-diffusion LM families (Cola DLM, AURORA-LM): training-time samplers of
+the flow time, ODE samplers in the style of diffusers' schedulers, clean-condition repainting, classifier-free
+guidance and the timestep embedding.
+
+Convention (rectified flow): x_t = (1 - t) * x0 + t * x1 with x0 the clean latent (data) and x1 ~ N(0, I) the noise,
+so the target velocity is v = dx_t/dt = x1 - x0. Sampling integrates from t = 1 (noise) down to t = 0 (data).
+
+This file is copied into Hub checkpoints as remote code, so it imports only torch and the standard library.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "logit_normal_times",
+    "shift_times",
+    "LogitNormalTimeSampler",
+    "ShiftedTimeSampler",
+    "make_time_sampler",
+    "FlowMatchEulerSampler",
+    "FlowMatchHeunSampler",
+    "repaint",
+    "classifier_free_guidance",
+    "sinusoidal_timestep_embedding",
+    "TimestepEmbedding",
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training-time samplers of t
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _default_device(device, generator: Optional[torch.Generator]):
+    # A CUDA generator can only draw on CUDA: follow it when no device is given.
+    if device is None and generator is not None:
+        return generator.device
+    return device
+
+
+def logit_normal_times(shape, loc: float = 0.0, scale: float = 1.0, generator: Optional[torch.Generator] = None,
+                       device=None) -> torch.Tensor:
+    """Flow times t = sigmoid(loc + scale * z), z ~ N(0, 1): float32 tensor of `shape` (int or tuple), in (0, 1).
+
+    loc > 0 puts more mass near the noise end (t = 1), scale widens the spread (SD3's logit-normal sampling).
+    generator: optional torch.Generator for reproducible draws; device: where to draw (default: the generator's).
+    """
+    z = torch.randn(shape, generator=generator, device=_default_device(device, generator), dtype=torch.float32)
+    t = torch.sigmoid(loc + scale * z)
+    # float32 sigmoid rounds to exactly 1 for logits above ~17 (and to 0 far below); keep t strictly inside (0, 1)
+    # so that x_t is never exactly the data or exactly the noise.
+    finfo = torch.finfo(torch.float32)
+    return t.clamp(min=finfo.tiny, max=1.0 - finfo.eps / 2)
+
+
+def shift_times(t, shift: float) -> torch.Tensor:
+    """SD3-style time shift: shift * t / (1 + (shift - 1) * t), elementwise on t (tensor of times in [0, 1]).
+
+    A monotone map of [0, 1] onto itself with fixed endpoints; shift > 1 moves times toward 1 (more noise), shift < 1
+    toward 0, shift = 1 is the identity. Raises ValueError for shift <= 0.
+    """
+    if not shift > 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    return shift * t / (1 + (shift - 1) * t)
+
+
+class LogitNormalTimeSampler:
+    """Draws training times t = sigmoid(loc + scale * N(0, 1)) (see `logit_normal_times`)."""
+
+    def __init__(self, loc: float = 0.0, scale: float = 1.0):
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0, got {scale}")
+        self.loc = float(loc)
+        self.scale = float(scale)
+
+    def sample(self, shape, generator: Optional[torch.Generator] = None, device=None) -> torch.Tensor:
+        """shape: int or tuple -> float32 times of that shape in (0, 1)."""
+        return logit_normal_times(shape, self.loc, self.scale, generator=generator, device=device)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(loc={self.loc}, scale={self.scale})"
+
+
+class ShiftedTimeSampler:
+    """Draws training times t = shift_times(u, shift), u ~ U[0, 1); shift = 1 is uniform."""
+
+    def __init__(self, shift: float = 1.0):
+        if not shift > 0:
+            raise ValueError(f"shift must be > 0, got {shift}")
+        self.shift = float(shift)
+
+    def sample(self, shape, generator: Optional[torch.Generator] = None, device=None) -> torch.Tensor:
+        """shape: int or tuple -> float32 times of that shape in [0, 1)."""
+        u = torch.rand(shape, generator=generator, device=_default_device(device, generator), dtype=torch.float32)
+        return shift_times(u, self.shift)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shift={self.shift})"
+
+
+def make_time_sampler(kind: str, **kwargs):
+    """Build a training-time sampler by name: "logit_normal" (kwargs loc, scale), "shifted" (kwarg shift) or
+    "uniform" (no kwargs; a shifted sampler with shift 1). Raises ValueError for any other kind."""
+    if kind == "logit_normal":
+        return LogitNormalTimeSampler(**kwargs)
+    if kind == "shifted":
+        return ShiftedTimeSampler(**kwargs)
+    if kind == "uniform":
+        if kwargs:
+            raise TypeError(f"the uniform time sampler takes no arguments, got {sorted(kwargs)}")
+        return ShiftedTimeSampler(shift=1.0)
+    raise ValueError(f"unknown time sampler kind {kind!r}; expected 'logit_normal', 'shifted' or 'uniform'")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ODE samplers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def repaint(sample: torch.Tensor, known: Optional[torch.Tensor], known_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Clean-condition repaint: put the known clean values back where `known_mask` is True.
+
+    sample [...]: the current state; known: the clean values, broadcastable to `sample`; known_mask: bool,
+    broadcastable to `sample` (e.g. [B, Q, 1] against [B, Q, D]). Both None returns `sample` itself.
+    The result keeps `sample`'s dtype.
+    """
+    if known is None and known_mask is None:
+        return sample
+    if known is None or known_mask is None:
+        raise ValueError("known and known_mask must be given together (or both None)")
+    if known_mask.dtype != torch.bool:
+        raise ValueError(f"known_mask must be a bool tensor, got {known_mask.dtype}")
+    # Cast so a float32 condition does not promote a bf16 state.
+    return torch.where(known_mask, known.to(sample.dtype), sample)
+
+
+def _check_num_steps(num_steps) -> int:
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
+    return num_steps
+
+
+class FlowMatchEulerSampler:
+    """Euler ODE integration of a velocity field from t=1 (noise) to t=0 (data) on a uniform grid, optionally shifted.
+
+    num_steps: number of integration steps S (>= 1); shift: SD3 time shift of the grid (> 0, 1 = uniform grid).
+    After construction (or `set_timesteps`), `timesteps` is a float32 tensor [S + 1] from 1.0 down to 0.0.
+    """
+
+    order = 1
+
+    def __init__(self, num_steps: int = 16, shift: float = 1.0):
+        if not shift > 0:
+            raise ValueError(f"shift must be > 0, got {shift}")
+        self.shift = float(shift)
+        self.num_steps = _check_num_steps(num_steps)
+        self.set_timesteps()
+
+    def set_timesteps(self, num_steps: Optional[int] = None, device=None) -> None:
+        """Build `self.timesteps` (float32 [S + 1], strictly decreasing, 1.0 first, 0.0 last) on `device`.
+
+        num_steps: a new step count S, or None to keep the current one. The grid is
+        shift_times(1 - i/S, shift), i = 0..S.
+        """
+        if num_steps is not None:
+            self.num_steps = _check_num_steps(num_steps)
+        steps = self.num_steps
+        # (S - i) / S in float64 is exact at both ends and correctly rounded inside; the shift keeps 1 -> 1, 0 -> 0.
+        grid = torch.arange(steps, -1, -1, dtype=torch.float64) / steps
+        timesteps = shift_times(grid, self.shift).to(torch.float32)
+        if not bool((timesteps[1:] < timesteps[:-1]).all()):
+            raise ValueError(f"num_steps={steps} with shift={self.shift} gives repeated float32 timesteps")
+        self.timesteps = timesteps.to(device)
+
+    @classmethod
+    def evaluations(cls, num_steps: int) -> int:
+        """Number of velocity_fn calls `solve` makes with `num_steps` steps."""
+        return _check_num_steps(num_steps)
+
+    def step(self, velocity: torch.Tensor, step_index: int, sample: torch.Tensor) -> torch.Tensor:
+        """One Euler step from timesteps[step_index] to timesteps[step_index + 1].
+
+        velocity, sample: same shape [...]; returns sample + (t_{i+1} - t_i) * velocity (dtype of sample and
+        velocity; the 0-dim step size does not promote them).
+        """
+        if not 0 <= step_index < self.num_steps:
+            raise IndexError(f"step_index must be in [0, {self.num_steps}), got {step_index}")
+        dt = self.timesteps[step_index + 1] - self.timesteps[step_index]
+        return sample + dt * velocity
+
+    def solve(self, velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor,
+              known: Optional[torch.Tensor] = None, known_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Integrate from `noise` (the state at t = 1) to t = 0 and return the final state.
+
+        velocity_fn(x, t): x a state shaped like `noise`, t a 0-dim float32 tensor -> velocity shaped like x.
+        known, known_mask: optional clean condition (see `repaint`), re-imposed before every velocity call and on
+        the result, so the field always sees the known values and they come out exactly.
+        """
+        x = noise
+        for i in range(self.num_steps):
+            x = repaint(x, known, known_mask)
+            x = self.step(velocity_fn(x, self.timesteps[i]), i, x)
+        return repaint(x, known, known_mask)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_steps={self.num_steps}, shift={self.shift})"
+
+
+class FlowMatchHeunSampler(FlowMatchEulerSampler):
+    """Heun (2nd-order) integration on the same grid as `FlowMatchEulerSampler`: an Euler predictor, then the step
+    with the average of the velocities at both ends. The last step (to t = 0) is plain Euler, as in EDM: the field is
+    never trained at exactly t = 0, and one Euler step there keeps the global error second order.
+
+    `step` stays the single Euler step; `solve` runs Heun and calls velocity_fn 2 * S - 1 times.
+    """
+
+    order = 2
+
+    @classmethod
+    def evaluations(cls, num_steps: int) -> int:
+        return 2 * _check_num_steps(num_steps) - 1
+
+    def solve(self, velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor,
+              known: Optional[torch.Tensor] = None, known_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Same contract as `FlowMatchEulerSampler.solve`; the predictor state is repainted too, so every call of
+        velocity_fn sees the known values."""
+        x = noise
+        last = self.num_steps - 1
+        for i in range(self.num_steps):
+            x = repaint(x, known, known_mask)
+            velocity = velocity_fn(x, self.timesteps[i])
+            predicted = self.step(velocity, i, x)
+            if i == last:
+                x = predicted
+                continue
+            predicted = repaint(predicted, known, known_mask)
+            velocity_next = velocity_fn(predicted, self.timesteps[i + 1])
+            x = self.step((velocity + velocity_next) / 2, i, x)
+        return repaint(x, known, known_mask)
+
+
+def classifier_free_guidance(conditional: torch.Tensor, unconditional: torch.Tensor, scale: float) -> torch.Tensor:
+    """Guided output unconditional + scale * (conditional - unconditional) for outputs of the same shape.
+
+    scale: a Python float; 1 returns `conditional` itself (no rounding), 0 gives the unconditional output.
+    """
+    if scale == 1:
+        return conditional
+    return unconditional + scale * (conditional - unconditional)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Timestep embedding
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def sinusoidal_timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal features of times t [...] (any float dtype) -> float32 [..., dim].
+
+    Output cat(cos(t * f), sin(t * f)) with f_i = max_period^(-i / half), i = 0..half-1, half = dim // 2; an odd dim
+    gets a zero last column. Computed in float32 whatever t's dtype (bf16 times would collide).
+    """
+    if dim < 1:
+        raise ValueError(f"dim must be >= 1, got {dim}")
+    half = dim // 2
+    exponent = torch.arange(half, dtype=torch.float32, device=t.device) / half
+    freqs = torch.exp(-math.log(max_period) * exponent)
+    angles = t.to(torch.float32)[..., None] * freqs
+    embedding = torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+    if dim % 2:
+        embedding = F.pad(embedding, (0, 1))
+    return embedding
+
+
+class TimestepEmbedding(nn.Module):
+    """t in [0,1] -> conditioning vector: sinusoidal(t * time_scale, frequency_size) -> Linear -> SiLU -> Linear.
+
+    hidden_size: output width; frequency_size: width of the sinusoidal features; time_scale: multiplies t first, so
+    times in [0, 1] span the periods the frequencies are laid out for (DiT uses 1000); max_period: longest period.
+    """
+
+    def __init__(self, hidden_size: int, frequency_size: int = 256, time_scale: float = 1000.0,
+                 max_period: float = 10000.0):
+        super().__init__()
+        self.frequency_size = frequency_size
+        self.time_scale = time_scale
+        self.max_period = max_period
+        self.linear_1 = nn.Linear(frequency_size, hidden_size)
+        self.linear_2 = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        """t [...] -> [..., hidden_size] in the dtype of the linear weights."""
+        features = sinusoidal_timestep_embedding(t.to(torch.float32) * self.time_scale, self.frequency_size,
+                                                 self.max_period)
+        return self.linear_2(F.silu(self.linear_1(features.to(self.linear_1.weight.dtype))))
+
+    def extra_repr(self) -> str:
+        return f"frequency_size={self.frequency_size}, time_scale={self.time_scale}, max_period={self.max_period}"
