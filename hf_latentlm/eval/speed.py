@@ -20,21 +20,24 @@ from .sampling import unbiased_sampling_kwargs
 
 
 class CallCounter:
-    """Counts calls of `module.forward` while active (context manager)."""
+    """Counts calls of `module.forward` while active (context manager). A model that runs several networks names
+    them in `counted_modules()` (Cola DLM: DiT, VAE encoder, VAE decoder); each of their calls counts."""
 
     def __init__(self, module: torch.nn.Module):
-        self.module, self.calls, self._handle = module, 0, None
+        self.module, self.calls, self._handles = module, 0, []
 
     def _hook(self, *_):
         self.calls += 1
 
     def __enter__(self):
         self.calls = 0
-        self._handle = self.module.register_forward_hook(self._hook)
+        modules = self.module.counted_modules() if hasattr(self.module, "counted_modules") else [self.module]
+        self._handles = [m.register_forward_hook(self._hook) for m in modules]
         return self
 
     def __exit__(self, *exc):
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
 
 
 @torch.no_grad()

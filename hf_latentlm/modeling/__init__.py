@@ -5,8 +5,10 @@ also carry the flat modeling files and a full `auto_map` for `trust_remote_code`
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_calm import CALMAutoencoderConfig, CALMConfig
+from .configuration_cola import ColaConfig, ColaVAEConfig
 from .configuration_plm import PLMConfig
 from .modeling_calm import CALMAutoencoder, CALMForCausalLM
+from .modeling_cola import ColaForCausalLM, ColaTextVAE
 from .modeling_plm import PLMForCausalLM
 
 
@@ -27,6 +29,8 @@ def register_auto_classes(config_class, model_class, language_model: bool = True
 register_auto_classes(PLMConfig, PLMForCausalLM)
 register_auto_classes(CALMConfig, CALMForCausalLM)
 register_auto_classes(CALMAutoencoderConfig, CALMAutoencoder, language_model=False)
+register_auto_classes(ColaConfig, ColaForCausalLM)
+register_auto_classes(ColaVAEConfig, ColaTextVAE, language_model=False)
 
 __all__ = ["PLMConfig", "PLMForCausalLM", "CALMAutoencoderConfig", "CALMAutoencoder", "CALMConfig",
-           "CALMForCausalLM", "register_auto_classes"]
+           "CALMForCausalLM", "ColaConfig", "ColaForCausalLM", "ColaTextVAE", "ColaVAEConfig", "register_auto_classes"]

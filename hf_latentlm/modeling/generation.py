@@ -32,11 +32,14 @@ class GenerateOutput(ModelOutput):
     sequences: [B, T + new] prompt and new tokens; rows that stopped early are padded with `pad_token_id`.
     model_calls: [B] network evaluations made while the row was unfinished, prompt prefill included.
     num_new_tokens: [B] tokens generated per row (up to and including EOS).
+    calls_by_network: for families with several networks (Cola DLM: the DiT, the VAE encoder and decoder), network
+        name -> [B] evaluations of that network, which sum to `model_calls`; None for single-network families.
     """
 
     sequences: torch.LongTensor | None = None
     model_calls: torch.LongTensor | None = None
     num_new_tokens: torch.LongTensor | None = None
+    calls_by_network: dict[str, torch.LongTensor] | None = None
 
 
 @dataclass
@@ -73,11 +76,31 @@ class GenerationOptions:
 
 class DecodingStep(NamedTuple):
     """What a family's `_decoding_step` returns: candidate tokens [B, W], how many of each row's leading candidates
-    count ([B]; None: all W), and how many network evaluations the step made for each unfinished row."""
+    count ([B]; None: all W), and how many network evaluations the step made for each unfinished row (an int, or
+    network name -> count for a family with several networks)."""
 
     tokens: torch.Tensor
     counts: torch.Tensor | None = None
-    model_calls: int = 1
+    model_calls: int | dict[str, int] = 1
+
+
+class CallTally:
+    """Per-row network evaluations, counted only while a row is unfinished, by network name when a family names
+    them (a plain int count is filed under "model")."""
+
+    def __init__(self, batch: int, device):
+        self.batch, self.device, self.by_network = batch, device, {}
+
+    def add(self, calls: int | dict[str, int], active: torch.Tensor | None = None) -> None:
+        for name, count in (calls if isinstance(calls, dict) else {"model": calls}).items():
+            total = self.by_network.setdefault(name, torch.zeros(self.batch, dtype=torch.long, device=self.device))
+            total += count if active is None else count * active.long()
+
+    def total(self) -> torch.Tensor:
+        return sum(self.by_network.values(), torch.zeros(self.batch, dtype=torch.long, device=self.device))
+
+    def named(self) -> dict[str, torch.Tensor] | None:
+        return None if set(self.by_network) <= {"model"} else dict(self.by_network)
 
 
 def check_prompt(input_ids: torch.Tensor | None) -> None:
@@ -208,7 +231,7 @@ class MultiTokenGenerationMixin(GenerationMixin):
     documented there, with a `resolved(config, batch_size)` that fills defaults from the config and validates) and
     implements:
     - `_start_decoding(input_ids, request, options) -> (state, prefill_calls)`: encode the prompt and return the
-      family's typed decoding state and how many network calls that took (0 or 1);
+      family's typed decoding state and how many network calls that took (an int, or network name -> count);
     - `_decoding_step(state, new_tokens) -> DecodingStep`: advance the state by one step; `new_tokens` (read
       only) tells how many tokens each row has and which rows are finished.
     """
@@ -248,18 +271,25 @@ class MultiTokenGenerationMixin(GenerationMixin):
         if streamer is not None:
             streamer.put(input_ids.cpu())
         new = NewTokens(request, input_ids.shape[0], input_ids.device, streamer)
-        calls = torch.full((input_ids.shape[0],), prefill_calls, dtype=torch.long, device=input_ids.device)
+        calls = CallTally(input_ids.shape[0], input_ids.device)
+        calls.add(prefill_calls)
         while not new.done:
             step = self._decoding_step(state, new)
-            calls += step.model_calls * (~new.finished).long()
+            calls.add(step.model_calls, ~new.finished)
             new.commit(step.tokens, step.counts)
         if streamer is not None:
             streamer.end()
 
         sequences = new.sequences(input_ids)
         if return_dict_in_generate if return_dict_in_generate is not None else gen.return_dict_in_generate:
-            return GenerateOutput(sequences=sequences, model_calls=calls, num_new_tokens=new.count)
+            return GenerateOutput(sequences=sequences, model_calls=calls.total(), num_new_tokens=new.count,
+                                  calls_by_network=calls.named())
         return sequences
+
+    def counted_modules(self) -> list[torch.nn.Module]:
+        """The modules whose forward calls are the network evaluations `generate()` reports (the evaluation harness
+        hooks them): the model itself, unless a family runs several networks."""
+        return [self]
 
     def _start_decoding(self, input_ids: torch.Tensor, request: GenerationRequest, options) -> tuple[Any, int]:
         raise NotImplementedError

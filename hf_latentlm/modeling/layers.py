@@ -476,3 +476,168 @@ def make_padding_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     token get 0). attention_mask [B, T] of 0/1 -> LongTensor [B, T]. Right padding: trailing pads repeat the last
     real position, which is harmless since they are masked out as keys."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Latent-diffusion pieces: the dual-stream training mask, an adaLN DiT block, a cache the denoising steps only read
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def dual_stream_mask(
+    length: int,
+    block_size: int,
+    history_visible: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Mask of a block-causal denoiser trained on every block in one pass over [clean stream ; noisy stream].
+
+    Columns (and rows) `[0, length)` hold the clean latents, `[length, 2·length)` the noisy copy of the same
+    positions; block of position p = p // block_size.
+    - clean row i sees clean key j iff block(j) <= block(i) (block-causal over clean history, as at inference);
+    - noisy row i sees noisy key j iff block(j) == block(i) (its own block, bidirectionally), and clean key j iff
+      block(j) < block(i) and `history_visible[b, block(i)]` (history dropout: False = the block sees only itself,
+      which is what the unconditional branch of classifier-free guidance runs);
+    - clean rows never see noisy keys.
+    history_visible: bool [B, num_blocks] (num_blocks = ceil(length / block_size)); None = all visible.
+    padding_mask: [B, length] (1/True = real position) hides padded positions as keys in both streams; every row
+    also sees its own column, so no row is empty (padded rows' outputs are meaningless).
+    Returns bool [1 or B, 1, 2·length, 2·length].
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if device is None:
+        device = next((t.device for t in (history_visible, padding_mask) if t is not None), None)
+    block = torch.arange(length, device=device) // block_size
+    same = block[:, None] == block[None, :]
+    earlier = block[None, :] < block[:, None]  # [query, key]: the key's block precedes the query's
+    noisy_sees_clean = earlier[None]
+    if history_visible is not None:
+        noisy_sees_clean = noisy_sees_clean & history_visible.to(device).bool()[:, block][:, :, None]
+    batch = noisy_sees_clean.shape[0]
+    clean_rows = torch.cat([(same | earlier).expand(batch, -1, -1),
+                            torch.zeros(batch, length, length, dtype=torch.bool, device=device)], dim=2)
+    noisy_rows = torch.cat([noisy_sees_clean.expand(batch, -1, -1), same.expand(batch, -1, -1)], dim=2)
+    mask = torch.cat([clean_rows, noisy_rows], dim=1)
+    if padding_mask is not None:
+        real = padding_mask.to(device).bool().repeat(1, 2)  # [B, 2L]: both copies of a position
+        own = torch.eye(2 * length, dtype=torch.bool, device=device)
+        mask = (mask & real[:, None, :]) | own
+    return mask[:, None]
+
+
+class DiTBlock(GradientCheckpointingLayer):
+    """Transformer block with adaLN-Zero conditioning (DiT): per position, a conditioning vector c sets the shift,
+    scale and gate of both sublayers,
+        h = x + gate_a · attn(LN(x)·(1 + scale_a) + shift_a),  out = h + gate_m · mlp(LN(h)·(1 + scale_m) + shift_m),
+    with LN a LayerNorm without affine parameters. `modulation` (SiLU -> Linear(d, 6d)) starts at zero, so every
+    block starts as the identity. forward(hidden_states [B, T, d], conditioning [B, T, d], cos, sin, attention_mask,
+    cache=None); attention is the shared `Attention` (GQA, RoPE, optional QK-norm)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None, intermediate_size: int,
+                 head_dim: int | None = None, rms_norm_eps: float = 1e-6, qk_norm: bool = False,
+                 layer_idx: int | None = None, config=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attention_norm = nn.LayerNorm(hidden_size, eps=rms_norm_eps, elementwise_affine=False)
+        self.self_attn = Attention(hidden_size, num_heads, num_kv_heads, head_dim=head_dim, qk_norm=qk_norm,
+                                   rms_norm_eps=rms_norm_eps, layer_idx=layer_idx, config=config)
+        self.mlp_norm = nn.LayerNorm(hidden_size, eps=rms_norm_eps, elementwise_affine=False)
+        self.mlp = SwiGLUMLP(hidden_size, intermediate_size)
+        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+        self.modulation[1].zero_init = True
+
+    def forward(self, hidden_states: torch.Tensor, conditioning: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, cache: Cache | None = None) -> torch.Tensor:
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.modulation(conditioning).chunk(6, dim=-1)
+        x = self.attention_norm(hidden_states) * (1 + scale_a) + shift_a
+        hidden_states = hidden_states + gate_a * self.self_attn(x, cos, sin, attention_mask, cache=cache)
+        x = self.mlp_norm(hidden_states) * (1 + scale_m) + shift_m
+        return hidden_states + gate_m * self.mlp(x)
+
+
+def dit_layers(config) -> nn.ModuleList:
+    """`config.num_hidden_layers` DiTBlocks sized from a backbone config (`BackboneConfig` field names)."""
+    return nn.ModuleList(
+        DiTBlock(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,
+                 head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, layer_idx=i, config=config)
+        for i in range(config.num_hidden_layers)
+    )
+
+
+class ReadOnlyCache:
+    """A view of a `Cache` that attention reads but never writes: `update(k, v, layer)` returns the cached keys and
+    values followed by the new ones, and stores nothing. The denoising steps of a block attend to the clean history
+    this way; only the finished block's clean pass is appended to the real cache."""
+
+    def __init__(self, cache: Cache):
+        self.cache = cache
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.get_seq_length(layer_idx)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layers = getattr(self.cache, "layers", [])
+        if layer_idx >= len(layers) or not getattr(layers[layer_idx], "is_initialized", False):
+            return key_states, value_states
+        layer = layers[layer_idx]
+        return torch.cat([layer.keys, key_states], dim=-2), torch.cat([layer.values, value_states], dim=-2)
+
+
+class OffsetCache:
+    """A view of a `DynamicCache` whose layer i is the cache's layer `offset + i`, so that a second stack of blocks
+    (a text encoder in front of a backbone) keeps its keys in the same cache object as the backbone. Missing layers
+    are appended to `cache.layers` (a cache built from the backbone's config only has the backbone's layers)."""
+
+    def __init__(self, cache: Cache, offset: int):
+        self.cache, self.offset = cache, offset
+
+    def _ensure(self, layer_idx: int) -> None:
+        from transformers.cache_utils import DynamicLayer
+
+        while len(self.cache.layers) <= self.offset + layer_idx:
+            self.cache.layers.append(DynamicLayer())
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if len(self.cache.layers) <= self.offset + layer_idx:
+            return 0
+        return self.cache.get_seq_length(self.offset + layer_idx)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self._ensure(layer_idx)
+        return self.cache.update(key_states, value_states, self.offset + layer_idx, *args, **kwargs)
+
+
+def block_causal_layout(
+    attention_mask: torch.Tensor | None,
+    batch: int,
+    length: int,
+    past: int,
+    block_size: int,
+    device: torch.device | str | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [B, length] and boolean mask [B or 1, 1, length, past + length] of `length` new items after `past`
+    cached ones, block-causal BY POSITION: a query sees a key iff block(key position) <= block(query position),
+    block = position // block_size. `attention_mask` [B, past + length] (1 = real, left padding) hides padded keys
+    and makes positions count real items only, so each row's blocks start at its first real item (as the row would
+    alone); padded query rows see their own column. Given `position_ids` are kept for the new items (cached keys are
+    then assumed at positions 0..past-1 unless a mask says otherwise)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if attention_mask is not None:
+        if attention_mask.shape[-1] != past + length:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} items, expected cached + new = "
+                             f"{past + length}")
+        device = attention_mask.device
+        key_pos = make_padding_position_ids(attention_mask)
+    else:
+        key_pos = torch.arange(past + length, device=device)[None]
+    if position_ids is None:
+        position_ids = key_pos[:, past:].expand(batch, -1)
+    mask = (key_pos[:, None, :] // block_size) <= (position_ids[:, :, None] // block_size)
+    if attention_mask is not None:
+        own = torch.arange(past + length, device=device)[None, :] == torch.arange(past, past + length,
+                                                                                     device=device)[:, None]
+        mask = (mask & attention_mask.bool()[:, None, :]) | own
+    return position_ids, mask[:, None]

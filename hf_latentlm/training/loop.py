@@ -153,13 +153,20 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay, no_decay = [], []
-    for param in model.parameters():
+    """AdamW without decay on 1-D parameters. A model may scale the learning rate of some parameters with
+    `parameter_learning_rate_scales()` (name prefix -> multiplier; Cola DLM's VAE:DiT ratio): each (scale, decay)
+    pair becomes a group, and the schedule multiplies every group's rate alike."""
+    scales = model.parameter_learning_rate_scales() if hasattr(model, "parameter_learning_rate_scales") else {}
+    groups: dict[tuple[float, bool], list] = {}
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+            scale = next((s for prefix, s in scales.items() if name.startswith(prefix)), 1.0)
+            groups.setdefault((scale, param.dim() >= 2), []).append(param)
+    param_groups = [{"params": params, "lr": cfg.learning_rate * scale,
+                     "weight_decay": cfg.weight_decay if decays else 0.0}
+                    for (scale, decays), params in sorted(groups.items(), key=lambda item: (item[0][0] != 1.0, -item[0][0], not item[0][1]))
+                    if scale > 0]
+    return torch.optim.AdamW(param_groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                              eps=cfg.adam_eps)
 
 

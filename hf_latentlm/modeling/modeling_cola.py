@@ -1,0 +1,767 @@
+"""Cola DLM (Continuous Latent Diffusion Language Model, paper 004; method-specs §3).
+
+Two models:
+- `ColaTextVAE`: a causal text VAE, one latent of d_z channels per token. Its encoder is block-causal over tokens,
+  its posterior mean LayerNorm'd, its noise level one (learnable) logSNR; its decoder reads latents only and turns a
+  block of them into that block's tokens in one parallel pass.
+- `ColaForCausalLM`: the VAE and a block-causal DiT prior over its latents, trained jointly. The DiT learns, by flow
+  matching, to turn Gaussian noise into the next block of latents given the clean blocks before it; `generate()`
+  integrates that ODE block by block (with classifier-free guidance against the block alone), then the VAE decoder
+  reads each finished block out to tokens.
+
+The DiT's clean history is computed once per block and kept in a KV cache; the denoising steps only read it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_cola import ODE_SOLVERS, ColaConfig, ColaVAEConfig
+from .flow import (
+    FlowMatchEulerSampler,
+    FlowMatchHeunSampler,
+    TimestepEmbedding,
+    classifier_free_guidance,
+    make_time_sampler,
+)
+from .generation import (
+    DecodingStep,
+    GenerateOutput,
+    GenerationOptions,
+    MultiTokenGenerationMixin,
+    refuse_token_filters,
+    row_seeds,
+)
+from .layers import (
+    AttentionProbs,
+    DiTBlock,
+    OffsetCache,
+    ReadOnlyCache,
+    RMSNorm,
+    RotaryEmbedding,
+    block_causal_layout,
+    decoder_layers,
+    dit_layers,
+    dual_stream_mask,
+    init_backbone_weights,
+)
+from .modeling_backbone import BackbonePreTrainedModel, check_backbone_inputs, check_forward_kwargs
+
+
+@dataclass
+class ColaVAEOutput(ModelOutput):
+    """`loss` = reconstruction CE + kl_weight·KL + mask_loss_weight·masked CE. `logits` [B, T, V]: the decoding of
+    the sampled latents (of the posterior mean in eval mode unless `sample_latent=True`). The 0-dim parts are
+    logged by the training loop; `token_accuracy` is that of `logits` on the scored tokens."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    latent_mean: torch.Tensor | None = None
+    reconstruction_nll: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+    mask_nll: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
+    logsnr: torch.Tensor | None = None
+
+
+@dataclass
+class ColaOutput(ModelOutput):
+    """`last_hidden_state` [B, T, d]: the DiT's state of each clean latent position (one per token). With labels:
+    `loss` = flow_matching_weight·`flow_matching_loss` + vae_loss_weight·`vae_loss` + reference_kl_weight·
+    `reference_kl`; the VAE's own parts are logged too."""
+
+    loss: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = None
+    cache: DynamicCache | None = None
+    flow_matching_loss: torch.Tensor | None = None
+    vae_loss: torch.Tensor | None = None
+    reconstruction_nll: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+    mask_nll: torch.Tensor | None = None
+    reference_kl: torch.Tensor | None = None
+    logsnr: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+# ====================================================================================================================
+# Text VAE
+# ====================================================================================================================
+
+class LogSNR(nn.Module):
+    """The VAE's one noise level: logSNR = log(mean power of μ / σ²), σ² = exp(−logSNR), clamped to its bounds."""
+
+    def __init__(self, config: ColaVAEConfig):
+        super().__init__()
+        self.initial, self.bounds = config.logsnr_init, (config.logsnr_min, config.logsnr_max)
+        self.value = nn.Parameter(torch.tensor(float(config.logsnr_init)), requires_grad=config.learn_logsnr)
+
+    def forward(self) -> torch.Tensor:
+        return self.value.float().clamp(*self.bounds)
+
+
+class ColaVAEEncoder(nn.Module):
+    """Tokens -> posterior mean μ [B, T, d_z] (LayerNorm'd over channels) and the shared logSNR."""
+
+    def __init__(self, config: ColaVAEConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.mask_embedding = nn.Embedding(1, config.hidden_size)  # the BERT-style pass's [MASK] input
+        self.layers = decoder_layers(config)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.to_latent = nn.Linear(config.hidden_size, config.latent_size)
+        self.logsnr = LogSNR(config)
+        self.rotary = RotaryEmbedding.from_config(config)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                masked: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """input_ids [B, T]; attention_mask [B, cached + T] (left padding); masked [B, T] bool: positions whose input
+        is the mask embedding; cache: keys of earlier tokens (written). Returns μ [B, T, d_z] in float32."""
+        x = self.embed_tokens(input_ids)
+        if masked is not None:
+            x = torch.where(masked[..., None], self.mask_embedding.weight[0].to(x.dtype), x)
+        past = cache.get_seq_length() if cache is not None else 0
+        positions, mask = block_causal_layout(attention_mask, x.shape[0], x.shape[1], past,
+                                              self.config.vae_block_size, x.device)
+        cos, sin = self.rotary(positions, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache=cache)
+        mean = self.to_latent(self.norm(x)).float()
+        return F.layer_norm(mean, (mean.shape[-1],))  # no affine parameters: power ≈ 1 per channel (code)
+
+    def posterior_std(self) -> torch.Tensor:
+        return torch.exp(-0.5 * self.logsnr())
+
+
+class ColaVAEDecoder(nn.Module):
+    """Latents [B, T, d_z] -> token logits [B, T, V]; position i gives token i's logits. Block-causal over latent
+    positions (`vae_block_size`), so a finished block decodes in one pass given the cache of earlier latents."""
+
+    def __init__(self, config: ColaVAEConfig):
+        super().__init__()
+        self.config = config
+        self.latent_in = nn.Linear(config.latent_size, config.hidden_size)
+        self.layers = decoder_layers(config)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding.from_config(config)
+
+    def forward(self, latents: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.latent_in(latents.to(self.latent_in.weight.dtype))
+        past = cache.get_seq_length() if cache is not None else 0
+        positions, mask = block_causal_layout(attention_mask, x.shape[0], x.shape[1], past,
+                                              self.config.vae_block_size, x.device, position_ids)
+        cos, sin = self.rotary(positions, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache=cache)
+        return self.lm_head(self.norm(x))
+
+
+@torch.no_grad()
+def init_cola_weights(module: nn.Module, std: float) -> None:
+    """`_init_weights` of both Cola models: the shared modules' init, plus the logSNR's initial value."""
+    init_backbone_weights(module, std)
+    if isinstance(module, LogSNR):
+        module.value.fill_(module.initial)
+
+
+def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """Mean CE over the `scored` positions (0, not NaN, when none is scored); static shapes (no boolean indexing)."""
+    nll = F.cross_entropy(logits.flatten(0, -2).float(), targets.clamp(min=0).flatten(), reduction="none")
+    keep = scored.flatten().float()
+    return (nll * keep).sum() / keep.sum().clamp(min=1)
+
+
+def scored_positions(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    scored = labels != -100
+    return scored if attention_mask is None else scored & attention_mask.bool()
+
+
+def gaussian_kl(mean: torch.Tensor, std: torch.Tensor, ref_mean: torch.Tensor, ref_std: torch.Tensor) -> torch.Tensor:
+    """KL(N(mean, std²) ‖ N(ref_mean, ref_std²)) per position, summed over channels: [B, T] (std scalars or tensors
+    broadcastable to mean)."""
+    var, ref_var = std**2, ref_std**2
+    per_channel = 0.5 * ((var + (mean - ref_mean) ** 2) / ref_var - 1 + torch.log(ref_var) - torch.log(var))
+    return per_channel.expand_as(mean).sum(-1)
+
+
+class ColaTextVAE(BackbonePreTrainedModel):
+    """The text VAE on its own (stage 1). `forward(input_ids, labels=...)` returns its loss; `encode` / `decode_logits`
+    / `sample_latents` are the maps Cola uses."""
+
+    config_class = ColaVAEConfig
+    base_model_prefix = "vae"
+    main_input_name = "input_ids"
+    _no_split_modules = ["DecoderBlock"]
+    _can_record_outputs = None
+    _can_compile_fullgraph = False  # the masked pass draws its mask inside forward
+
+    def __init__(self, config: ColaVAEConfig):
+        super().__init__(config)
+        self.encoder = ColaVAEEncoder(config)
+        self.decoder = ColaVAEDecoder(config)
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        init_cola_weights(module, self.config.initializer_range)
+
+    def get_input_embeddings(self):
+        return self.encoder.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.encoder.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.decoder.lm_head
+
+    def set_output_embeddings(self, value):
+        self.decoder.lm_head = value
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The posterior mean μ [B, T, d_z] (what inference uses)."""
+        return self.encoder(input_ids, attention_mask)
+
+    def sample_latents(self, mean: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """z = μ + σ·ε (ε standard normal; drawn from the global RNG unless given)."""
+        noise = torch.randn_like(mean) if noise is None else noise
+        return mean + self.encoder.posterior_std() * noise
+
+    def decode_logits(self, latents: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.decoder(latents, attention_mask)
+
+    def losses(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               sample_latent: bool = True) -> tuple[ColaVAEOutput, torch.Tensor]:
+        """The VAE objective on one batch, and the latents it decoded (sampled z with gradient, or μ).
+
+        Reconstruction: decode z from the clean input; KL(N(μ, σ²) ‖ N(0, I)); BERT-style: a second encoder pass
+        with `mask_prob` of the scored inputs replaced by the mask embedding, whose latents must still decode to the
+        masked tokens (CE at the masked positions only; skipped outside training or when its weight is 0)."""
+        cfg = self.config
+        scored = scored_positions(labels, attention_mask)
+        mean = self.encoder(input_ids, attention_mask)
+        std = self.encoder.posterior_std()
+        z = self.sample_latents(mean) if sample_latent else mean
+        logits = self.decoder(z, attention_mask)
+        reconstruction = masked_cross_entropy(logits, labels, scored)
+        zero = torch.zeros((), device=mean.device)
+        kl_tokens = gaussian_kl(mean, std, zero, zero + 1.0)
+        kl = (kl_tokens * scored).sum() / scored.sum().clamp(min=1)
+        loss = reconstruction + cfg.kl_weight * kl
+        mask_nll = None
+        if self.training and cfg.mask_loss_weight > 0 and cfg.mask_prob > 0:
+            masked = (torch.rand(scored.shape, device=scored.device) < cfg.mask_prob) & scored
+            masked_z = self.sample_latents(self.encoder(input_ids, attention_mask, masked=masked))
+            mask_nll = masked_cross_entropy(self.decoder(masked_z, attention_mask), labels, masked)
+            loss = loss + cfg.mask_loss_weight * mask_nll
+        accuracy = ((logits.argmax(-1) == labels) & scored).sum() / scored.sum().clamp(min=1)
+        out = ColaVAEOutput(loss=loss, logits=logits, latent_mean=mean, reconstruction_nll=reconstruction.detach(),
+                            kl=kl.detach(), mask_nll=None if mask_nll is None else mask_nll.detach(),
+                            token_accuracy=accuracy, logsnr=self.encoder.logsnr().detach())
+        return out, z
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, sample_latent: bool | None = None,
+                return_dict: bool | None = None, **kwargs) -> ColaVAEOutput:
+        """input_ids [B, T]; with labels (same shape, −100 = ignore; label i is token i, no shift) the loss.
+        sample_latent: decode z = μ + σ·ε (default in training) or μ (default in eval mode)."""
+        check_forward_kwargs(self, kwargs)
+        sample = self.training if sample_latent is None else sample_latent
+        if labels is None:
+            mean = self.encoder(input_ids, attention_mask)
+            z = self.sample_latents(mean) if sample else mean
+            out = ColaVAEOutput(logits=self.decoder(z, attention_mask), latent_mean=mean,
+                                logsnr=self.encoder.logsnr().detach())
+        else:
+            out = self.losses(input_ids, labels, attention_mask, sample_latent=sample)[0]
+        return out if return_dict is not False else out.to_tuple()
+
+    @torch.no_grad()
+    def reconstruction_accuracy(self, input_ids: torch.Tensor, noise_levels: tuple[float, ...] = (),
+                                generator: torch.Generator | None = None) -> dict:
+        """Token accuracy on clean input (eval mode, no masking) of decoding the posterior mean and a sampled z, and
+        of decoding z_t = (1 − t)·z + t·ε for each t in `noise_levels` (the paper's robustness curve), plus the
+        logSNR. input_ids [B, T]."""
+        mean = self.encoder(input_ids)
+
+        def accuracy(latents):
+            return (self.decoder(latents).argmax(-1) == input_ids).float().mean().item()
+
+        def normal():
+            return torch.randn(mean.shape, generator=generator).to(mean.device)
+
+        sampled = mean + self.encoder.posterior_std() * normal()
+        return {"accuracy_mean": accuracy(mean), "accuracy_sampled": accuracy(sampled),
+                "accuracy_vs_noise": {float(t): accuracy((1 - t) * sampled + t * normal()) for t in noise_levels},
+                "logsnr": self.encoder.logsnr().item()}
+
+
+# ====================================================================================================================
+# Cola DLM: DiT prior + VAE
+# ====================================================================================================================
+
+class ColaPreTrainedModel(BackbonePreTrainedModel):
+    config_class = ColaConfig
+    _no_split_modules = ["DiTBlock", "DecoderBlock"]
+    # Hidden states: the DiT's blocks only (not the VAE's), embeddings first. Attentions: the DiT's (`layers.*`).
+    _can_record_outputs = {"hidden_states": DiTBlock,
+                           "attentions": OutputRecorder(AttentionProbs, layer_name="layers")}
+    _can_compile_fullgraph = False  # training draws times, noise and dropouts inside forward
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        init_cola_weights(module, self.config.initializer_range)
+
+    def get_input_embeddings(self):
+        return self.base_model.vae.encoder.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.base_model.vae.encoder.embed_tokens = value
+
+
+class ColaModel(ColaPreTrainedModel):
+    """The VAE and the DiT backbone (without the velocity head). `forward(input_ids)` encodes the tokens with the
+    VAE's posterior mean and runs the DiT over those clean latents (t = 0), block-causally: what generation computes
+    for the history. `forward(inputs_embeds=latents, timesteps=...)` runs the DiT on given latents [B, T, d_z]."""
+
+    def __init__(self, config: ColaConfig):
+        super().__init__(config)
+        self.vae = ColaTextVAE(config.vae_config)
+        self.latent_in = nn.Linear(config.latent_size, config.hidden_size)
+        self.time_embedding = TimestepEmbedding(config.hidden_size)
+        self.layers = dit_layers(config)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps, elementwise_affine=False)
+        self.rotary = RotaryEmbedding.from_config(config)
+        self.post_init()
+
+    @property
+    def attention_block_size(self) -> int:
+        """Latent positions attend bidirectionally inside blocks of this size, causally across them."""
+        return self.config.block_size
+
+    def denoiser(self, latents: torch.Tensor, timesteps: torch.Tensor, position_ids: torch.Tensor,
+                 mask: torch.Tensor | None, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The DiT on latents [B, T, d_z] at per-position times [B, T] (0 = clean): final states [B, T, d] (normed,
+        before the velocity head's modulation) and the time conditioning [B, T, d] the head needs."""
+        hidden = self.latent_in(latents.to(self.latent_in.weight.dtype))
+        conditioning = self.time_embedding(timesteps).to(hidden.dtype)
+        cos, sin = self.rotary(position_ids, dtype=hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, conditioning, cos, sin, mask, cache=cache)
+        return self.norm(hidden), conditioning
+
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
+    @capture_outputs
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
+                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                timesteps: torch.Tensor | None = None, **kwargs) -> BaseModelOutputWithPast:
+        """input_ids [B, T] (encoded by the VAE; with a cache, the VAE encoder's keys are kept in the same cache
+        after the DiT's layers) or inputs_embeds = latents [B, T, d_z]. attention_mask [B, cached + T] (left
+        padding; blocks are counted from each row's first real token), or a ready bool mask [B, 1, T, cached + T]
+        with `position_ids`. timesteps [B, T] (default 0: clean).
+        `output_hidden_states` / `output_attentions` (eager) are recorded for the DiT's blocks."""
+        check_backbone_inputs(self.config, input_ids, inputs_embeds, kwargs)
+        check_forward_kwargs(self, kwargs)
+        batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past = cache.get_seq_length() if cache is not None else 0
+        if input_ids is not None:
+            encoder_cache = None if cache is None else OffsetCache(cache, self.config.num_hidden_layers)
+            latents = self.vae.encoder(input_ids, attention_mask, cache=encoder_cache)
+        else:
+            latents = inputs_embeds
+        device = latents.device
+        if timesteps is None:
+            timesteps = torch.zeros(batch, length, device=device)
+        if attention_mask is not None and attention_mask.dim() == 4:  # a ready mask (training's dual stream)
+            if position_ids is None:
+                raise ValueError("a 4-D attention_mask needs position_ids")
+            mask = attention_mask.bool()
+        else:
+            position_ids, mask = block_causal_layout(attention_mask, batch, length, past, self.config.block_size,
+                                                     device, position_ids)
+        hidden, _ = self.denoiser(latents, timesteps, position_ids, mask, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache)
+
+
+class VelocityHead(nn.Module):
+    """Final adaLN layer of the DiT: velocity = Linear(LN(h)·(1 + scale) + shift), scale and shift from the time
+    conditioning; both linear maps start at zero (the untrained prior predicts zero velocity)."""
+
+    def __init__(self, hidden_size: int, latent_size: int):
+        super().__init__()
+        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+        self.proj = nn.Linear(hidden_size, latent_size)
+        self.modulation[1].zero_init = True
+        self.proj.zero_init = True
+
+    def forward(self, hidden: torch.Tensor, conditioning: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.modulation(conditioning).chunk(2, dim=-1)
+        return self.proj(hidden * (1 + scale) + shift).float()
+
+
+@dataclass
+class ColaGenerationOptions(GenerationOptions):
+    """Cola DLM's own `generate()` options (next to the transformers ones the shared skeleton honours).
+
+    Alignment: latent blocks of `block_size` are counted from each row's first real token, as the row would be
+    alone. The prompt's complete blocks are the clean history; a prompt that ends mid-block makes that block the
+    first generated one, with its known positions held at their clean latents (repaint). Exactly `max_new_tokens`
+    tokens come back unless EOS stops a row (inside a block if need be).
+
+    num_inference_steps (default config.num_ode_steps = 16): ODE steps per block, from t = 1 to t = 0.
+    ode_solver (default config.ode_solver = "euler"): "euler" (one DiT evaluation per step) or "heun" (two, the last
+        step one).
+    guidance_scale (default config.cfg_scale = 7): w of v = v_uncond + w·(v_cond − v_uncond), where the unconditional
+        branch is the DiT on the current block alone; 1 = no guidance (one DiT evaluation per step); a row with no
+        history block uses 1 (both branches would be the same).
+    timestep_shift (default 1.0 = the uniform grid): SD3-style shift of the ODE grid (> 1 spends more steps at high
+        noise).
+    temperature (default config.decode_temperature = 0): the VAE decoder's read-out; 0 (or do_sample=False) takes
+        the most likely token, T > 0 samples from softmax(logits / T). The ODE always starts from seeded noise.
+    noise_seeds: one int per row; row b draws its noise (and read-out samples) from a generator seeded with it, so
+        a row gives the same tokens alone or in any batch. Default: seeds drawn from the global torch RNG.
+    top_k / top_p: refused unless 0 / 1.0.
+    """
+
+    family: ClassVar[str] = "Cola DLM"
+    row_seeds_option: ClassVar[str] = "noise_seeds"
+
+    num_inference_steps: int | None = None
+    ode_solver: str | None = None
+    guidance_scale: float | None = None
+    timestep_shift: float | None = None
+    noise_seeds: list[int] | None = None
+
+    def resolved(self, config: ColaConfig, batch_size: int) -> "ColaGenerationOptions":
+        refuse_token_filters("Cola DLM", "the read-out is greedy or plain sampling; use temperature", self.top_k,
+                             self.top_p)
+        steps = config.num_ode_steps if self.num_inference_steps is None else self.num_inference_steps
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"num_inference_steps must be a positive int, got {steps!r}")
+        solver = config.ode_solver if self.ode_solver is None else self.ode_solver
+        if solver not in ODE_SOLVERS:
+            raise ValueError(f"ode_solver must be one of {ODE_SOLVERS}, got {solver!r}")
+        scale = config.cfg_scale if self.guidance_scale is None else float(self.guidance_scale)
+        if not scale >= 0:
+            raise ValueError(f"guidance_scale must be >= 0, got {scale}")
+        shift = 1.0 if self.timestep_shift is None else float(self.timestep_shift)
+        if not shift > 0:
+            raise ValueError(f"timestep_shift must be > 0, got {shift}")
+        temperature = config.decode_temperature if self.temperature is None else float(self.temperature)
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 for Cola DLM's read-out, got {temperature}")
+        if not self.do_sample:
+            temperature = 0.0
+        return replace(self, num_inference_steps=steps, ode_solver=solver, guidance_scale=scale,
+                       timestep_shift=shift, temperature=temperature,
+                       noise_seeds=row_seeds(self.noise_seeds, batch_size, "noise_seeds"))
+
+
+@dataclass
+class ColaDecodingState:
+    """What Cola decoding carries from one block to the next. Columns of the caches are latent positions, the prompt's
+    complete blocks left-padded by whole blocks so that every row's current block sits in the same columns."""
+
+    dit_cache: DynamicCache  # DiT keys of the clean history (t = 0)
+    decoder_cache: DynamicCache  # VAE-decoder keys of every latent so far
+    key_valid: torch.Tensor  # [B, cached positions] bool: real (not padding) history positions
+    block_positions: torch.Tensor  # [B, Q] positions of the current block
+    known: torch.Tensor | None  # [B, Q, d_z] clean latents of the prompt's last, partial block (first block only)
+    known_mask: torch.Tensor | None  # [B, Q] bool
+    first_new: torch.Tensor  # [B] index in the current block of the row's first new token
+    has_history: torch.Tensor  # [B] bool: the row has a complete block before the current one
+    pending_block: torch.Tensor | None  # [B, Q, d_z] latents of the last finished block, not yet in the DiT cache
+    generators: list[torch.Generator]
+    options: ColaGenerationOptions
+
+
+class ColaForCausalLM(ColaPreTrainedModel, MultiTokenGenerationMixin):
+    """Cola DLM: VAE + block-causal DiT prior + velocity head. `forward(input_ids)` returns the DiT's hidden states
+    of the clean text; `forward(input_ids, labels=...)` the joint objective; `generate()` denoises a block of latents
+    per ODE solve and decodes it with the VAE. Build a trainable model around a trained VAE with `from_vae`."""
+
+    generation_options_class = ColaGenerationOptions
+    base_model_class = ColaModel
+
+    def __init__(self, config: ColaConfig):
+        super().__init__(config)
+        self.model = ColaModel(config)
+        self.velocity_head = VelocityHead(config.hidden_size, config.latent_size)
+        self.reference_encoder = None
+        if config.trains_vae and config.reference_kl_weight > 0:
+            self.reference_encoder = ColaVAEEncoder(config.vae_config)  # frozen stage-1 encoder: KL anchor
+            self.reference_encoder.requires_grad_(False)
+        if not config.trains_vae:
+            self.model.vae.requires_grad_(False)
+        self.post_init()
+
+    @classmethod
+    def from_vae(cls, vae: "str | ColaTextVAE", config: ColaConfig | None = None, **config_kwargs) -> "ColaForCausalLM":
+        """A fresh Cola DLM whose VAE (and frozen reference encoder) start as copies of `vae` (a trained
+        `ColaTextVAE` or its folder). `config` (or `config_kwargs` for a new `ColaConfig`) must agree on vocab_size;
+        the VAE's config is embedded without its path."""
+        if not isinstance(vae, ColaTextVAE):
+            vae = ColaTextVAE.from_pretrained(vae)
+        vae_config = copy.deepcopy(vae.config)
+        vae_config._name_or_path = ""
+        vae_config.auto_map = None
+        if config is None:
+            config_kwargs.setdefault("vocab_size", vae_config.vocab_size)
+            config = ColaConfig(**config_kwargs, vae_config=vae_config)
+        else:
+            if vae_config.vocab_size != config.vocab_size:
+                raise ValueError(f"the VAE's vocab_size ({vae_config.vocab_size}) disagrees with the Cola config's "
+                                 f"vocab_size ({config.vocab_size})")
+            config = copy.deepcopy(config)
+            config.vae_config = vae_config
+            config.validate_cola()
+        model = cls(config)
+        model.model.vae.load_state_dict(vae.state_dict())
+        if model.reference_encoder is not None:
+            model.reference_encoder.load_state_dict(vae.encoder.state_dict())
+        return model
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.reference_encoder is not None:
+            self.reference_encoder.eval()
+        if not self.config.trains_vae:
+            self.model.vae.eval()  # frozen: no masked pass
+        return self
+
+    def get_output_embeddings(self):
+        return None  # the DiT has no softmax over tokens (the VAE decoder's read-out is not a next-token head)
+
+    def counted_modules(self) -> list[nn.Module]:
+        return [self.model, self.model.vae.encoder, self.model.vae.decoder]
+
+    def parameter_learning_rate_scales(self) -> dict[str, float]:
+        """Parameter-name prefix -> learning-rate multiplier, read by the training loop's optimizer: the VAE trains
+        at `vae_learning_rate_ratio` × the DiT's rate."""
+        return {"model.vae.": self.config.vae_learning_rate_ratio}
+
+    # ------------------------------------------------------------------------------------------------------------
+    # forward
+    # ------------------------------------------------------------------------------------------------------------
+
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, **kwargs) -> ColaOutput:
+        """input_ids [B, T]: the DiT's hidden states of the clean text (Cola has no next-token logits). With
+        `labels` (same shape, −100 = ignore; label i scores latent i, no shift): the joint objective. Transformers'
+        `output_hidden_states`, `output_attentions`, `return_dict` apply."""
+        check_forward_kwargs(self, kwargs)
+        if labels is not None:
+            if cache is not None or inputs_embeds is not None or position_ids is not None:
+                raise ValueError("the Cola training objective takes input_ids, labels and attention_mask only")
+            return self.joint_objective(input_ids, labels, attention_mask)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        return ColaOutput(last_hidden_state=out.last_hidden_state, cache=out.cache,
+                          hidden_states=out.hidden_states, attentions=out.attentions)
+
+    def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Predicted velocity [B, T, d_z] (float32) of latents [B, T, d_z] at per-position times [B, T]: one DiT
+        evaluation through the base model's forward (where call counters see it). attention_mask: 2-D over cached +
+        new positions, or a ready 4-D bool mask (then position_ids are required)."""
+        hidden = self.model(inputs_embeds=latents, timesteps=timesteps, attention_mask=attention_mask,
+                            position_ids=position_ids, cache=cache).last_hidden_state
+        return self.velocity_head(hidden, self.model.time_embedding(timesteps).to(hidden.dtype))
+
+    def joint_objective(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                        attention_mask: torch.Tensor | None = None) -> ColaOutput:
+        """λ_FM·flow matching + λ_VAE·VAE loss + λ_ref·KL(q_φ ‖ q_φref) on packed or right-padded rows.
+
+        Flow matching runs every block at once over [clean stream ; noisy stream] (`dual_stream_mask`): block b's
+        noisy copy z_t = (1 − t)·z_0 + t·ε, t drawn per (row, block), sees itself and the clean, detached blocks
+        < b (none with probability `history_dropout`), and regresses the velocity ε − z_0. z_0 is the VAE's sampled
+        latent with gradient when the VAE trains, so the latent space co-adapts with the prior."""
+        cfg = self.config
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+        if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+            raise ValueError("the Cola training objective needs right padding (blocks are counted from column 0)")
+        batch, length = input_ids.shape
+        vae = self.model.vae
+        parts = {}
+        if cfg.trains_vae:
+            vae_out, z0 = vae.losses(input_ids, labels, attention_mask)
+            parts.update(vae_loss=vae_out.loss, reconstruction_nll=vae_out.reconstruction_nll, kl=vae_out.kl,
+                         mask_nll=vae_out.mask_nll)
+            mean = vae_out.latent_mean
+        else:
+            with torch.no_grad():
+                mean = vae.encoder(input_ids, attention_mask)
+                z0 = vae.sample_latents(mean)
+        scored = scored_positions(labels, attention_mask)
+        if self.reference_encoder is not None:
+            with torch.no_grad():
+                ref_mean = self.reference_encoder(input_ids, attention_mask)
+                ref_std = self.reference_encoder.posterior_std()
+            ref_kl = gaussian_kl(mean, vae.encoder.posterior_std(), ref_mean, ref_std)
+            parts["reference_kl"] = (ref_kl * scored).sum() / scored.sum().clamp(min=1)
+
+        # Draws: one time per (row, block); a block's clean leading positions (trains the repaint of a prompt that
+        # ends mid-block); history dropout; the noise.
+        Q, device = cfg.block_size, input_ids.device
+        num_blocks = -(-length // Q)
+        block = torch.arange(length, device=device) // Q
+        offset = torch.arange(length, device=device) % Q
+        sampler_kwargs = ({"loc": cfg.time_loc, "scale": cfg.time_scale} if cfg.time_sampler == "logit_normal" else
+                          {"shift": cfg.time_shift} if cfg.time_sampler == "shifted" else {})
+        t = make_time_sampler(cfg.time_sampler, **sampler_kwargs).sample((batch, num_blocks), device=device)[:, block]
+        prompt_block = torch.rand(batch, num_blocks, device=device) < cfg.prompt_block_prob
+        known_len = torch.randint(1, max(Q, 2), (batch, num_blocks), device=device)
+        clean_lead = (prompt_block & (Q > 1))[:, block] & (offset[None] < known_len[:, block])
+        t = torch.where(clean_lead, 0.0, t)
+        history_visible = torch.rand(batch, num_blocks, device=device) >= cfg.history_dropout
+        noise = torch.randn_like(z0)
+        z_t = (1 - t[..., None]) * z0 + t[..., None] * noise
+
+        latents = torch.cat([z0.detach(), z_t], dim=1)
+        timesteps = torch.cat([torch.zeros_like(t), t], dim=1)
+        positions = torch.arange(length, device=device).repeat(2)[None].expand(batch, -1)
+        mask = dual_stream_mask(length, Q, history_visible, attention_mask, device)
+        velocity = self.velocity(latents, timesteps, mask, positions)[:, length:]
+        fm_scored = (scored & ~clean_lead).float()
+        error = (velocity - (noise - z0).float()).pow(2).mean(-1)
+        flow_matching = (error * fm_scored).sum() / fm_scored.sum().clamp(min=1)
+
+        loss = cfg.flow_matching_weight * flow_matching
+        if "vae_loss" in parts:
+            loss = loss + cfg.vae_loss_weight * parts["vae_loss"]
+        if "reference_kl" in parts:
+            loss = loss + cfg.reference_kl_weight * parts["reference_kl"]
+        detached = {name: None if value is None else value.detach() for name, value in parts.items()}
+        return ColaOutput(loss=loss, flow_matching_loss=flow_matching.detach(), logsnr=vae.encoder.logsnr().detach(),
+                          **detached)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # generate
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _start_decoding(self, input_ids, request, options: ColaGenerationOptions):
+        """Lay the prompts out so that every row's current block sits in the same columns (left padding by whole
+        blocks), encode them with the VAE (posterior mean), and run the DiT and the VAE decoder once over the
+        complete blocks to fill their caches. The partial last block (if any) becomes the known part of the first
+        generated block."""
+        cfg, Q = self.config, self.config.block_size
+        batch, device = input_ids.shape[0], input_ids.device
+        lengths = request.prompt_lengths
+        complete, known_len = lengths // Q, lengths % Q
+        history_blocks = int(complete.max())
+        width = history_blocks * Q + int(known_len.max())
+        # Row b's real tokens start at column (history_blocks - complete_b)·Q of the aligned layout.
+        start = (history_blocks - complete) * Q
+        column = torch.arange(width, device=device)
+        real = (column[None] >= start[:, None]) & (column[None] < (start + lengths)[:, None])
+        source = (input_ids.shape[1] - lengths)[:, None] + column[None] - start[:, None]
+        aligned = torch.where(real, input_ids.gather(1, source.clamp(0, input_ids.shape[1] - 1)),
+                              torch.full_like(source, request.pad_token_id))
+        vae = self.model.vae
+        mean = vae.encoder(aligned, real.long())
+        calls = {"vae_encoder": 1, "dit": 0, "vae_decoder": 0}
+        history, key_valid = mean[:, : history_blocks * Q], real[:, : history_blocks * Q]
+        dit_cache, decoder_cache = DynamicCache(config=cfg), DynamicCache()
+        if history_blocks:
+            mask = key_valid.long()
+            self.model(inputs_embeds=history, attention_mask=mask, cache=dit_cache)
+            vae.decoder(history, mask, cache=decoder_cache)
+            calls.update(dit=1, vae_decoder=1)
+        known_mask = torch.arange(Q, device=device)[None] < known_len[:, None]
+        known = torch.zeros(batch, Q, cfg.latent_size, device=device)
+        tail = mean[:, history_blocks * Q:]
+        known[:, : tail.shape[1]] = tail
+        state = ColaDecodingState(
+            dit_cache=dit_cache, decoder_cache=decoder_cache, key_valid=key_valid,
+            block_positions=(complete * Q)[:, None] + torch.arange(Q, device=device)[None],
+            known=known if bool(known_mask.any()) else None, known_mask=known_mask if bool(known_mask.any()) else None,
+            first_new=known_len, has_history=complete > 0, pending_block=None,
+            generators=[torch.Generator().manual_seed(s) for s in options.noise_seeds], options=options)
+        return state, calls
+
+    def _decoding_step(self, state: ColaDecodingState, new_tokens) -> DecodingStep:
+        """One block: append the previous block's clean pass to the DiT cache, solve the ODE from noise with CFG
+        (and repaint of known positions), then read the block out with the VAE decoder."""
+        opt, Q = state.options, self.config.block_size
+        batch, device = state.block_positions.shape[0], state.block_positions.device
+        calls = {"vae_encoder": 0, "dit": 0, "vae_decoder": 0}
+        if state.pending_block is not None:
+            mask = torch.cat([state.key_valid, state.key_valid.new_ones(batch, Q)], dim=1).long()
+            self.model(inputs_embeds=state.pending_block, attention_mask=mask, cache=state.dit_cache)
+            state.key_valid = mask.bool()
+            state.has_history = torch.ones_like(state.has_history)
+            state.block_positions = state.block_positions + Q
+            state.known = state.known_mask = None
+            state.first_new = torch.zeros_like(state.first_new)
+            calls["dit"] += 1
+
+        history_mask = torch.cat([state.key_valid, state.key_valid.new_ones(batch, Q)], dim=1).long()
+        guided = opt.guidance_scale != 1.0 and bool(state.has_history.any())
+        has_history = state.has_history[:, None, None]
+        known_mask = None if state.known_mask is None else state.known_mask
+        cache = ReadOnlyCache(state.dit_cache)
+
+        def velocity_fn(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            times = t.to(device).expand(batch, Q)
+            if known_mask is not None:
+                times = torch.where(known_mask, 0.0, times)
+            conditional = self.velocity(x, times, history_mask, cache=cache)
+            calls["dit"] += 1
+            if not guided:
+                return conditional
+            unconditional = self.velocity(x, times, position_ids=state.block_positions)
+            calls["dit"] += 1
+            # A row without history would get v_cond from both branches: it keeps v_cond exactly (w = 1).
+            return torch.where(has_history, classifier_free_guidance(conditional, unconditional, opt.guidance_scale),
+                               conditional)
+
+        solver_class = FlowMatchHeunSampler if opt.ode_solver == "heun" else FlowMatchEulerSampler
+        solver = solver_class(opt.num_inference_steps, shift=opt.timestep_shift)
+        solver.set_timesteps(device=device)
+        noise = torch.stack([torch.randn(Q, self.config.latent_size, generator=g) for g in state.generators]).to(device)
+        known_mask_3d = None if known_mask is None else known_mask[..., None]
+        block = solver.solve(velocity_fn, noise, state.known, known_mask_3d)
+
+        decoder_mask = torch.cat([state.key_valid, state.key_valid.new_ones(batch, Q)], dim=1).long()
+        logits = self.model.vae.decoder(block, decoder_mask, cache=state.decoder_cache).float()
+        calls["vae_decoder"] += 1
+        tokens = self._read_out(logits, state.generators, opt.temperature)
+        state.pending_block = block
+        # Row b's new tokens are the block's positions from first_new_b on, moved to the front.
+        index = (state.first_new[:, None] + torch.arange(Q, device=device)[None]).clamp(max=Q - 1)
+        return DecodingStep(tokens.gather(1, index), counts=Q - state.first_new, model_calls=calls)
+
+    @staticmethod
+    def _read_out(logits: torch.Tensor, generators: list[torch.Generator], temperature: float) -> torch.Tensor:
+        """[B, Q, V] decoder logits -> [B, Q] tokens: argmax at temperature 0, else a draw per row from its own
+        generator."""
+        if temperature == 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits / temperature, dim=-1).cpu()
+        draws = [torch.multinomial(probs[b], 1, generator=g)[:, 0] for b, g in enumerate(generators)]
+        return torch.stack(draws).to(logits.device)
+
+
+__all__ = ["ColaConfig", "ColaForCausalLM", "ColaGenerationOptions", "ColaModel", "ColaOutput", "ColaTextVAE",
+           "ColaVAEConfig", "ColaVAEDecoder", "ColaVAEEncoder", "ColaVAEOutput", "VelocityHead", "gaussian_kl"]
