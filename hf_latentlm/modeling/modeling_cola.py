@@ -45,6 +45,7 @@ from .generation import (
 )
 from .layers import (
     AttentionProbs,
+    DecoderBlock,
     DiTBlock,
     OffsetCache,
     ReadOnlyCache,
@@ -73,6 +74,7 @@ class ColaVAEOutput(ModelOutput):
     mask_nll: torch.Tensor | None = None
     token_accuracy: torch.Tensor | None = None
     logsnr: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
@@ -206,7 +208,8 @@ class ColaTextVAE(BackbonePreTrainedModel):
     base_model_prefix = "vae"
     main_input_name = "input_ids"
     _no_split_modules = ["DecoderBlock"]
-    _can_record_outputs = None
+    # Hidden states: the embeddings, then the output of every block, encoder then decoder.
+    _can_record_outputs = {"hidden_states": DecoderBlock}
     _can_compile_fullgraph = False  # the masked pass draws its mask inside forward
 
     def __init__(self, config: ColaVAEConfig):
@@ -273,11 +276,13 @@ class ColaTextVAE(BackbonePreTrainedModel):
                             token_accuracy=accuracy, logsnr=self.encoder.logsnr().detach())
         return out, z
 
+    @capture_outputs
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, sample_latent: bool | None = None,
-                return_dict: bool | None = None, **kwargs) -> ColaVAEOutput:
+                **kwargs) -> ColaVAEOutput:
         """input_ids [B, T]; with labels (same shape, −100 = ignore; label i is token i, no shift) the loss.
-        sample_latent: decode z = μ + σ·ε (default in training) or μ (default in eval mode)."""
+        sample_latent: decode z = μ + σ·ε (default in training) or μ (default in eval mode). `output_hidden_states`
+        and `return_dict` apply as in transformers."""
         check_forward_kwargs(self, kwargs)
         sample = self.training if sample_latent is None else sample_latent
         if labels is None:
@@ -287,7 +292,7 @@ class ColaTextVAE(BackbonePreTrainedModel):
                                 logsnr=self.encoder.logsnr().detach())
         else:
             out = self.losses(input_ids, labels, attention_mask, sample_latent=sample)[0]
-        return out if return_dict is not False else out.to_tuple()
+        return out
 
     @torch.no_grad()
     def reconstruction_accuracy(self, input_ids: torch.Tensor, noise_levels: tuple[float, ...] = (),
