@@ -1,0 +1,112 @@
+"""Cola DLM through the shared Accelerate loop (hf_latentlm/training/loop.py), on tiny rows of 13 tokens (a partial
+VAE block and a partial DiT block at the end of every row): exact resume with the VAE at half the DiT's learning rate,
+and a 2-process CPU DDP run. The generic every-family resume test (test_loop.py) checks only the final loss; this one
+compares every logged loss part of every step."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_latentlm.families import build_model
+from hf_latentlm.training import loop
+from hf_latentlm.training.loop import TrainConfig, train
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+ROW_LENGTH = 13
+
+
+@pytest.fixture(scope="module")
+def vae_folder(tokenizer, tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("cola-vae")
+    build_model("cola-vae", "tiny", tokenizer).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def short_rows(tiny_rows) -> torch.Tensor:
+    return tiny_rows[:40, :ROW_LENGTH].clone()
+
+
+def cola_config(out, vae_folder, **overrides) -> TrainConfig:
+    values = dict(family="cola", preset="tiny", output_dir=str(out), max_steps=4, batch_size=2, seq_len=ROW_LENGTH,
+                  eval_every=0, save_every=2, log_every=1, progress_bar=False, seed=5, components={"vae": vae_folder},
+                  model_kwargs={"vae_learning_rate_ratio": 0.5})
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def logged_steps(folder: Path) -> list[dict]:
+    return [r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def loss_parts(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in ("tokens_per_s",)}
+
+
+def test_cola_resumes_exactly(tmp_path, tokenizer, short_rows, vae_folder, monkeypatch):
+    straight = train(cola_config(tmp_path / "a", vae_folder), tokenizer=tokenizer, train_rows=short_rows)
+    first = train(cola_config(tmp_path / "b", vae_folder, stop_at_step=2), tokenizer=tokenizer, train_rows=short_rows)
+    assert first["step"] == 2 and not (tmp_path / "b" / "model.safetensors").exists()
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    resumed = train(cola_config(tmp_path / "b", vae_folder, resume=True), tokenizer=tokenizer, train_rows=short_rows)
+    assert resumed["step"] == straight["step"] == 4
+
+    # Every step's loss and loss parts (flow matching, VAE, reconstruction, KL, masked, reference KL, logSNR, lr and
+    # gradient norm), steps 1-2 from the first half and 3-4 from the resumed run.
+    a, b = logged_steps(tmp_path / "a"), logged_steps(tmp_path / "b")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    expected_parts = {"loss", "flow_matching_loss", "vae_loss", "reconstruction_nll", "kl", "mask_nll",
+                      "reference_kl", "logsnr", "lr", "grad_norm"}
+    for ra, rb in zip(a, b):
+        assert expected_parts <= set(ra) and set(loss_parts(ra)) == set(loss_parts(rb))
+        for key, value in loss_parts(ra).items():
+            assert rb[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (ra["step"], key)
+    assert a[-1]["reference_kl"] > 0, "the jointly trained VAE moves away from its reference"
+
+    final_a, final_b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert set(final_a) == set(final_b) and any(k.startswith("reference_encoder.") for k in final_a)
+    for name, value in final_a.items():
+        torch.testing.assert_close(final_b[name], value, atol=1e-6, rtol=0, msg=name)
+    # The reference encoder is the frozen stage-1 encoder: still the saved VAE's encoder after training.
+    vae = load_file(Path(vae_folder) / "model.safetensors")
+    for name, value in vae.items():
+        if name.startswith("encoder."):
+            assert torch.equal(final_a["reference_" + name], value), name
+
+    # The comparison can fail: the same resume without restoring the RNG (times, noise, dropouts) is another run.
+    monkeypatch.setattr(loop, "load_rank_rng", lambda checkpoint, rank: None)
+    train(cola_config(tmp_path / "c", vae_folder, resume=True), tokenizer=tokenizer, train_rows=short_rows)
+    unrestored = load_file(tmp_path / "c" / "model.safetensors")
+    assert max((unrestored[n] - v).abs().max().item() for n, v in final_a.items()) > 1e-5
+
+
+def test_cola_trains_with_two_process_ddp(tmp_path, tokenizer, short_rows, vae_folder):
+    """torchrun, 2 CPU processes, 2 steps: DDP keeps both ranks' weights identical (the VAE's included, trained
+    jointly), the DiT and the VAE move, the reference encoder does not."""
+    rows_file = tmp_path / "rows.pt"
+    torch.save(short_rows[:16].clone(), rows_file)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
+           str(tmp_path / "ddp"), str(rows_file), "2", "--family", "cola", "--max-steps", "2",
+           f"--component=vae={vae_folder}"]
+    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [load_file(tmp_path / "ddp" / f"rank{r}.safetensors") for r in range(2)]
+    torch.manual_seed(0)  # as the worker builds it
+    initial = build_model("cola", "tiny", tokenizer, vae=vae_folder).state_dict()
+    assert set(ranks[0]) == set(initial)
+    for name, value in ranks[0].items():
+        assert torch.equal(value, ranks[1][name]), f"ranks differ at {name}"
+
+    def moved(prefix):
+        return max((ranks[0][n] - v).abs().max().item() for n, v in initial.items() if n.startswith(prefix))
+
+    assert moved("model.layers.") > 1e-4 and moved("model.vae.") > 1e-4 and moved("velocity_head.") > 1e-4
+    assert moved("reference_encoder.") == 0
