@@ -635,6 +635,9 @@ def block_causal_layout(
         key_pos = torch.arange(past + length, device=device)[None]
     if position_ids is None:
         position_ids = key_pos[:, past:].expand(batch, -1)
+    else:  # the new keys are the new items: at the given positions
+        rows = max(key_pos.shape[0], position_ids.shape[0])
+        key_pos = torch.cat([key_pos[:, :past].expand(rows, -1), position_ids.expand(rows, -1)], dim=1)
     mask = (key_pos[:, None, :] // block_size) <= (position_ids[:, :, None] // block_size)
     if attention_mask is not None:
         own = torch.arange(past + length, device=device)[None, :] == torch.arange(past, past + length,

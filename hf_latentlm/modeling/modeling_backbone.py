@@ -73,6 +73,18 @@ class BackbonePreTrainedModel(PreTrainedModel):
             self.check_vocab_resize(resized_vocab_size(self, new_num_tokens, pad_to_multiple_of))
         return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        # transformers replaces every loaded weight with a new, trainable `nn.Parameter`, which undoes what `__init__`
+        # froze (a frozen component would then break DDP with parameters that get no gradient).
+        loaded = super().from_pretrained(*args, **kwargs)
+        (loaded[0] if isinstance(loaded, tuple) else loaded).freeze_components()
+        return loaded
+
+    def freeze_components(self) -> None:
+        """Set `requires_grad=False` on the parts this model never trains (called by `__init__` and again after
+        `from_pretrained`); default: none."""
+
     def check_vocab_resize(self, size: int) -> None:
         """Raise if resizing the vocabulary to `size` would leave the checkpoint inconsistent (default: any size)."""
 

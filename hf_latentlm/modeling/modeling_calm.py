@@ -420,8 +420,12 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         self.model = CALMModel(config)
         self.energy_head = EnergyHead(config)
         self.autoencoder = CALMAutoencoder(config.autoencoder_config)
-        self.autoencoder.requires_grad_(False)
         self.post_init()
+        self.freeze_components()
+
+    def freeze_components(self) -> None:
+        """The autoencoder is frozen."""
+        self.autoencoder.requires_grad_(False)
 
     @classmethod
     def from_autoencoder(cls, autoencoder: "str | CALMAutoencoder", config: CALMConfig | None = None,

@@ -45,7 +45,6 @@ from .generation import (
 )
 from .layers import (
     AttentionProbs,
-    DecoderBlock,
     DiTBlock,
     OffsetCache,
     ReadOnlyCache,
@@ -74,7 +73,6 @@ class ColaVAEOutput(ModelOutput):
     mask_nll: torch.Tensor | None = None
     token_accuracy: torch.Tensor | None = None
     logsnr: torch.Tensor | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
@@ -107,7 +105,7 @@ class LogSNR(nn.Module):
     def __init__(self, config: ColaVAEConfig):
         super().__init__()
         self.initial, self.bounds = config.logsnr_init, (config.logsnr_min, config.logsnr_max)
-        self.value = nn.Parameter(torch.tensor(float(config.logsnr_init)), requires_grad=config.learn_logsnr)
+        self.value = nn.Parameter(torch.tensor(float(config.logsnr_init)))  # frozen by the VAE if not learned
 
     def forward(self) -> torch.Tensor:
         return self.value.float().clamp(*self.bounds)
@@ -208,8 +206,9 @@ class ColaTextVAE(BackbonePreTrainedModel):
     base_model_prefix = "vae"
     main_input_name = "input_ids"
     _no_split_modules = ["DecoderBlock"]
-    # Hidden states: the embeddings, then the output of every block, encoder then decoder.
-    _can_record_outputs = {"hidden_states": DecoderBlock}
+    # No output recording: the VAE is also a submodel of `ColaModel`, and transformers' recorder hooks of a submodel
+    # fire into the outer model's capture, which must hold the DiT's states only. Asking for them raises instead.
+    _can_record_outputs = None
     _can_compile_fullgraph = False  # the masked pass draws its mask inside forward
 
     def __init__(self, config: ColaVAEConfig):
@@ -217,6 +216,11 @@ class ColaTextVAE(BackbonePreTrainedModel):
         self.encoder = ColaVAEEncoder(config)
         self.decoder = ColaVAEDecoder(config)
         self.post_init()
+        self.freeze_components()
+
+    def freeze_components(self) -> None:
+        """A fixed logSNR (`learn_logsnr=False`) gets no gradient."""
+        self.encoder.logsnr.value.requires_grad_(self.config.learn_logsnr)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -276,14 +280,17 @@ class ColaTextVAE(BackbonePreTrainedModel):
                             token_accuracy=accuracy, logsnr=self.encoder.logsnr().detach())
         return out, z
 
-    @capture_outputs
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, sample_latent: bool | None = None,
-                **kwargs) -> ColaVAEOutput:
+                return_dict: bool | None = None, **kwargs) -> ColaVAEOutput:
         """input_ids [B, T]; with labels (same shape, −100 = ignore; label i is token i, no shift) the loss.
-        sample_latent: decode z = μ + σ·ε (default in training) or μ (default in eval mode). `output_hidden_states`
-        and `return_dict` apply as in transformers."""
+        sample_latent: decode z = μ + σ·ε (default in training) or μ (default in eval mode). `return_dict` applies
+        as in transformers; hidden states and attentions are not recorded (see `_can_record_outputs`)."""
         check_forward_kwargs(self, kwargs)
+        for name in ("output_hidden_states", "output_attentions"):
+            if kwargs.get(name):
+                raise ValueError(f"{name} is not supported by the Cola VAE (its blocks are recorded by no one: the VAE "
+                                 f"is also a submodel of ColaModel, whose recorded states are the DiT's)")
         sample = self.training if sample_latent is None else sample_latent
         if labels is None:
             mean = self.encoder(input_ids, attention_mask)
@@ -292,7 +299,7 @@ class ColaTextVAE(BackbonePreTrainedModel):
                                 logsnr=self.encoder.logsnr().detach())
         else:
             out = self.losses(input_ids, labels, attention_mask, sample_latent=sample)[0]
-        return out
+        return out if return_dict is not False else out.to_tuple()
 
     @torch.no_grad()
     def reconstruction_accuracy(self, input_ids: torch.Tensor, noise_levels: tuple[float, ...] = (),
@@ -511,10 +518,17 @@ class ColaForCausalLM(ColaPreTrainedModel, MultiTokenGenerationMixin):
         self.reference_encoder = None
         if config.trains_vae and config.reference_kl_weight > 0:
             self.reference_encoder = ColaVAEEncoder(config.vae_config)  # frozen stage-1 encoder: KL anchor
-            self.reference_encoder.requires_grad_(False)
-        if not config.trains_vae:
-            self.model.vae.requires_grad_(False)
         self.post_init()
+        self.freeze_components()
+
+    def freeze_components(self) -> None:
+        """The reference encoder never trains; the VAE does not at `vae_learning_rate_ratio=0`; a fixed logSNR
+        does not."""
+        self.model.vae.freeze_components()
+        if self.reference_encoder is not None:
+            self.reference_encoder.requires_grad_(False)
+        if not self.config.trains_vae:
+            self.model.vae.requires_grad_(False)
 
     @classmethod
     def from_vae(cls, vae: "str | ColaTextVAE", config: ColaConfig | None = None, **config_kwargs) -> "ColaForCausalLM":

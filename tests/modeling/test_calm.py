@@ -420,3 +420,17 @@ def test_autoencoder_follows_the_transformers_output_conventions(tokenizer, tiny
     with pytest.raises(TypeError, match="foo"):
         ae(ids, foo=1)
     assert not ae._supports_sdpa  # no attention: nothing for transformers to dispatch
+
+
+def test_from_pretrained_keeps_the_autoencoder_frozen(tmp_path, tokenizer):
+    """transformers replaces loaded weights with new trainable parameters; the loaded CALM must still train only its
+    backbone and head (a trainable autoencoder that gets no gradient breaks DDP)."""
+    from hf_latentlm.families import build_model
+
+    torch.manual_seed(0)
+    calm = build_model("calm", "tiny", tokenizer, autoencoder=build_model("calm-ae", "tiny", tokenizer))
+    calm.save_pretrained(tmp_path / "calm")
+    loaded = type(calm).from_pretrained(tmp_path / "calm")
+    for model in (calm, loaded):
+        assert not any(p.requires_grad for p in model.autoencoder.parameters())
+        assert all(p.requires_grad for n, p in model.named_parameters() if not n.startswith("autoencoder."))

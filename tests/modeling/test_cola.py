@@ -690,8 +690,6 @@ def test_save_and_load_keep_a_vae_logsnr(tmp_path):
     assert ColaTextVAE.from_pretrained(tmp_path).encoder.logsnr.value.item() == pytest.approx(3.0)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: transformers 5's from_pretrained replaces every loaded parameter by a new "
-                                       "nn.Parameter(requires_grad=True), undoing the freezing done in __init__")
 def test_from_pretrained_keeps_what_init_froze(tmp_path):
     """A loaded model trains what a built one trains: a fixed logSNR, the reference encoder and a frozen VAE
     (vae_learning_rate_ratio 0) stay without gradient."""
@@ -706,3 +704,15 @@ def test_from_pretrained_keeps_what_init_froze(tmp_path):
                           ColaForCausalLM.from_pretrained(tmp_path / "frozen").model.vae.parameters()),
     }
     assert not any(trainable.values()), trainable
+
+
+def test_vae_refuses_to_record_outputs_it_cannot_give():
+    """The VAE is also a submodel of ColaModel, whose recorded hidden states must be the DiT's only, so the VAE
+    records nothing and says so instead of returning None."""
+    vae = ColaTextVAE(ColaVAEConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                    num_key_value_heads=1, num_hidden_layers=1, latent_size=8, vae_block_size=2))
+    ids = torch.randint(2, 64, (1, 8))
+    for name in ("output_hidden_states", "output_attentions"):
+        with pytest.raises(ValueError, match=name):
+            vae(ids, **{name: True})
+    assert isinstance(vae(ids, labels=ids, return_dict=False), tuple)

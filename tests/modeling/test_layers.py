@@ -683,8 +683,6 @@ def test_block_causal_layout_given_position_ids_brute_force():
     _check_block_layout(pad, 2, 3, 5, 2, torch.tensor([[3, 4, 5], [5, 6, 7]]))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: block_causal_layout places the NEW keys at arange/mask positions, not at "
-                                       "the given position_ids, so a query can see a key of a later position block")
 def test_block_causal_layout_new_keys_take_the_given_positions():
     # Items at positions 2..9 in blocks of 4: the item at position 2 (block 0) must not see those at 4 and 5 (block 1).
     position_ids = torch.arange(2, 10)[None]
