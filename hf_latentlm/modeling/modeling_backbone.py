@@ -3,6 +3,8 @@ weight init, token-embedding accessors and a `save_pretrained` that writes the f
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import PreTrainedModel
 
@@ -27,6 +29,15 @@ def check_backbone_inputs(config, input_ids, inputs_embeds, kwargs: dict) -> Non
     if kwargs.get("output_attentions") and config._attn_implementation != "eager":
         raise ValueError("output_attentions needs attn_implementation='eager' (SDPA does not return attention "
                          "probabilities)")
+
+
+def embedded_config(component_config):
+    """A copy of a trained component's config to embed in a composite model's config (CALM's autoencoder, Cola's
+    VAE): without its folder path or `auto_map`, so the composite checkpoint never points at another folder."""
+    embedded = copy.deepcopy(component_config)
+    embedded._name_or_path = ""
+    embedded.auto_map = None
+    return embedded
 
 
 def resized_vocab_size(model, new_num_tokens: int | None, pad_to_multiple_of: int | None) -> int:
@@ -95,4 +106,4 @@ class BackbonePreTrainedModel(PreTrainedModel):
         self.base_model.embed_tokens = value
 
 
-__all__ = ["BackbonePreTrainedModel", "check_backbone_inputs", "check_forward_kwargs", "resized_vocab_size"]
+__all__ = ["BackbonePreTrainedModel", "embedded_config", "check_backbone_inputs", "check_forward_kwargs", "resized_vocab_size"]

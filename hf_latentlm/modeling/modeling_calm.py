@@ -50,6 +50,7 @@ from .layers import (
 )
 from .modeling_backbone import (
     BackbonePreTrainedModel,
+    embedded_config,
     check_backbone_inputs,
     check_forward_kwargs,
 )
@@ -435,9 +436,7 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         chunk_size; the autoencoder's config is embedded (without its path) and its weights copied in."""
         if not isinstance(autoencoder, CALMAutoencoder):
             autoencoder = CALMAutoencoder.from_pretrained(autoencoder)
-        ae_config = copy.deepcopy(autoencoder.config)
-        ae_config._name_or_path = ""  # the CALM checkpoint must not point at another folder
-        ae_config.auto_map = None
+        ae_config = embedded_config(autoencoder.config)
         if config is None:
             config_kwargs.setdefault("vocab_size", ae_config.vocab_size)
             config_kwargs.setdefault("chunk_size", ae_config.chunk_size)

@@ -56,7 +56,12 @@ from .layers import (
     dual_stream_mask,
     init_backbone_weights,
 )
-from .modeling_backbone import BackbonePreTrainedModel, check_backbone_inputs, check_forward_kwargs
+from .modeling_backbone import (
+    BackbonePreTrainedModel,
+    check_backbone_inputs,
+    check_forward_kwargs,
+    embedded_config,
+)
 
 
 @dataclass
@@ -537,9 +542,7 @@ class ColaForCausalLM(ColaPreTrainedModel, MultiTokenGenerationMixin):
         the VAE's config is embedded without its path."""
         if not isinstance(vae, ColaTextVAE):
             vae = ColaTextVAE.from_pretrained(vae)
-        vae_config = copy.deepcopy(vae.config)
-        vae_config._name_or_path = ""
-        vae_config.auto_map = None
+        vae_config = embedded_config(vae.config)
         if config is None:
             config_kwargs.setdefault("vocab_size", vae_config.vocab_size)
             config = ColaConfig(**config_kwargs, vae_config=vae_config)
