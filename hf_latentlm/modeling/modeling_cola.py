@@ -37,7 +37,6 @@ from .flow import (
 )
 from .generation import (
     DecodingStep,
-    GenerateOutput,
     GenerationOptions,
     MultiTokenGenerationMixin,
     refuse_token_filters,
