@@ -737,21 +737,26 @@ class ColaForCausalLM(ColaPreTrainedModel, MultiTokenGenerationMixin):
             state.first_new = torch.zeros_like(state.first_new)
             calls["dit"] += 1
 
+        # The block's masks are the same at every ODE step: built once. Conditional branch: the cached history's
+        # real positions plus the block itself; unconditional branch: the block alone.
         history_mask = torch.cat([state.key_valid, state.key_valid.new_ones(batch, Q)], dim=1).long()
+        positions, conditional_mask = block_causal_layout(history_mask, batch, Q, state.key_valid.shape[1],
+                                                          self.config.block_size, device)
+        alone_mask = torch.ones(1, 1, Q, Q, dtype=torch.bool, device=device)
         guided = opt.guidance_scale != 1.0 and bool(state.has_history.any())
         has_history = state.has_history[:, None, None]
-        known_mask = None if state.known_mask is None else state.known_mask
+        known_mask = state.known_mask
         cache = ReadOnlyCache(state.dit_cache)
 
         def velocity_fn(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             times = t.to(device).expand(batch, Q)
             if known_mask is not None:
                 times = torch.where(known_mask, 0.0, times)
-            conditional = self.velocity(x, times, history_mask, cache=cache)
+            conditional = self.velocity(x, times, conditional_mask, positions, cache=cache)
             calls["dit"] += 1
             if not guided:
                 return conditional
-            unconditional = self.velocity(x, times, position_ids=state.block_positions)
+            unconditional = self.velocity(x, times, alone_mask, positions)
             calls["dit"] += 1
             # A row without history would get v_cond from both branches: it keeps v_cond exactly (w = 1).
             return torch.where(has_history, classifier_free_guidance(conditional, unconditional, opt.guidance_scale),
@@ -764,8 +769,7 @@ class ColaForCausalLM(ColaPreTrainedModel, MultiTokenGenerationMixin):
         known_mask_3d = None if known_mask is None else known_mask[..., None]
         block = solver.solve(velocity_fn, noise, state.known, known_mask_3d)
 
-        decoder_mask = torch.cat([state.key_valid, state.key_valid.new_ones(batch, Q)], dim=1).long()
-        logits = self.model.vae.decoder(block, decoder_mask, cache=state.decoder_cache).float()
+        logits = self.model.vae.decoder(block, history_mask, cache=state.decoder_cache).float()
         calls["vae_decoder"] += 1
         tokens = self._read_out(logits, state.generators, opt.temperature)
         state.pending_block = block
