@@ -173,6 +173,12 @@ class ColaConfig(BackboneConfig):
     def latent_size(self) -> int:
         return self.vae_config.latent_size
 
+    def time_sampler_kwargs(self) -> dict:
+        """The keyword arguments of `flow.make_time_sampler(self.time_sampler, ...)`."""
+        if self.time_sampler == "logit_normal":
+            return {"loc": self.time_loc, "scale": self.time_scale}
+        return {} if self.time_sampler == "uniform" else {"shift": self.time_shift}
+
     @property
     def trains_vae(self) -> bool:
         return self.vae_learning_rate_ratio > 0

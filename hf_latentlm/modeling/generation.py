@@ -103,6 +103,36 @@ class CallTally:
         return None if set(self.by_network) <= {"model"} else dict(self.by_network)
 
 
+@dataclass
+class BlockAlignedPrompts:
+    """Left-padded prompts laid out for a block-latent family (one latent per token, blocks of Q counted from each
+    row's first real token): rows are left-padded by whole blocks so that every row's current (first generated)
+    block sits in the same columns. `input_ids` / `real` [B, W]: the layout and its real columns, W =
+    history_blocks·Q + the longest partial block; `complete_blocks` [B]: the row's complete prompt blocks (its clean
+    history); `known_length` [B]: its tokens in the partial last block (the known part of the first block)."""
+
+    input_ids: torch.Tensor
+    real: torch.Tensor
+    complete_blocks: torch.Tensor
+    known_length: torch.Tensor
+    history_blocks: int
+
+
+def block_aligned_prompts(input_ids: torch.Tensor, request: GenerationRequest, block_size: int) -> BlockAlignedPrompts:
+    lengths = request.prompt_lengths
+    complete, known_len = lengths // block_size, lengths % block_size
+    history_blocks = int(complete.max())
+    width = history_blocks * block_size + int(known_len.max())
+    # Row b's real tokens start at column (history_blocks - complete_b)·Q of the aligned layout.
+    start = (history_blocks - complete) * block_size
+    column = torch.arange(width, device=input_ids.device)
+    real = (column[None] >= start[:, None]) & (column[None] < (start + lengths)[:, None])
+    source = (input_ids.shape[1] - lengths)[:, None] + column[None] - start[:, None]
+    aligned = torch.where(real, input_ids.gather(1, source.clamp(0, input_ids.shape[1] - 1)),
+                          torch.full_like(source, request.pad_token_id))
+    return BlockAlignedPrompts(aligned, real, complete, known_len, history_blocks)
+
+
 def check_prompt(input_ids: torch.Tensor | None) -> None:
     if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError("input_ids must be a non-empty [batch, length] tensor (empty batch or empty prompt)")
@@ -137,6 +167,16 @@ def row_seeds(seeds: list[int] | None, batch: int, name: str) -> list[int]:
     if len(seeds) != batch:
         raise ValueError(f"{name} has {len(seeds)} entries for a batch of {batch}")
     return [int(s) for s in seeds]
+
+
+def read_out_tokens(logits: torch.Tensor, generators: list[torch.Generator], temperature: float) -> torch.Tensor:
+    """[B, Q, V] logits of a latent family's decoder -> [B, Q] tokens: argmax at temperature 0, else a draw per row
+    from that row's own generator (so a row reads out the same tokens alone or in any batch)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1).cpu()
+    draws = [torch.multinomial(probs[b], 1, generator=g)[:, 0] for b, g in enumerate(generators)]
+    return torch.stack(draws).to(logits.device)
 
 
 def resolve_generation_request(family: str, config, generation_config, input_ids: torch.Tensor,
@@ -298,6 +338,6 @@ class MultiTokenGenerationMixin(GenerationMixin):
         raise NotImplementedError
 
 
-__all__ = ["DecodingStep", "GenerateOutput", "GenerationOptions", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",
-           "HARMLESS_HF_OPTIONS", "check_prompt", "pop_options", "refuse_token_filters", "reject_unknown_options",
+__all__ = ["BlockAlignedPrompts", "DecodingStep", "GenerateOutput", "GenerationOptions", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",
+           "HARMLESS_HF_OPTIONS", "block_aligned_prompts", "check_prompt", "pop_options", "read_out_tokens", "refuse_token_filters", "reject_unknown_options",
            "resolve_generation_request", "row_seeds"]

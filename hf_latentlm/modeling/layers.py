@@ -309,12 +309,13 @@ class DecoderBlock(GradientCheckpointingLayer):
         return out
 
 
-def decoder_layers(config) -> nn.ModuleList:
-    """`config.num_hidden_layers` DecoderBlocks sized from a backbone config (`BackboneConfig` field names)."""
+def decoder_layers(config, qk_norm: bool = False) -> nn.ModuleList:
+    """`config.num_hidden_layers` DecoderBlocks sized from a backbone config (`BackboneConfig` field names), with
+    per-head QK-norm if asked."""
     return nn.ModuleList(
         DecoderBlock(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                     config.intermediate_size, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps, layer_idx=i,
-                     config=config)
+                     config.intermediate_size, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+                     qk_norm=qk_norm, layer_idx=i, config=config)
         for i in range(config.num_hidden_layers)
     )
 
@@ -524,6 +525,29 @@ def dual_stream_mask(
         own = torch.eye(2 * length, dtype=torch.bool, device=device)
         mask = (mask & real[:, None, :]) | own
     return mask[:, None]
+
+
+def draw_block_conditions(time_sampler, batch: int, length: int, block_size: int, prompt_block_prob: float,
+                          history_dropout: float, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The random conditions of one dual-stream training pass of a block-causal denoiser (Cola DLM, AURORA-LM).
+
+    - times [B, length]: one flow time per (row, block) from `time_sampler.sample(shape, device=...)`, spread over
+      the block's positions, and 0 on clean leading positions;
+    - clean_lead [B, length] bool: with probability `prompt_block_prob` a block's first k positions (k uniform in
+      1..Q−1) enter clean at time 0, which trains the repaint of a prompt that ends mid-block (they are not scored);
+    - history_visible [B, num_blocks] bool: False with probability `history_dropout` (the block sees only itself:
+      the unconditional branch of classifier-free guidance), for `dual_stream_mask`.
+    """
+    num_blocks = -(-length // block_size)
+    block = torch.arange(length, device=device) // block_size
+    offset = torch.arange(length, device=device) % block_size
+    times = time_sampler.sample((batch, num_blocks), device=device)[:, block]
+    prompt_block = torch.rand(batch, num_blocks, device=device) < prompt_block_prob
+    known_len = torch.randint(1, max(block_size, 2), (batch, num_blocks), device=device)
+    clean_lead = (prompt_block & (block_size > 1))[:, block] & (offset[None] < known_len[:, block])
+    times = torch.where(clean_lead, 0.0, times)
+    history_visible = torch.rand(batch, num_blocks, device=device) >= history_dropout
+    return times, clean_lead, history_visible
 
 
 class DiTBlock(GradientCheckpointingLayer):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from .layers import init_backbone_weights
@@ -47,6 +48,19 @@ def resized_vocab_size(model, new_num_tokens: int | None, pad_to_multiple_of: in
     if pad_to_multiple_of is not None:
         size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
     return size
+
+
+def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """Mean CE over the `scored` positions (0, not NaN, when none is scored); static shapes (no boolean indexing)."""
+    nll = F.cross_entropy(logits.flatten(0, -2).float(), targets.clamp(min=0).flatten(), reduction="none")
+    keep = scored.flatten().float()
+    return (nll * keep).sum() / keep.sum().clamp(min=1)
+
+
+def scored_positions(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    scored = labels != -100
+    return scored if attention_mask is None else scored & attention_mask.bool()
+
 
 
 class BackbonePreTrainedModel(PreTrainedModel):
@@ -106,4 +120,5 @@ class BackbonePreTrainedModel(PreTrainedModel):
         self.base_model.embed_tokens = value
 
 
-__all__ = ["BackbonePreTrainedModel", "embedded_config", "check_backbone_inputs", "check_forward_kwargs", "resized_vocab_size"]
+__all__ = ["BackbonePreTrainedModel", "embedded_config", "check_backbone_inputs", "check_forward_kwargs",
+           "masked_cross_entropy", "resized_vocab_size", "scored_positions"]

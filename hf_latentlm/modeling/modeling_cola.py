@@ -38,7 +38,9 @@ from .flow import (
 from .generation import (
     DecodingStep,
     GenerationOptions,
+    block_aligned_prompts,
     MultiTokenGenerationMixin,
+    read_out_tokens,
     refuse_token_filters,
     row_seeds,
 )
@@ -52,6 +54,7 @@ from .layers import (
     block_causal_layout,
     decoder_layers,
     dit_layers,
+    draw_block_conditions,
     dual_stream_mask,
     init_backbone_weights,
 )
@@ -60,6 +63,8 @@ from .modeling_backbone import (
     check_backbone_inputs,
     check_forward_kwargs,
     embedded_config,
+    masked_cross_entropy,
+    scored_positions,
 )
 
 
@@ -180,18 +185,6 @@ def init_cola_weights(module: nn.Module, std: float) -> None:
     init_backbone_weights(module, std)
     if isinstance(module, LogSNR):
         module.value.fill_(module.initial)
-
-
-def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
-    """Mean CE over the `scored` positions (0, not NaN, when none is scored); static shapes (no boolean indexing)."""
-    nll = F.cross_entropy(logits.flatten(0, -2).float(), targets.clamp(min=0).flatten(), reduction="none")
-    keep = scored.flatten().float()
-    return (nll * keep).sum() / keep.sum().clamp(min=1)
-
-
-def scored_positions(labels: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    scored = labels != -100
-    return scored if attention_mask is None else scored & attention_mask.bool()
 
 
 def gaussian_kl(mean: torch.Tensor, std: torch.Tensor, ref_mean: torch.Tensor, ref_std: torch.Tensor) -> torch.Tensor:
@@ -642,20 +635,10 @@ class ColaForCausalLM(ColaPreTrainedModel, MultiTokenGenerationMixin):
             ref_kl = gaussian_kl(mean, vae.encoder.posterior_std(), ref_mean, ref_std)
             parts["reference_kl"] = (ref_kl * scored).sum() / scored.sum().clamp(min=1)
 
-        # Draws: one time per (row, block); a block's clean leading positions (trains the repaint of a prompt that
-        # ends mid-block); history dropout; the noise.
         Q, device = cfg.block_size, input_ids.device
-        num_blocks = -(-length // Q)
-        block = torch.arange(length, device=device) // Q
-        offset = torch.arange(length, device=device) % Q
-        sampler_kwargs = ({"loc": cfg.time_loc, "scale": cfg.time_scale} if cfg.time_sampler == "logit_normal" else
-                          {"shift": cfg.time_shift} if cfg.time_sampler == "shifted" else {})
-        t = make_time_sampler(cfg.time_sampler, **sampler_kwargs).sample((batch, num_blocks), device=device)[:, block]
-        prompt_block = torch.rand(batch, num_blocks, device=device) < cfg.prompt_block_prob
-        known_len = torch.randint(1, max(Q, 2), (batch, num_blocks), device=device)
-        clean_lead = (prompt_block & (Q > 1))[:, block] & (offset[None] < known_len[:, block])
-        t = torch.where(clean_lead, 0.0, t)
-        history_visible = torch.rand(batch, num_blocks, device=device) >= cfg.history_dropout
+        sampler = make_time_sampler(cfg.time_sampler, **cfg.time_sampler_kwargs())
+        t, clean_lead, history_visible = draw_block_conditions(sampler, batch, length, Q, cfg.prompt_block_prob,
+                                                               cfg.history_dropout, device)
         noise = torch.randn_like(z0)
         z_t = (1 - t[..., None]) * z0 + t[..., None] * noise
 
@@ -688,17 +671,9 @@ class ColaForCausalLM(ColaPreTrainedModel, MultiTokenGenerationMixin):
         generated block."""
         cfg, Q = self.config, self.config.block_size
         batch, device = input_ids.shape[0], input_ids.device
-        lengths = request.prompt_lengths
-        complete, known_len = lengths // Q, lengths % Q
-        history_blocks = int(complete.max())
-        width = history_blocks * Q + int(known_len.max())
-        # Row b's real tokens start at column (history_blocks - complete_b)·Q of the aligned layout.
-        start = (history_blocks - complete) * Q
-        column = torch.arange(width, device=device)
-        real = (column[None] >= start[:, None]) & (column[None] < (start + lengths)[:, None])
-        source = (input_ids.shape[1] - lengths)[:, None] + column[None] - start[:, None]
-        aligned = torch.where(real, input_ids.gather(1, source.clamp(0, input_ids.shape[1] - 1)),
-                              torch.full_like(source, request.pad_token_id))
+        layout = block_aligned_prompts(input_ids, request, Q)
+        aligned, real, history_blocks = layout.input_ids, layout.real, layout.history_blocks
+        complete, known_len = layout.complete_blocks, layout.known_length
         vae = self.model.vae
         mean = vae.encoder(aligned, real.long())
         calls = {"vae_encoder": 1, "dit": 0, "vae_decoder": 0}
@@ -771,21 +746,11 @@ class ColaForCausalLM(ColaPreTrainedModel, MultiTokenGenerationMixin):
 
         logits = self.model.vae.decoder(block, history_mask, cache=state.decoder_cache).float()
         calls["vae_decoder"] += 1
-        tokens = self._read_out(logits, state.generators, opt.temperature)
+        tokens = read_out_tokens(logits, state.generators, opt.temperature)
         state.pending_block = block
         # Row b's new tokens are the block's positions from first_new_b on, moved to the front.
         index = (state.first_new[:, None] + torch.arange(Q, device=device)[None]).clamp(max=Q - 1)
         return DecodingStep(tokens.gather(1, index), counts=Q - state.first_new, model_calls=calls)
-
-    @staticmethod
-    def _read_out(logits: torch.Tensor, generators: list[torch.Generator], temperature: float) -> torch.Tensor:
-        """[B, Q, V] decoder logits -> [B, Q] tokens: argmax at temperature 0, else a draw per row from its own
-        generator."""
-        if temperature == 0:
-            return logits.argmax(-1)
-        probs = torch.softmax(logits / temperature, dim=-1).cpu()
-        draws = [torch.multinomial(probs[b], 1, generator=g)[:, 0] for b, g in enumerate(generators)]
-        return torch.stack(draws).to(logits.device)
 
 
 __all__ = ["ColaConfig", "ColaForCausalLM", "ColaGenerationOptions", "ColaModel", "ColaOutput", "ColaTextVAE",
