@@ -1,7 +1,7 @@
 # Copyright 2025 The hf-latentlm authors. Licensed under the Apache License, Version 2.0.
 """Shared latent-flow core for the latent-diffusion LM families (Cola DLM, AURORA-LM): training-time samplers of
-the flow time, ODE samplers in the style of diffusers' schedulers, clean-condition repainting, classifier-free
-guidance and the timestep embedding.
+the flow time, ODE samplers in the style of diffusers' schedulers, helpers for clean-latent (x0) predictions,
+clean-condition repainting, classifier-free guidance and the timestep embedding.
 
 Convention (rectified flow): x_t = (1 - t) * x0 + t * x1 with x0 the clean latent (data) and x1 ~ N(0, I) the noise,
 so the target velocity is v = dx_t/dt = x1 - x0. Sampling integrates from t = 1 (noise) down to t = 0 (data).
@@ -21,11 +21,15 @@ from torch import nn
 __all__ = [
     "logit_normal_times",
     "shift_times",
+    "tan_shift_times",
     "LogitNormalTimeSampler",
     "ShiftedTimeSampler",
+    "TanShiftTimeSampler",
     "make_time_sampler",
     "FlowMatchEulerSampler",
     "FlowMatchHeunSampler",
+    "x0_to_velocity",
+    "euler_step_from_x0",
     "repaint",
     "classifier_free_guidance",
     "sinusoidal_timestep_embedding",
@@ -45,6 +49,17 @@ def _default_device(device, generator: Optional[torch.Generator]):
     return device
 
 
+def _wide_float(device) -> torch.dtype:
+    # float64 for exact comparisons and the tan pole; MPS has no float64.
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
+def _clamp_inside_unit_interval(t: torch.Tensor) -> torch.Tensor:
+    # Keep float32 times strictly inside (0, 1) so that x_t is never exactly the data or exactly the noise.
+    finfo = torch.finfo(torch.float32)
+    return t.clamp(min=finfo.tiny, max=1.0 - finfo.eps / 2)
+
+
 def logit_normal_times(shape, loc: float = 0.0, scale: float = 1.0, generator: Optional[torch.Generator] = None,
                        device=None) -> torch.Tensor:
     """Flow times t = sigmoid(loc + scale * z), z ~ N(0, 1): float32 tensor of `shape` (int or tuple), in (0, 1).
@@ -54,10 +69,8 @@ def logit_normal_times(shape, loc: float = 0.0, scale: float = 1.0, generator: O
     """
     z = torch.randn(shape, generator=generator, device=_default_device(device, generator), dtype=torch.float32)
     t = torch.sigmoid(loc + scale * z)
-    # float32 sigmoid rounds to exactly 1 for logits above ~17 (and to 0 far below); keep t strictly inside (0, 1)
-    # so that x_t is never exactly the data or exactly the noise.
-    finfo = torch.finfo(torch.float32)
-    return t.clamp(min=finfo.tiny, max=1.0 - finfo.eps / 2)
+    # float32 sigmoid rounds to exactly 1 for logits above ~17 (and to 0 far below).
+    return _clamp_inside_unit_interval(t)
 
 
 def shift_times(t, shift: float) -> torch.Tensor:
@@ -69,6 +82,37 @@ def shift_times(t, shift: float) -> torch.Tensor:
     if not shift > 0:
         raise ValueError(f"shift must be > 0, got {shift}")
     return shift * t / (1 + (shift - 1) * t)
+
+
+def _check_tan_shift(shift) -> float:
+    # Finite as well as positive: d = inf would give inf / inf = NaN at u = 0.
+    try:
+        value = float(shift)
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(shift, bool) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"shift must be a finite number > 0, got {shift!r}")
+    return value
+
+
+def tan_shift_times(u, shift: float) -> torch.Tensor:
+    """AURORA-LM's "tan-d" noise schedule σ(u; d) = d·tan(πu/2) / (1 + d·tan(πu/2)), elementwise on u (tensor or
+    number, values in [0, 1]) with d = shift > 0 -> float32 tensor of u's shape, values in [0, 1].
+
+    Monotone increasing with σ(0) = 0 and σ(1) = 1 exactly (the pole of tan gives the limit, not NaN). Larger d puts
+    more mass near the noise end; d = 1 maps u = 1/2 to 1/2. It equals the SD3 shift of the d = 1 schedule:
+    shift_times(σ(u; 1), d). With u ~ U[0, 1), Pr(σ > a) = 1 - (2/π)·atan(a / ((1 - a)·d)).
+    Raises ValueError unless shift is a finite number > 0.
+    """
+    shift = _check_tan_shift(shift)
+    u = torch.as_tensor(u)
+    theta = (math.pi / 2) * u.to(_wide_float(u.device))
+    sine = torch.sin(theta)
+    # d·tan/(1 + d·tan) = d·sin/(cos + d·sin): no overflow near the pole; at u = 1 set 1 exactly because cos(π/2)
+    # rounds to a tiny nonzero value (negative in float32).
+    sigma = shift * sine / (torch.cos(theta) + shift * sine)
+    sigma = torch.where(u == 1, torch.ones_like(sigma), sigma)
+    return sigma.to(torch.float32)
 
 
 class LogitNormalTimeSampler:
@@ -105,9 +149,41 @@ class ShiftedTimeSampler:
         return f"{type(self).__name__}(shift={self.shift})"
 
 
+class TanShiftTimeSampler:
+    """Draws training noise levels σ = tan_shift_times(u, shift), u ~ U[0, 1) (AURORA-LM's "tan-d", paper d = 7).
+
+    shift: d > 0; larger d puts more mass at high noise (Pr(σ > 0.7) = 0.258 / 0.579 / 0.722 / 0.795 for
+    d = 1 / 3 / 5 / 7).
+    """
+
+    def __init__(self, shift: float = 7.0):
+        self.shift = _check_tan_shift(shift)
+
+    def sample(self, shape, generator: Optional[torch.Generator] = None, device=None) -> torch.Tensor:
+        """shape: int or tuple -> float32 noise levels of that shape in (0, 1)."""
+        u = torch.rand(shape, generator=generator, device=_default_device(device, generator), dtype=torch.float32)
+        # u = 0 gives σ = 0, and u near 1 (or a large d) rounds σ to 1 in float32.
+        return _clamp_inside_unit_interval(tan_shift_times(u, self.shift))
+
+    def high_noise_mass(self, threshold: float = 0.7) -> float:
+        """Exact Pr(σ > threshold) of the continuous schedule: 1 - (2/π)·atan(threshold / ((1 - threshold)·d)).
+
+        threshold in [0, 1] (1 gives 0). The paper compares schedules by this mass at threshold 0.7.
+        """
+        if not 0 <= threshold <= 1:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        if threshold == 1:
+            return 0.0
+        return 1.0 - (2 / math.pi) * math.atan(threshold / ((1 - threshold) * self.shift))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shift={self.shift})"
+
+
 def make_time_sampler(kind: str, **kwargs):
-    """Build a training-time sampler by name: "logit_normal" (kwargs loc, scale), "shifted" (kwarg shift) or
-    "uniform" (no kwargs; a shifted sampler with shift 1). Raises ValueError for any other kind."""
+    """Build a training-time sampler by name: "logit_normal" (kwargs loc, scale), "shifted" (kwarg shift),
+    "uniform" (no kwargs; a shifted sampler with shift 1) or "tan" (kwarg shift: AURORA-LM's tan-d schedule,
+    `TanShiftTimeSampler`). Raises ValueError for any other kind."""
     if kind == "logit_normal":
         return LogitNormalTimeSampler(**kwargs)
     if kind == "shifted":
@@ -116,7 +192,9 @@ def make_time_sampler(kind: str, **kwargs):
         if kwargs:
             raise TypeError(f"the uniform time sampler takes no arguments, got {sorted(kwargs)}")
         return ShiftedTimeSampler(shift=1.0)
-    raise ValueError(f"unknown time sampler kind {kind!r}; expected 'logit_normal', 'shifted' or 'uniform'")
+    if kind == "tan":
+        return TanShiftTimeSampler(**kwargs)
+    raise ValueError(f"unknown time sampler kind {kind!r}; expected 'logit_normal', 'shifted', 'uniform' or 'tan'")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -195,6 +273,22 @@ class FlowMatchEulerSampler:
         dt = self.timesteps[step_index + 1] - self.timesteps[step_index]
         return sample + dt * velocity
 
+    def previous_timestep(self, t: torch.Tensor) -> torch.Tensor:
+        """Where this sampler's next Euler step goes from time t: the largest grid time strictly below t.
+
+        t: tensor [...] of times in (0, 1], not necessarily on the grid -> tensor of the same shape, dtype and device.
+        A t exactly on the grid goes to the next grid point down (t = 1 -> timesteps[1]); t at or below the smallest
+        positive grid time goes to 0. This is Prev_S(t) of AURORA-LM's self-trajectory consistency. The comparison
+        is exact (in float64); the result is then rounded to t's dtype, so pass float32 times (bf16 can round a
+        fine grid's neighbour back onto t).
+        """
+        wide = _wide_float(t.device)
+        ascending = self.timesteps.flip(0).to(device=t.device, dtype=wide)  # 0.0 first, 1.0 last
+        # First index with grid >= t; the one before it is the largest grid time < t (index 0, time 0, for t <= 0).
+        index = torch.searchsorted(ascending, t.to(wide).reshape(-1), right=False)
+        previous = ascending[(index - 1).clamp(min=0)]
+        return previous.reshape(t.shape).to(t.dtype)
+
     def solve(self, velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor,
               known: Optional[torch.Tensor] = None, known_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Integrate from `noise` (the state at t = 1) to t = 0 and return the final state.
@@ -244,6 +338,32 @@ class FlowMatchHeunSampler(FlowMatchEulerSampler):
             velocity_next = velocity_fn(predicted, self.timesteps[i + 1])
             x = self.step((velocity + velocity_next) / 2, i, x)
         return repaint(x, known, known_mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Clean-latent (x0) predictions
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def x0_to_velocity(sample: torch.Tensor, x0: torch.Tensor, t) -> torch.Tensor:
+    """Velocity implied by a clean-latent prediction: v = (sample - x0) / t, since x_t = x0 + t * (x1 - x0).
+
+    sample [...]: the state x_t; x0: the predicted clean latent, shaped like sample; t: time(s), a number or a tensor
+    broadcastable to sample (e.g. [B, 1, 1]), every value > 0 (t = 0 divides by zero). Returns sample's dtype.
+    """
+    return ((sample - x0) / t).to(sample.dtype)
+
+
+def euler_step_from_x0(sample: torch.Tensor, x0: torch.Tensor, t, t_next) -> torch.Tensor:
+    """One Euler step from t to t_next with the velocity of a clean-latent prediction, written in x0 form:
+    (t_next / t) * sample + (1 - t_next / t) * x0, i.e. sample + (t_next - t) * x0_to_velocity(sample, x0, t).
+
+    sample [...]: the state at t; x0: predicted clean latent, shaped like sample; t, t_next: numbers or tensors
+    broadcastable to sample, t > 0 and usually t_next < t. Exact at both ends: t_next = 0 returns x0 and t_next = t
+    returns sample. The ratio is formed in the times' dtype; the result has sample's dtype.
+    """
+    ratio = t_next / t
+    return (ratio * sample + (1 - ratio) * x0).to(sample.dtype)
 
 
 def classifier_free_guidance(conditional: torch.Tensor, unconditional: torch.Tensor, scale: float) -> torch.Tensor:

@@ -2,6 +2,7 @@
 ODE solvers from error ratios, time samplers against their distributions, and (when installed) diffusers' Euler
 scheduler."""
 
+import itertools
 import math
 
 import numpy as np
@@ -13,13 +14,17 @@ from hf_latentlm.modeling.flow import (
     FlowMatchHeunSampler,
     LogitNormalTimeSampler,
     ShiftedTimeSampler,
+    TanShiftTimeSampler,
     TimestepEmbedding,
     classifier_free_guidance,
+    euler_step_from_x0,
     logit_normal_times,
     make_time_sampler,
     repaint,
     shift_times,
     sinusoidal_timestep_embedding,
+    tan_shift_times,
+    x0_to_velocity,
 )
 
 SAMPLERS = [FlowMatchEulerSampler, FlowMatchHeunSampler]
@@ -122,6 +127,99 @@ def test_euler_step_and_dtype():
         sampler.step(velocity, 4, sample)
 
 
+def brute_force_previous(grid, t):
+    # Reference Prev_S(t): scan the whole grid for the largest value strictly below t (0 if there is none).
+    best = 0.0
+    for value in grid:
+        if value < t and value > best:
+            best = value
+    return best
+
+
+@pytest.mark.parametrize("num_steps", [1, 4, 16])
+@pytest.mark.parametrize("shift", [1.0, 3.0, 0.5])
+def test_previous_timestep_against_a_brute_force_scan(num_steps, shift):
+    sampler = FlowMatchEulerSampler(num_steps=num_steps, shift=shift)
+    grid = sampler.timesteps.tolist()  # float32 values, exact as Python floats
+    midpoints = [(a + b) / 2 for a, b in itertools.pairwise(grid)]
+    smallest = grid[-2]  # the smallest positive grid time
+    random = torch.rand(200, generator=torch.Generator().manual_seed(3)).clamp(min=1e-6).tolist()
+    queries = grid[:-1] + midpoints + [1.0, smallest, smallest / 2, 1e-7, 1e-30] + random
+    t = torch.tensor(queries, dtype=torch.float32)
+    out = sampler.previous_timestep(t)
+    assert out.shape == t.shape and out.dtype == torch.float32 and out.device == t.device
+    expected = [brute_force_previous(grid, value) for value in t.tolist()]
+    assert out.tolist() == expected
+    # On-grid times step to the next grid point down; t = 1 goes to timesteps[1]; tiny times go to 0.
+    assert out[:num_steps].tolist() == grid[1:]
+    assert sampler.previous_timestep(torch.tensor(1.0)).item() == grid[1]
+    assert out[-len(random) - 3:-len(random)].tolist() == [0.0, 0.0, 0.0]
+    assert sampler.previous_timestep(torch.tensor(smallest)).item() == 0.0
+
+
+def test_previous_timestep_shapes_dtypes_and_new_grids():
+    sampler = FlowMatchEulerSampler(num_steps=16)
+    # The 16-step uniform grid: 0.6 lies between 10/16 and 9/16.
+    assert sampler.previous_timestep(torch.tensor(0.6)).item() == 9 / 16
+    t = torch.tensor([[0.6, 0.5], [1.0, 0.01]], dtype=torch.float64)
+    out = sampler.previous_timestep(t)
+    assert out.dtype == torch.float64 and out.shape == (2, 2)
+    assert out.tolist() == [[9 / 16, 7 / 16], [15 / 16, 0.0]]
+    # A float64 time a hair above a grid point still has that grid point strictly below it.
+    assert sampler.previous_timestep(torch.tensor([0.5 + 1e-12], dtype=torch.float64)).item() == 0.5
+    assert sampler.previous_timestep(torch.tensor([0.75], dtype=torch.bfloat16)).dtype == torch.bfloat16
+    sampler.set_timesteps(num_steps=2)
+    assert sampler.previous_timestep(torch.tensor([1.0, 0.75, 0.5])).tolist() == [0.5, 0.5, 0.0]
+
+
+# --- clean-latent (x0) helpers ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_steps,shift", [(1, 1.0), (4, 1.0), (16, 3.0), (9, 0.5)])
+def test_euler_step_from_x0_is_the_euler_step_of_the_implied_velocity(num_steps, shift):
+    generator = torch.Generator().manual_seed(4)
+    sample, x0 = torch.randn(2, 3, 5, 4, dtype=torch.float64, generator=generator)
+    sampler = FlowMatchEulerSampler(num_steps=num_steps, shift=shift)
+    for i in range(num_steps):
+        t, t_next = sampler.timesteps[i], sampler.timesteps[i + 1]
+        expected = sampler.step(x0_to_velocity(sample, x0, t), i, sample)
+        out = euler_step_from_x0(sample, x0, t, t_next)
+        assert out.dtype == torch.float64
+        # The grid times are float32: the step's dt and the ratio t_next / t each round at float32 precision.
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    # Per-example times broadcast over the trailing dimensions.
+    t, t_next = torch.tensor([0.8, 0.3, 0.5], dtype=torch.float64)[:, None, None], 0.25
+    expected = sample + (t_next - t) * (sample - x0) / t
+    torch.testing.assert_close(euler_step_from_x0(sample, x0, t, t_next), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_x0_helpers_hand_values_and_endpoints():
+    sample, x0 = torch.tensor([1.0, 2.0]), torch.tensor([0.5, -2.0])
+    # (sample - x0) / t at t = 1/2: [0.5, 4] * 2.
+    assert torch.equal(x0_to_velocity(sample, x0, 0.5), torch.tensor([1.0, 8.0]))
+    # t = 1 -> t_next = 1/4: 1/4 * sample + 3/4 * x0.
+    assert torch.equal(euler_step_from_x0(sample, x0, 1.0, 0.25), torch.tensor([0.625, -1.0]))
+    assert torch.equal(euler_step_from_x0(sample, x0, torch.tensor(0.3), torch.tensor(0.0)), x0)
+    assert torch.equal(euler_step_from_x0(sample, x0, 0.3, 0.3), sample)
+    bf16 = sample.to(torch.bfloat16)
+    assert x0_to_velocity(bf16, x0, torch.full((2,), 0.5)).dtype == torch.bfloat16
+    assert euler_step_from_x0(bf16, x0, torch.full((2,), 0.5), torch.zeros(2)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("num_steps,shift", [(1, 1.0), (2, 1.0), (7, 3.0), (16, 1.0), (33, 0.5)])
+def test_exact_x0_prediction_follows_the_straight_line_and_lands_on_the_data(num_steps, shift):
+    # With x0_hat = x0 the Euler step in x0 form maps (1 - t) x0 + t eps to (1 - t') x0 + t' eps for any t' < t, and
+    # the last step (t' = 0) returns x0_hat itself.
+    generator = torch.Generator().manual_seed(5)
+    x0, eps = torch.randn(2, 4, 6, dtype=torch.float64, generator=generator)
+    times = FlowMatchEulerSampler(num_steps=num_steps, shift=shift).timesteps.double()
+    x = eps
+    for t, t_next in itertools.pairwise(times):
+        x = euler_step_from_x0(x, x0, t, t_next)
+        torch.testing.assert_close(x, (1 - t_next) * x0 + t_next * eps, rtol=0, atol=1e-12)
+    assert torch.equal(x, x0)
+
+
 # --- repaint and guidance --------------------------------------------------------------------------------------------
 
 
@@ -203,12 +301,84 @@ def test_shifted_time_sampler_cdf():
     assert abs((uniform <= 0.5).double().mean().item() - 0.5) < 4 * math.sqrt(0.25 / n)
 
 
+# Pr(sigma > 0.7) of tan-d as printed in the AURORA-LM paper (Fig. 6b / method specs).
+PAPER_HIGH_NOISE_MASS = {1.0: 0.258, 3.0: 0.579, 5.0: 0.722, 7.0: 0.795}
+
+
+def tan_reference(tau, d):
+    return d * math.tan(math.pi * tau / 2) / (1 + d * math.tan(math.pi * tau / 2))
+
+
+@pytest.mark.parametrize("shift", sorted(PAPER_HIGH_NOISE_MASS))
+def test_tan_sampler_high_noise_mass_matches_the_paper(shift):
+    n = 400_000
+    sampler = TanShiftTimeSampler(shift)
+    sigma = sampler.sample((n,), generator=torch.Generator().manual_seed(int(shift)))
+    assert sigma.dtype == torch.float32 and sigma.shape == (n,)
+    assert bool((sigma > 0).all()) and bool((sigma < 1).all())
+    # 0.005 covers the paper's 3-decimal rounding plus > 6 standard errors of a proportion (sqrt(1/4n) < 0.0008).
+    assert abs((sigma > 0.7).double().mean().item() - PAPER_HIGH_NOISE_MASS[shift]) < 0.005
+    assert sampler.high_noise_mass() == pytest.approx(PAPER_HIGH_NOISE_MASS[shift], abs=0.001)
+    assert sampler.high_noise_mass(0.7) == sampler.high_noise_mass()
+
+
+def test_tan_sampler_cdf_at_other_thresholds():
+    n, shift = 400_000, 3.0
+    sampler = TanShiftTimeSampler(shift)
+    sigma = sampler.sample(n, generator=torch.Generator().manual_seed(11))
+    for threshold in (0.1, 0.5, 0.9, 0.99):
+        # Reference from inverting sigma > a: tan(pi u / 2) > a / ((1 - a) d), u uniform.
+        expected = 1 - 2 / math.pi * math.atan(threshold / ((1 - threshold) * shift))
+        assert sampler.high_noise_mass(threshold) == pytest.approx(expected, rel=1e-12)
+        assert abs((sigma > threshold).double().mean().item() - expected) < 4 * math.sqrt(expected * (1 - expected) / n)
+    assert sampler.high_noise_mass(0.0) == 1.0 and sampler.high_noise_mass(1.0) == 0.0
+    with pytest.raises(ValueError, match="threshold"):
+        sampler.high_noise_mass(1.5)
+    first, second = (sampler.sample((2, 3), generator=torch.Generator().manual_seed(2)) for _ in range(2))
+    assert first.shape == (2, 3) and torch.equal(first, second)
+    assert repr(TanShiftTimeSampler()) == "TanShiftTimeSampler(shift=7.0)"
+
+
+def test_tan_shift_times_values_endpoints_and_monotonicity():
+    tau = [0.0, 0.1, 0.25, 0.5, 0.8, 0.95, 0.999]
+    for d in (0.3, 1.0, 7.0):
+        out = tan_shift_times(torch.tensor(tau, dtype=torch.float64), d)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, torch.tensor([tan_reference(x, d) for x in tau], dtype=torch.float32),
+                                   rtol=1e-6, atol=1e-7)
+    assert tan_shift_times(torch.tensor([0.5]), 1.0).item() == 0.5  # tan(pi/4) = 1 -> 1/2
+    # tau = 1 is the pole of tan: the limit 1 exactly, also for float32 input and tiny or huge d.
+    for d in (1e-9, 0.01, 1.0, 7.0, 1e9):
+        ends = tan_shift_times(torch.tensor([0.0, 1.0]), d)
+        assert ends.tolist() == [0.0, 1.0]
+    grid = torch.linspace(0, 1, 2001, dtype=torch.float64)
+    for d in (0.5, 1.0, 7.0):
+        sigma = tan_shift_times(grid, d)
+        assert not bool(sigma.isnan().any()) and bool((sigma.diff() > 0).all())
+    # Larger d, more noise at every interior time; and tan-d is the SD3 shift of the d = 1 schedule.
+    inner = grid[1:-1]
+    assert bool((tan_shift_times(inner, 7.0) > tan_shift_times(inner, 3.0)).all())
+    via_shift = shift_times(tan_shift_times(inner, 1.0).double(), 7.0).float()
+    torch.testing.assert_close(tan_shift_times(inner, 7.0), via_shift, rtol=1e-6, atol=1e-7)
+
+
+def test_tan_sampler_stays_inside_the_interval():
+    # With a huge d nearly every draw rounds to 1 in float32 before the clamp.
+    sigma = TanShiftTimeSampler(1e9).sample(1000, generator=torch.Generator().manual_seed(0))
+    assert bool((sigma < 1).all()) and bool((sigma > 0).all())
+
+
 def test_make_time_sampler():
     sampler = make_time_sampler("logit_normal", loc=-0.3, scale=0.8)
     assert isinstance(sampler, LogitNormalTimeSampler) and (sampler.loc, sampler.scale) == (-0.3, 0.8)
     assert make_time_sampler("shifted", shift=2.0).shift == 2.0
     uniform = make_time_sampler("uniform")
     assert isinstance(uniform, ShiftedTimeSampler) and uniform.shift == 1.0
+    tan = make_time_sampler("tan", shift=3)
+    assert isinstance(tan, TanShiftTimeSampler) and tan.shift == 3.0 and isinstance(tan.shift, float)
+    assert make_time_sampler("tan").shift == 7.0
+    with pytest.raises(ValueError, match="'tan'"):
+        make_time_sampler("tan_d")
 
 
 def test_bad_arguments_raise_value_errors_naming_them():
@@ -218,7 +388,10 @@ def test_bad_arguments_raise_value_errors_naming_them():
             make()
     for make in (lambda: FlowMatchEulerSampler(shift=0.0), lambda: FlowMatchHeunSampler(shift=-1.0),
                  lambda: ShiftedTimeSampler(shift=0.0), lambda: shift_times(torch.rand(3), 0.0),
-                 lambda: make_time_sampler("shifted", shift=0.0)):
+                 lambda: make_time_sampler("shifted", shift=0.0), lambda: TanShiftTimeSampler(shift=0.0),
+                 lambda: TanShiftTimeSampler(shift=-7.0), lambda: TanShiftTimeSampler(shift=float("nan")),
+                 lambda: TanShiftTimeSampler(shift=float("inf")), lambda: tan_shift_times(torch.rand(3), 0.0),
+                 lambda: make_time_sampler("tan", shift=-1.0)):
         with pytest.raises(ValueError, match="shift"):
             make()
     with pytest.raises(ValueError, match="scale"):
