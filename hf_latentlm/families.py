@@ -16,6 +16,10 @@ from typing import Callable, Mapping
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from .modeling import (
+    AuroraAutoencoder,
+    AuroraAutoencoderConfig,
+    AuroraConfig,
+    AuroraForCausalLM,
     CALMAutoencoder,
     CALMAutoencoderConfig,
     CALMConfig,
@@ -217,6 +221,24 @@ def build_cola(preset: Preset, tokenizer, vae: ColaTextVAE, **overrides) -> Cola
     return ColaForCausalLM.from_vae(vae, **{**backbone_config_kwargs(preset, tokenizer), **overrides})
 
 
+def build_aurora_autoencoder(preset: Preset, tokenizer, **overrides) -> AuroraAutoencoder:
+    """AURORA-LM's query autoencoder; its size comes from the family's preset overrides."""
+    return AuroraAutoencoder(AuroraAutoencoderConfig(
+        vocab_size=len(tokenizer), **special_token_kwargs(tokenizer), max_position_embeddings=preset.max_position_embeddings,
+        rope_theta=preset.rope_theta, **overrides))
+
+
+def build_aurora(preset: Preset, tokenizer, autoencoder: AuroraAutoencoder, **overrides) -> AuroraForCausalLM:
+    """AURORA-LM: a denoiser on the preset's backbone around a trained autoencoder, which is frozen and copied in."""
+    return AuroraForCausalLM.from_autoencoder(autoencoder, **{**backbone_config_kwargs(preset, tokenizer), **overrides})
+
+
+def _aurora_autoencoder_report(folder: str) -> str:
+    from .eval.aurora import autoencoder_report
+
+    return autoencoder_report(folder)
+
+
 def _cola_vae_report(folder: str) -> str:
     from .eval.cola import vae_report
 
@@ -281,4 +303,32 @@ register_family(FamilySpec(
     name="cola", build=build_cola, config_class=ColaConfig, model_class=ColaForCausalLM,
     components={"vae": "cola-vae"}, lora_target_modules=BACKBONE_LORA_TARGETS,
     preset_overrides={"tiny": {"block_size": 4}, "small": {"block_size": 16}, "base": {"block_size": 16}},
+))
+
+register_family(FamilySpec(
+    name="aurora-ae", build=build_aurora_autoencoder, config_class=AuroraAutoencoderConfig,
+    model_class=AuroraAutoencoder, language_model=False, training_report=_aurora_autoencoder_report,
+    # The paper's S autoencoder has 6 + 6 blocks of width D = 768; `small` keeps the query design at D = 128 with
+    # 2 + 2 blocks, so that an autoencoder run takes minutes on 2 CPU cores.
+    preset_overrides={
+        "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+                 "num_key_value_heads": 2},
+        "small": {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2},
+        "base": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 6, "num_attention_heads": 12,
+                 "num_key_value_heads": 4},
+    },
+))
+
+register_family(FamilySpec(
+    name="aurora", build=build_aurora, config_class=AuroraConfig, model_class=AuroraForCausalLM,
+    components={"autoencoder": "aurora-ae"},
+    lora_target_modules=r"model\.denoiser\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
+    # D_b scales with the latent width (paper: 128 of 768); λ_ct ramps over the first half of a `small` run (paper:
+    # 10k steps of the S model's run).
+    preset_overrides={
+        "tiny": {"block_size": 4, "noisy_input_rank": 16, "consistency_warmup_steps": 10},
+        "small": {"block_size": 16, "noisy_input_rank": 64, "consistency_warmup_steps": 300},
+        "base": {"block_size": 16, "noisy_input_rank": 128, "consistency_warmup_steps": 10000},
+    },
 ))

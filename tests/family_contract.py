@@ -62,22 +62,23 @@ def check_batched_rows_match_running_each_alone(model, rows, tokenizer, left_pad
 
 def check_eos_stops_a_row_and_pads_it(model, rows, tokenizer):
     prompt = rows[1600:1602, :8]
-    free = model.generate(prompt, max_new_tokens=20, eos_token_id=None, **seeded(model, [1, 2]))[0, 8:]
-    # The first token that did not occur before in row 0, at index >= 5, becomes row 0's end-of-sequence.
-    first = next(i for i in range(5, 20) if free[i] not in free[:i])
-    stop = int(free[first])
+    free = model.generate(prompt, max_new_tokens=20, eos_token_id=None, **seeded(model, [1, 2]))[:, 8:]
+    # The first token that did not occur before in a row, at index >= 5, becomes that row's end-of-sequence (the
+    # first row that has one: an untrained latent model's read-out can repeat one token for a whole row).
+    row, first = next((r, i) for r in range(2) for i in range(5, 20) if free[r, i] not in free[r, :i])
+    stop = int(free[row, first])
     out = model.generate(prompt, max_new_tokens=20, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id,
                          return_dict_in_generate=True, **seeded(model, [1, 2]))
     assert type(out).__name__ == "GenerateOutput"  # by name: a remote-code or copied family has its own class
-    assert out.num_new_tokens[0].item() == first + 1
-    assert out.sequences[0, 8:8 + first + 1].tolist() == free[:first + 1].tolist()
-    assert (out.sequences[0, 8 + first + 1:] == tokenizer.pad_token_id).all()
+    assert out.num_new_tokens[row].item() == first + 1
+    assert out.sequences[row, 8:8 + first + 1].tolist() == free[row, :first + 1].tolist()
+    assert (out.sequences[row, 8 + first + 1:] == tokenizer.pad_token_id).all()
     assert out.model_calls.shape == (2,) and (out.model_calls >= 1).all()
     # min_new_tokens: the same EOS does not stop the row before that many tokens.
     later = model.generate(prompt, max_new_tokens=20, eos_token_id=stop, min_new_tokens=first + 2,
                            return_dict_in_generate=True, **seeded(model, [1, 2]))
-    assert later.num_new_tokens[0].item() >= first + 2
-    assert later.sequences[0, 8:8 + first + 2].tolist() == free[:first + 2].tolist()
+    assert later.num_new_tokens[row].item() >= first + 2
+    assert later.sequences[row, 8:8 + first + 2].tolist() == free[row, :first + 2].tolist()
 
 
 def check_streamer_receives_prompt_then_every_new_token(model, rows, streamer):

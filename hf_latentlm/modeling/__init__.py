@@ -4,9 +4,11 @@ also carry the flat modeling files and a full `auto_map` for `trust_remote_code`
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .configuration_aurora import AuroraAutoencoderConfig, AuroraConfig
 from .configuration_calm import CALMAutoencoderConfig, CALMConfig
 from .configuration_cola import ColaConfig, ColaVAEConfig
 from .configuration_plm import PLMConfig
+from .modeling_aurora import AuroraAutoencoder, AuroraForCausalLM
 from .modeling_calm import CALMAutoencoder, CALMForCausalLM
 from .modeling_cola import ColaForCausalLM, ColaTextVAE
 from .modeling_plm import PLMForCausalLM
@@ -31,6 +33,8 @@ register_auto_classes(CALMConfig, CALMForCausalLM)
 register_auto_classes(CALMAutoencoderConfig, CALMAutoencoder, language_model=False)
 register_auto_classes(ColaConfig, ColaForCausalLM)
 register_auto_classes(ColaVAEConfig, ColaTextVAE, language_model=False)
+register_auto_classes(AuroraConfig, AuroraForCausalLM)
+register_auto_classes(AuroraAutoencoderConfig, AuroraAutoencoder, language_model=False)
 
-__all__ = ["PLMConfig", "PLMForCausalLM", "CALMAutoencoderConfig", "CALMAutoencoder", "CALMConfig",
+__all__ = ["AuroraAutoencoder", "AuroraAutoencoderConfig", "AuroraConfig", "AuroraForCausalLM", "PLMConfig", "PLMForCausalLM", "CALMAutoencoderConfig", "CALMAutoencoder", "CALMConfig",
            "CALMForCausalLM", "ColaConfig", "ColaForCausalLM", "ColaTextVAE", "ColaVAEConfig", "register_auto_classes"]

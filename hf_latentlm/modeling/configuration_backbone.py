@@ -13,6 +13,15 @@ def check_positive(config: PretrainedConfig, names: tuple[str, ...]) -> None:
             raise ValueError(f"{type(config).__name__}.{name} must be at least 1, got {value}")
 
 
+def check_fraction(config, names: tuple[str, ...], upper_open: bool = True) -> None:
+    """ValueError naming the first of `names` outside [0, 1) ([0, 1] with upper_open=False)."""
+    for name in names:
+        value = getattr(config, name)
+        if not (0 <= value < 1 if upper_open else 0 <= value <= 1):
+            bound = "1)" if upper_open else "1]"
+            raise ValueError(f"{type(config).__name__}.{name} must be in [0, {bound}, got {value}")
+
+
 # RoPE types whose frequencies are fixed at construction (transformers' ROPE_INIT_FUNCTIONS computes them).
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
@@ -93,4 +102,4 @@ class BackboneConfig(PretrainedConfig):
                              f"multiple of num_key_value_heads ({self.num_key_value_heads})")
 
 
-__all__ = ["BackboneConfig", "STATIC_ROPE_TYPES", "check_positive"]
+__all__ = ["BackboneConfig", "STATIC_ROPE_TYPES", "check_fraction", "check_positive"]

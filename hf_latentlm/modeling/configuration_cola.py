@@ -3,19 +3,10 @@ trained jointly with it."""
 
 from __future__ import annotations
 
-from .configuration_backbone import BackboneConfig, check_positive
+from .configuration_backbone import BackboneConfig, check_fraction, check_positive
 
 ODE_SOLVERS = ("euler", "heun")
 TIME_SAMPLERS = ("logit_normal", "shifted", "uniform")
-
-
-def check_fraction(config, names: tuple[str, ...], upper_open: bool = True) -> None:
-    """ValueError naming the first of `names` outside [0, 1) ([0, 1] with upper_open=False)."""
-    for name in names:
-        value = getattr(config, name)
-        if not (0 <= value < 1 if upper_open else 0 <= value <= 1):
-            bound = "1)" if upper_open else "1]"
-            raise ValueError(f"{type(config).__name__}.{name} must be in [0, {bound}, got {value}")
 
 
 class ColaVAEConfig(BackboneConfig):

@@ -15,7 +15,10 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 from transformers import GenerationMixin
+from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
+
+from .layers import block_causal_layout
 
 # transformers' fallback when neither `max_new_tokens` nor `max_length` is set anywhere.
 DEFAULT_MAX_LENGTH = 20
@@ -338,6 +341,118 @@ class MultiTokenGenerationMixin(GenerationMixin):
         raise NotImplementedError
 
 
-__all__ = ["BlockAlignedPrompts", "DecodingStep", "GenerateOutput", "GenerationOptions", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",
+@dataclass
+class BlockDecodingState:
+    """What block-latent decoding carries from one block to the next. Columns of the caches are latent positions (one
+    per token), the prompts' complete blocks left-padded by whole blocks so that every row's current block sits in
+    the same columns (`block_aligned_prompts`)."""
+
+    prior_cache: DynamicCache  # the prior's keys of the clean history
+    decoder_cache: DynamicCache  # the decoder's keys of every latent so far
+    key_valid: torch.Tensor  # [B, cached positions] bool: real (not padding) history positions
+    block_positions: torch.Tensor  # [B, Q] positions of the current block
+    known: torch.Tensor | None  # [B, Q, D] clean latents of the prompt's last, partial block (first block only)
+    known_mask: torch.Tensor | None  # [B, Q] bool
+    first_new: torch.Tensor  # [B] index in the current block of the row's first new token
+    has_history: torch.Tensor  # [B] bool: the row has a complete block before the current one
+    pending_block: torch.Tensor | None  # [B, Q, D] latents of the last finished block, not yet in the prior's cache
+    generators: list[torch.Generator]  # one per row, seeded from the options' `noise_seeds`
+    options: Any
+
+
+class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
+    """`generate()` of families that denoise one block of latents (one latent per token, blocks of
+    `config.block_size` counted from each row's first real token) at a time and read each finished block out with
+    a decoder (Cola DLM, AURORA-LM). The prompts' complete blocks are the clean history, encoded once and run once
+    through the prior and the decoder into their caches; a prompt that ends mid-block makes that block the first
+    generated one, with its known positions held at their clean latents (repaint). Each step then appends the
+    previous block's clean pass to the prior's cache, denoises the next block and decodes it.
+
+    A family implements, besides its options class (with `temperature` and `noise_seeds` fields):
+    - `_encode_prompt(input_ids, real) -> [B, W, D]`: the latents the prior sees for the aligned prompts;
+    - `_append_to_prior(latents, attention_mask, cache)`: one clean pass of the prior that writes `cache`;
+    - `_decode_latents(latents, attention_mask, cache) -> [B, n, V]` logits (writes `cache`);
+    - `_denoise_block(state, noise, positions, conditional_mask, calls) -> [B, Q, D]`: solve the block from `noise`
+      (the prior reads `state.prior_cache` only), adding its evaluations to `calls[network_names["prior"]]`.
+    `network_names` maps the roles "prior", "encoder" and "decoder" to the names `calls_by_network` reports.
+    """
+
+    network_names: ClassVar[dict[str, str]] = {"prior": "prior", "encoder": "encoder", "decoder": "decoder"}
+
+    def counted_modules(self) -> list[torch.nn.Module]:
+        raise NotImplementedError  # every block-latent family runs three networks and must name their modules
+
+    def _start_decoding(self, input_ids, request, options):
+        Q, names = self.config.block_size, self.network_names
+        batch, device = input_ids.shape[0], input_ids.device
+        layout = block_aligned_prompts(input_ids, request, Q)
+        latents = self._encode_prompt(layout.input_ids, layout.real)
+        calls = {names["encoder"]: 1, names["prior"]: 0, names["decoder"]: 0}
+        width = layout.history_blocks * Q
+        history, key_valid = latents[:, :width], layout.real[:, :width]
+        prior_cache, decoder_cache = DynamicCache(config=self.config), DynamicCache()
+        if layout.history_blocks:
+            mask = key_valid.long()
+            self._append_to_prior(history, mask, prior_cache)
+            self._decode_latents(history, mask, decoder_cache)
+            calls.update({names["prior"]: 1, names["decoder"]: 1})
+        known_len = layout.known_length
+        known_mask = torch.arange(Q, device=device)[None] < known_len[:, None]
+        known = torch.zeros(batch, Q, latents.shape[-1], device=device, dtype=latents.dtype)
+        tail = latents[:, width:]
+        known[:, : tail.shape[1]] = tail
+        any_known = bool(known_mask.any())
+        state = BlockDecodingState(
+            prior_cache=prior_cache, decoder_cache=decoder_cache, key_valid=key_valid,
+            block_positions=(layout.complete_blocks * Q)[:, None] + torch.arange(Q, device=device)[None],
+            known=known if any_known else None, known_mask=known_mask if any_known else None,
+            first_new=known_len, has_history=layout.complete_blocks > 0, pending_block=None,
+            generators=[torch.Generator().manual_seed(s) for s in options.noise_seeds], options=options)
+        return state, calls
+
+    def _decoding_step(self, state: BlockDecodingState, new_tokens) -> DecodingStep:
+        Q, names = self.config.block_size, self.network_names
+        batch, device = state.block_positions.shape[0], state.block_positions.device
+        calls = {names["encoder"]: 0, names["prior"]: 0, names["decoder"]: 0}
+        if state.pending_block is not None:
+            mask = torch.cat([state.key_valid, state.key_valid.new_ones(batch, Q)], dim=1).long()
+            self._append_to_prior(state.pending_block, mask, state.prior_cache)
+            state.key_valid = mask.bool()
+            state.has_history = torch.ones_like(state.has_history)
+            state.block_positions = state.block_positions + Q
+            state.known = state.known_mask = None
+            state.first_new = torch.zeros_like(state.first_new)
+            calls[names["prior"]] += 1
+
+        # The block's mask is the same at every ODE step: built once (the cached history's real positions plus the
+        # block itself).
+        history_mask = torch.cat([state.key_valid, state.key_valid.new_ones(batch, Q)], dim=1).long()
+        positions, conditional_mask = block_causal_layout(history_mask, batch, Q, state.key_valid.shape[1], Q, device)
+        noise = torch.stack([torch.randn(Q, self.config.latent_size, generator=g) for g in state.generators])
+        block = self._denoise_block(state, noise.to(device), positions, conditional_mask, calls)
+
+        logits = self._decode_latents(block, history_mask, state.decoder_cache).float()
+        calls[names["decoder"]] += 1
+        tokens = read_out_tokens(logits, state.generators, state.options.temperature)
+        state.pending_block = block
+        # Row b's new tokens are the block's positions from first_new_b on, moved to the front.
+        index = (state.first_new[:, None] + torch.arange(Q, device=device)[None]).clamp(max=Q - 1)
+        return DecodingStep(tokens.gather(1, index), counts=Q - state.first_new, model_calls=calls)
+
+    def _encode_prompt(self, input_ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _append_to_prior(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> None:
+        raise NotImplementedError
+
+    def _decode_latents(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _denoise_block(self, state: BlockDecodingState, noise: torch.Tensor, positions: torch.Tensor,
+                       conditional_mask: torch.Tensor, calls: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+
+__all__ = ["BlockAlignedPrompts", "BlockDecodingState", "BlockLatentGenerationMixin", "DecodingStep", "GenerateOutput", "GenerationOptions", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",
            "HARMLESS_HF_OPTIONS", "block_aligned_prompts", "check_prompt", "pop_options", "read_out_tokens", "refuse_token_filters", "reject_unknown_options",
            "resolve_generation_request", "row_seeds"]

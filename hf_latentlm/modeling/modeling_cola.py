@@ -36,11 +36,9 @@ from .flow import (
     make_time_sampler,
 )
 from .generation import (
-    DecodingStep,
+    BlockDecodingState,
+    BlockLatentGenerationMixin,
     GenerationOptions,
-    block_aligned_prompts,
-    MultiTokenGenerationMixin,
-    read_out_tokens,
     refuse_token_filters,
     row_seeds,
 )
@@ -482,31 +480,14 @@ class ColaGenerationOptions(GenerationOptions):
                        noise_seeds=row_seeds(self.noise_seeds, batch_size, "noise_seeds"))
 
 
-@dataclass
-class ColaDecodingState:
-    """What Cola decoding carries from one block to the next. Columns of the caches are latent positions, the prompt's
-    complete blocks left-padded by whole blocks so that every row's current block sits in the same columns."""
-
-    dit_cache: DynamicCache  # DiT keys of the clean history (t = 0)
-    decoder_cache: DynamicCache  # VAE-decoder keys of every latent so far
-    key_valid: torch.Tensor  # [B, cached positions] bool: real (not padding) history positions
-    block_positions: torch.Tensor  # [B, Q] positions of the current block
-    known: torch.Tensor | None  # [B, Q, d_z] clean latents of the prompt's last, partial block (first block only)
-    known_mask: torch.Tensor | None  # [B, Q] bool
-    first_new: torch.Tensor  # [B] index in the current block of the row's first new token
-    has_history: torch.Tensor  # [B] bool: the row has a complete block before the current one
-    pending_block: torch.Tensor | None  # [B, Q, d_z] latents of the last finished block, not yet in the DiT cache
-    generators: list[torch.Generator]
-    options: ColaGenerationOptions
-
-
-class ColaForCausalLM(ColaPreTrainedModel, MultiTokenGenerationMixin):
+class ColaForCausalLM(ColaPreTrainedModel, BlockLatentGenerationMixin):
     """Cola DLM: VAE + block-causal DiT prior + velocity head. `forward(input_ids)` returns the DiT's hidden states
     of the clean text; `forward(input_ids, labels=...)` the joint objective; `generate()` denoises a block of latents
     per ODE solve and decodes it with the VAE. Build a trainable model around a trained VAE with `from_vae`."""
 
     generation_options_class = ColaGenerationOptions
     base_model_class = ColaModel
+    network_names = {"prior": "dit", "encoder": "vae_encoder", "decoder": "vae_decoder"}
 
     def __init__(self, config: ColaConfig):
         super().__init__(config)
@@ -664,64 +645,26 @@ class ColaForCausalLM(ColaPreTrainedModel, MultiTokenGenerationMixin):
     # generate
     # ------------------------------------------------------------------------------------------------------------
 
-    def _start_decoding(self, input_ids, request, options: ColaGenerationOptions):
-        """Lay the prompts out so that every row's current block sits in the same columns (left padding by whole
-        blocks), encode them with the VAE (posterior mean), and run the DiT and the VAE decoder once over the
-        complete blocks to fill their caches. The partial last block (if any) becomes the known part of the first
-        generated block."""
-        cfg, Q = self.config, self.config.block_size
-        batch, device = input_ids.shape[0], input_ids.device
-        layout = block_aligned_prompts(input_ids, request, Q)
-        aligned, real, history_blocks = layout.input_ids, layout.real, layout.history_blocks
-        complete, known_len = layout.complete_blocks, layout.known_length
-        vae = self.model.vae
-        mean = vae.encoder(aligned, real.long())
-        calls = {"vae_encoder": 1, "dit": 0, "vae_decoder": 0}
-        history, key_valid = mean[:, : history_blocks * Q], real[:, : history_blocks * Q]
-        dit_cache, decoder_cache = DynamicCache(config=cfg), DynamicCache()
-        if history_blocks:
-            mask = key_valid.long()
-            self.model(inputs_embeds=history, attention_mask=mask, cache=dit_cache)
-            vae.decoder(history, mask, cache=decoder_cache)
-            calls.update(dit=1, vae_decoder=1)
-        known_mask = torch.arange(Q, device=device)[None] < known_len[:, None]
-        known = torch.zeros(batch, Q, cfg.latent_size, device=device)
-        tail = mean[:, history_blocks * Q:]
-        known[:, : tail.shape[1]] = tail
-        state = ColaDecodingState(
-            dit_cache=dit_cache, decoder_cache=decoder_cache, key_valid=key_valid,
-            block_positions=(complete * Q)[:, None] + torch.arange(Q, device=device)[None],
-            known=known if bool(known_mask.any()) else None, known_mask=known_mask if bool(known_mask.any()) else None,
-            first_new=known_len, has_history=complete > 0, pending_block=None,
-            generators=[torch.Generator().manual_seed(s) for s in options.noise_seeds], options=options)
-        return state, calls
+    def _encode_prompt(self, input_ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """The VAE's posterior mean of the aligned prompts."""
+        return self.model.vae.encoder(input_ids, real.long())
 
-    def _decoding_step(self, state: ColaDecodingState, new_tokens) -> DecodingStep:
-        """One block: append the previous block's clean pass to the DiT cache, solve the ODE from noise with CFG
-        (and repaint of known positions), then read the block out with the VAE decoder."""
+    def _append_to_prior(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> None:
+        self.model(inputs_embeds=latents, attention_mask=attention_mask, cache=cache)
+
+    def _decode_latents(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
+        return self.model.vae.decoder(latents, attention_mask, cache=cache)
+
+    def _denoise_block(self, state: BlockDecodingState, noise: torch.Tensor, positions: torch.Tensor,
+                       conditional_mask: torch.Tensor, calls: dict) -> torch.Tensor:
+        """Solve the block's ODE from noise with CFG against the block alone (and repaint of known positions)."""
         opt, Q = state.options, self.config.block_size
-        batch, device = state.block_positions.shape[0], state.block_positions.device
-        calls = {"vae_encoder": 0, "dit": 0, "vae_decoder": 0}
-        if state.pending_block is not None:
-            mask = torch.cat([state.key_valid, state.key_valid.new_ones(batch, Q)], dim=1).long()
-            self.model(inputs_embeds=state.pending_block, attention_mask=mask, cache=state.dit_cache)
-            state.key_valid = mask.bool()
-            state.has_history = torch.ones_like(state.has_history)
-            state.block_positions = state.block_positions + Q
-            state.known = state.known_mask = None
-            state.first_new = torch.zeros_like(state.first_new)
-            calls["dit"] += 1
-
-        # The block's masks are the same at every ODE step: built once. Conditional branch: the cached history's
-        # real positions plus the block itself; unconditional branch: the block alone.
-        history_mask = torch.cat([state.key_valid, state.key_valid.new_ones(batch, Q)], dim=1).long()
-        positions, conditional_mask = block_causal_layout(history_mask, batch, Q, state.key_valid.shape[1],
-                                                          self.config.block_size, device)
+        batch, device = noise.shape[0], noise.device
         alone_mask = torch.ones(1, 1, Q, Q, dtype=torch.bool, device=device)
         guided = opt.guidance_scale != 1.0 and bool(state.has_history.any())
         has_history = state.has_history[:, None, None]
         known_mask = state.known_mask
-        cache = ReadOnlyCache(state.dit_cache)
+        cache = ReadOnlyCache(state.prior_cache)
 
         def velocity_fn(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             times = t.to(device).expand(batch, Q)
@@ -740,17 +683,7 @@ class ColaForCausalLM(ColaPreTrainedModel, MultiTokenGenerationMixin):
         solver_class = FlowMatchHeunSampler if opt.ode_solver == "heun" else FlowMatchEulerSampler
         solver = solver_class(opt.num_inference_steps, shift=opt.timestep_shift)
         solver.set_timesteps(device=device)
-        noise = torch.stack([torch.randn(Q, self.config.latent_size, generator=g) for g in state.generators]).to(device)
-        known_mask_3d = None if known_mask is None else known_mask[..., None]
-        block = solver.solve(velocity_fn, noise, state.known, known_mask_3d)
-
-        logits = self.model.vae.decoder(block, history_mask, cache=state.decoder_cache).float()
-        calls["vae_decoder"] += 1
-        tokens = read_out_tokens(logits, state.generators, opt.temperature)
-        state.pending_block = block
-        # Row b's new tokens are the block's positions from first_new_b on, moved to the front.
-        index = (state.first_new[:, None] + torch.arange(Q, device=device)[None]).clamp(max=Q - 1)
-        return DecodingStep(tokens.gather(1, index), counts=Q - state.first_new, model_calls=calls)
+        return solver.solve(velocity_fn, noise, state.known, None if known_mask is None else known_mask[..., None])
 
 
 __all__ = ["ColaConfig", "ColaForCausalLM", "ColaGenerationOptions", "ColaModel", "ColaOutput", "ColaTextVAE",

@@ -324,6 +324,7 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
     window_start, window_tokens = time.perf_counter(), 0
     # grad_clip 0 turns clipping off; an infinite threshold still measures the norm for the log.
     max_grad_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    step_hook = getattr(accelerator.unwrap_model(model), "on_optimizer_step", None)
 
     for step in range(start_step, end_step):
         losses: dict[str, torch.Tensor] = {}  # loss and its parts, averaged over micro-steps, on the device
@@ -339,6 +340,8 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if step_hook is not None:  # a model's own per-step state (AURORA's EMA copy and step count)
+            step_hook()
         window_tokens += tokens_per_step
         done = step + 1
 

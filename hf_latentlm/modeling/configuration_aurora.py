@@ -1,0 +1,212 @@
+"""Configurations of AURORA-LM (paper 003; method-specs §4): the frozen query-based text autoencoder and the
+block-causal flow-matching denoiser over its standardised latents."""
+
+from __future__ import annotations
+
+from .configuration_backbone import BackboneConfig, check_fraction, check_positive
+
+AURORA_TIME_SAMPLERS = ("tan", "logit_normal", "shifted", "uniform")
+LOSS_SPACES = ("x0", "velocity")
+
+
+class AuroraAutoencoderConfig(BackboneConfig):
+    r"""Query-based text autoencoder: L tokens <-> N = round(keep_ratio·L) latent slots of width D = hidden_size.
+
+    Encoder: every slot starts from one learned query vector; at every layer slot i (0-based) attends to slots ≤ i
+    and to the token embeddings of the prefix w_0 .. w_{⌈(i+1)L/N⌉−1} (the raw embeddings, read again at every
+    layer; RoPE on both, a slot at the position of the last token it covers); a final RMSNorm gives the latent.
+    Decoder: every output position starts from a second learned query; position j attends to decoder states ≤ j
+    and to slots ≤ ⌊j·N/L⌋; it never sees a token, so a sequence decodes in one parallel pass, with logits
+    h_j·Eᵀ through the encoder's token embedding E. Both are causal by position, so with keep_ratio 1 slot i is the
+    latent of token i and a prefix encodes (and decodes) the same whatever follows.
+
+    Backbone fields (`BackboneConfig`, Llama names) size both halves: `num_hidden_layers` blocks EACH (paper: 6 + 6).
+    Args:
+        keep_ratio (`float`, 1.0): c = N / L in (0, 1] (the paper's models use 1). `generate()` of a denoiser needs 1.
+        token_dropout (`float`, 0.3): probability of zeroing a whole input token embedding (training only).
+        latent_dropout (`float`, 0.6): probability of zeroing a latent coordinate before decoding (training only,
+            no rescaling, as in the paper).
+        statistics_eps (`float`, 1e-6): ε of the per-channel standardisation z = (z_enc − μ) / sqrt(var + ε).
+    Loss: token cross-entropy only. The standardisation statistics are buffers of the autoencoder, estimated by the
+    denoiser's first training batch from this (then frozen) encoder and saved with the denoiser's weights.
+    """
+
+    model_type = "aurora_autoencoder"
+
+    def __init__(self, keep_ratio: float = 1.0, token_dropout: float = 0.3, latent_dropout: float = 0.6,
+                 statistics_eps: float = 1e-6, **kwargs):
+        kwargs.setdefault("num_hidden_layers", 2)
+        super().__init__(**kwargs)
+        self.keep_ratio = keep_ratio
+        self.token_dropout = token_dropout
+        self.latent_dropout = latent_dropout
+        self.statistics_eps = statistics_eps
+        self.validate_autoencoder()
+
+    @property
+    def latent_size(self) -> int:
+        return self.hidden_size
+
+    def validate_autoencoder(self) -> None:
+        """Raise a ValueError naming the first bad field."""
+        self.validate_backbone()
+        if not 0 < self.keep_ratio <= 1:
+            raise ValueError(f"AuroraAutoencoderConfig.keep_ratio must be in (0, 1], got {self.keep_ratio}")
+        check_fraction(self, ("token_dropout", "latent_dropout"))
+        if not self.statistics_eps > 0:
+            raise ValueError(f"AuroraAutoencoderConfig.statistics_eps must be > 0, got {self.statistics_eps}")
+
+
+class AuroraConfig(BackboneConfig):
+    r"""AURORA-LM: a frozen query autoencoder (a submodule, saved in this checkpoint) and a block-causal denoiser
+    that predicts clean latent blocks.
+
+    Denoiser backbone: the fields of `BackboneConfig` (Llama names; the AR baseline of the same preset has the same
+    width, depth and heads): RMSNorm, SwiGLU, RoPE, per-head QK-norm; bidirectional inside blocks of `block_size`
+    latent positions, causal across. Clean latents enter through a full-width linear map; noisy latents through the
+    low-rank bottleneck D -> `noisy_input_rank` -> hidden (**choice**: the clean history keeps full width, as the
+    paper squeezes "only the noisy pathway"). The timestep (sinusoidal -> 2-layer MLP) and the self-conditioning
+    draft each go through one linear map per layer and are ADDED to the residual stream before that layer. The head
+    predicts the full-width clean latent ẑ (x0 prediction).
+
+    Args:
+        block_size (`int`, 16): Q, latent positions per block (paper 16).
+        autoencoder_config (`AuroraAutoencoderConfig` or dict): the frozen autoencoder (build with
+            `AuroraForCausalLM.from_autoencoder`). `vocab_size` must agree.
+        noisy_input_rank (`int` or None, 128): D_b of the noisy-input bottleneck; None = no bottleneck (one linear
+            map D -> hidden).
+    Training (x_σ = (1 − σ)·z + σ·ε over standardised latents z):
+        time_sampler (`str`, "tan"): "tan" (σ = d·tan(πτ/2) / (1 + d·tan(πτ/2)), τ ~ U(0, 1), d = `time_shift`),
+            "logit_normal" (`time_loc`, `time_scale`), "shifted" or "uniform". One σ per (row, block).
+        time_shift (`float`, 7.0): d of "tan" (Pr(σ > 0.7) = 0.795), or the shift of "shifted".
+        loss_space (`str`, "x0"): "x0" = mean ‖ẑ − z‖² (the paper's best); "velocity" = the same error in velocity
+            space, ‖ẑ − z‖² / max(σ, velocity_min_sigma)² (the paper's ablation that weights low noise up).
+        velocity_min_sigma (`float`, 0.05): floor of σ in the velocity-space weight (**choice**: 1/σ² is unbounded).
+        self_condition_prob (`float`, 0.6): p_sc: per row, a first pass (no gradient) gives a draft ẑ that the
+            main pass receives; otherwise the draft is zeros.
+        consistency_weight (`float`, 1.0): final λ_ct of self-trajectory consistency (0 = off, no EMA copy).
+        consistency_warmup_steps (`int`, 10000): λ_ct ramps linearly from 0 over this many optimizer steps.
+        consistency_steps (`int`, 16): S of the sampling grid whose Prev_S(σ) the consistency target is taken at.
+        ema_decay (`float`, 0.9999): decay of the EMA copy that gives the consistency target, applied as
+            min(ema_decay, (1 + n) / (10 + n)) after the n-th optimizer step (**choice**: the usual warm-up, so
+            that a short run has a useful target; the paper's 0.9999 is the limit).
+        history_dropout (`float`, 0.1): probability that a noisy block sees no clean history, which trains the
+            unconditional branch of prompt CFG (**choice**; the paper does not give it).
+        prompt_block_prob (`float`, 0.05): probability that a block's first k positions (k uniform in 1..Q−1)
+            enter clean at σ = 0 and unscored, which trains the repaint of a prompt that ends mid-block.
+    Generation defaults (each can be overridden in `generate()`):
+        num_ode_steps (`int`, 16): Euler steps per block (σ from 1 to 0 on a uniform grid).
+        self_condition_guidance (`float`, 4.0): w_sc of SC-CFG, ẑ = ẑ_blind + w_sc·(ẑ_aware − ẑ_blind) (1 = off).
+        cfg_scale (`float`, 2.0): w of prompt CFG (1 = off), applied only while σ ≥ `cfg_min_sigma` and only to
+            rows with a clean prefix. cfg_min_sigma (`float`, 0.9).
+        decode_temperature (`float`, 0.0): 0 reads tokens out greedily from the decoder; > 0 samples.
+    """
+
+    model_type = "aurora"
+    sub_configs = {"autoencoder_config": AuroraAutoencoderConfig}
+    keys_to_ignore_at_inference = ["cache"]
+    has_token_likelihood = False
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        autoencoder_config: AuroraAutoencoderConfig | dict | None = None,
+        noisy_input_rank: int | None = 128,
+        time_sampler: str = "tan",
+        time_shift: float = 7.0,
+        time_loc: float = 0.0,
+        time_scale: float = 1.0,
+        loss_space: str = "x0",
+        velocity_min_sigma: float = 0.05,
+        self_condition_prob: float = 0.6,
+        consistency_weight: float = 1.0,
+        consistency_warmup_steps: int = 10000,
+        consistency_steps: int = 16,
+        ema_decay: float = 0.9999,
+        history_dropout: float = 0.1,
+        prompt_block_prob: float = 0.05,
+        num_ode_steps: int = 16,
+        self_condition_guidance: float = 4.0,
+        cfg_scale: float = 2.0,
+        cfg_min_sigma: float = 0.9,
+        decode_temperature: float = 0.0,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.block_size = block_size
+        if autoencoder_config is None:
+            autoencoder_config = AuroraAutoencoderConfig(vocab_size=self.vocab_size)
+        elif isinstance(autoencoder_config, dict):
+            autoencoder_config = AuroraAutoencoderConfig(**autoencoder_config)
+        self.autoencoder_config = autoencoder_config
+        if self._attn_implementation is not None:  # the setter passes it on to sub-configs, which exist only now
+            self._attn_implementation = self._attn_implementation
+        self.noisy_input_rank = noisy_input_rank
+        self.time_sampler = time_sampler
+        self.time_shift = time_shift
+        self.time_loc = time_loc
+        self.time_scale = time_scale
+        self.loss_space = loss_space
+        self.velocity_min_sigma = velocity_min_sigma
+        self.self_condition_prob = self_condition_prob
+        self.consistency_weight = consistency_weight
+        self.consistency_warmup_steps = consistency_warmup_steps
+        self.consistency_steps = consistency_steps
+        self.ema_decay = ema_decay
+        self.history_dropout = history_dropout
+        self.prompt_block_prob = prompt_block_prob
+        self.num_ode_steps = num_ode_steps
+        self.self_condition_guidance = self_condition_guidance
+        self.cfg_scale = cfg_scale
+        self.cfg_min_sigma = cfg_min_sigma
+        self.decode_temperature = decode_temperature
+        self.validate_aurora()
+
+    @property
+    def latent_size(self) -> int:
+        return self.autoencoder_config.latent_size
+
+    @property
+    def uses_consistency(self) -> bool:
+        return self.consistency_weight > 0
+
+    def time_sampler_kwargs(self) -> dict:
+        """The keyword arguments of `flow.make_time_sampler(self.time_sampler, ...)`."""
+        if self.time_sampler == "logit_normal":
+            return {"loc": self.time_loc, "scale": self.time_scale}
+        return {} if self.time_sampler == "uniform" else {"shift": self.time_shift}
+
+    def validate_aurora(self) -> None:
+        """Raise a ValueError naming the first bad field."""
+        self.validate_backbone()
+        check_positive(self, ("block_size", "num_ode_steps", "consistency_steps"))
+        ae = self.autoencoder_config
+        if ae.vocab_size != self.vocab_size:
+            raise ValueError(f"the autoencoder's vocab_size ({ae.vocab_size}) disagrees with AuroraConfig.vocab_size "
+                             f"({self.vocab_size})")
+        if self.noisy_input_rank is not None and self.noisy_input_rank < 1:
+            raise ValueError(f"AuroraConfig.noisy_input_rank must be None (no bottleneck) or at least 1, got "
+                             f"{self.noisy_input_rank}")
+        if self.time_sampler not in AURORA_TIME_SAMPLERS:
+            raise ValueError(f"AuroraConfig.time_sampler must be one of {AURORA_TIME_SAMPLERS}, got "
+                             f"{self.time_sampler!r}")
+        if self.time_scale <= 0 or self.time_shift <= 0:
+            raise ValueError(f"AuroraConfig.time_scale and time_shift must be > 0, got {self.time_scale} and "
+                             f"{self.time_shift}")
+        if self.loss_space not in LOSS_SPACES:
+            raise ValueError(f"AuroraConfig.loss_space must be one of {LOSS_SPACES}, got {self.loss_space!r}")
+        if not 0 < self.velocity_min_sigma <= 1:
+            raise ValueError(f"AuroraConfig.velocity_min_sigma must be in (0, 1], got {self.velocity_min_sigma}")
+        check_fraction(self, ("history_dropout", "prompt_block_prob"))
+        check_fraction(self, ("self_condition_prob", "cfg_min_sigma"), upper_open=False)
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"AuroraConfig.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.consistency_warmup_steps < 0:
+            raise ValueError(f"AuroraConfig.consistency_warmup_steps must be >= 0, got "
+                             f"{self.consistency_warmup_steps}")
+        for name in ("consistency_weight", "self_condition_guidance", "cfg_scale", "decode_temperature"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"AuroraConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+
+__all__ = ["AURORA_TIME_SAMPLERS", "AuroraAutoencoderConfig", "AuroraConfig", "LOSS_SPACES"]

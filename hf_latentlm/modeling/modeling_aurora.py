@@ -1,0 +1,766 @@
+"""AURORA-LM (paper 003; method-specs §4).
+
+Two models:
+- `AuroraAutoencoder`: a query-based text autoencoder, trained first and then frozen. Learned query slots read the
+  token embeddings causally (one slot per token at keep ratio 1) and a second set of queries reads the slots back to
+  token logits in one parallel pass. Its latents are standardised per channel before the denoiser sees them.
+- `AuroraForCausalLM`: the frozen autoencoder and a block-causal denoiser over its standardised latents. The denoiser
+  predicts the clean latent block (x0) from a noisy one, given the clean blocks before it; noisy inputs enter through
+  a low-rank bottleneck, the timestep and a self-conditioning draft are added to every layer. Training adds
+  self-trajectory consistency against an EMA copy; `generate()` integrates each block with Euler steps from σ = 1 to
+  0 (SC-CFG, prompt CFG at high noise, repaint of a partial prompt block) and decodes it with the frozen decoder.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_aurora import AuroraAutoencoderConfig, AuroraConfig
+from .flow import FlowMatchEulerSampler, TimestepEmbedding, classifier_free_guidance, make_time_sampler
+from .generation import (
+    BlockDecodingState,
+    BlockLatentGenerationMixin,
+    GenerationOptions,
+    refuse_token_filters,
+    row_seeds,
+)
+from .layers import (
+    AttentionProbs,
+    DecoderBlock,
+    OffsetCache,
+    ReadOnlyCache,
+    RMSNorm,
+    RotaryEmbedding,
+    block_causal_layout,
+    decoder_layers,
+    draw_block_conditions,
+    dual_stream_mask,
+    make_padding_position_ids,
+)
+from .modeling_backbone import (
+    BackbonePreTrainedModel,
+    check_backbone_inputs,
+    check_forward_kwargs,
+    embedded_config,
+    masked_cross_entropy,
+    scored_positions,
+)
+
+
+@dataclass
+class AuroraAutoencoderOutput(ModelOutput):
+    """`loss`: token cross-entropy over the scored tokens (with token and latent dropout in training).
+    `logits` [B, L, V]; `latents` [B, N, D] (raw, not standardised); `token_accuracy` of `logits`."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    latents: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
+
+
+@dataclass
+class AuroraOutput(ModelOutput):
+    """`last_hidden_state` [B, T, d]: the denoiser's state of each clean latent position (one per token). With labels:
+    `loss` = `denoising_loss` + `consistency_weight`·`consistency_loss` (the weight is the ramped λ_ct)."""
+
+    loss: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = None
+    cache: DynamicCache | None = None
+    denoising_loss: torch.Tensor | None = None
+    consistency_loss: torch.Tensor | None = None
+    consistency_weight: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+# ====================================================================================================================
+# Query-based autoencoder
+# ====================================================================================================================
+
+def causal_by_position_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
+                            key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """[B or 1, 1, Tq, Tk] bool: a query sees a key iff key position <= query position (ties visible) and the key is
+    valid; the last Tq keys are the queries' own columns, always visible (no empty row)."""
+    mask = key_positions[:, None, :] <= query_positions[:, :, None]
+    if key_valid is not None:
+        mask = mask & key_valid.bool()[:, None, :]
+    tq, tk = query_positions.shape[-1], key_positions.shape[-1]
+    own = torch.arange(tk, device=mask.device)[None, :] == torch.arange(tk - tq, tk, device=mask.device)[:, None]
+    return (mask | own)[:, None]
+
+
+class QueryStack(nn.Module):
+    """Learned queries that read a fixed context: every layer runs over the merged stream of context items and query
+    items, causal by position, and the context items are reset to the given context before the next layer (the
+    context is read at every layer, never updated). One learned vector starts every query; it starts at zero, so
+    that the first layer's queries begin as a plain average of the context they see (**choice**).
+
+    forward(context [B, n, d], is_context [T] bool, positions [B or 1, T], mask, cache) -> normed query states [B, m, d]
+    (T = n + m; the stream's items in order, context where `is_context`)."""
+
+    def __init__(self, config: AuroraAutoencoderConfig):
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(config.hidden_size))
+        self.layers = decoder_layers(config)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary = RotaryEmbedding.from_config(config)
+
+    def forward(self, context: torch.Tensor, is_context: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                cache=None) -> torch.Tensor:
+        batch, dtype = context.shape[0], self.query.dtype
+        stream = context.new_zeros(batch, is_context.numel(), context.shape[-1], dtype=dtype)
+        stream[:, is_context] = context.to(dtype)
+        fixed = is_context[None, :, None]
+        x = torch.where(fixed, stream, self.query)
+        cos, sin = self.rotary(positions.expand(batch, -1), dtype=dtype)
+        for layer in self.layers:
+            x = torch.where(fixed, stream, layer(x, cos, sin, mask, cache=cache))
+        return self.norm(x[:, ~is_context])
+
+
+def interleaved_stream(positions: torch.Tensor, valid: torch.Tensor | None) -> tuple:
+    """Keep ratio 1: context item i and query i share position i; the stream interleaves them (context first), so
+    that cached keys of earlier calls keep their order. positions [B or 1, n] -> (is_context [2n], positions
+    [B or 1, 2n], valid [B, 2n] or None)."""
+    n = positions.shape[-1]
+    is_context = torch.arange(2 * n, device=positions.device) % 2 == 0
+    valid = None if valid is None else valid.repeat_interleave(2, dim=1)
+    return is_context, positions.repeat_interleave(2, dim=1), valid
+
+
+class AuroraQueryEncoder(QueryStack):
+    """Token embeddings [B, L, d] -> latent slots [B, N, d]. Slot i sees slots ≤ i and tokens 0 .. ⌈(i+1)L/N⌉ − 1."""
+
+    def __init__(self, config: AuroraAutoencoderConfig):
+        super().__init__(config)
+        self.keep_ratio = config.keep_ratio
+
+    def forward(self, token_embeds: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache=None) -> torch.Tensor:
+        """attention_mask [B, cached + L] (left padding; keep ratio 1 only); cache: keys of earlier tokens (written;
+        keep ratio 1 only)."""
+        batch, length = token_embeds.shape[:2]
+        device = token_embeds.device
+        if self.keep_ratio == 1:
+            past = cache.get_seq_length() // 2 if cache is not None else 0
+            if attention_mask is not None:
+                positions = make_padding_position_ids(attention_mask)
+            else:
+                positions = torch.arange(past + length, device=device)[None]
+            is_context, key_pos, key_valid = interleaved_stream(positions, attention_mask)
+            mask = causal_by_position_mask(key_pos[:, 2 * past:], key_pos, key_valid)
+            return super().forward(token_embeds, is_context[2 * past:], key_pos[:, 2 * past:], mask, cache=cache)
+        check_compressed_call(attention_mask, cache)
+        slots = compressed_slot_count(length, self.keep_ratio)
+        # Slot i sits at the position of the last token it covers: ⌈(i+1)L/N⌉ − 1.
+        slot_pos = -(-(torch.arange(1, slots + 1, device=device) * length) // slots) - 1
+        positions = torch.cat([torch.arange(length, device=device), slot_pos])[None]
+        is_context = torch.arange(length + slots, device=device) < length
+        return super().forward(token_embeds, is_context, positions, causal_by_position_mask(positions, positions))
+
+
+class AuroraQueryDecoder(QueryStack):
+    """Latent slots [B, N, d] -> decoder states [B, L, d]. Position j sees states ≤ j and slots ≤ ⌊j·N/L⌋; it never
+    sees a token."""
+
+    def __init__(self, config: AuroraAutoencoderConfig):
+        super().__init__(config)
+        self.keep_ratio = config.keep_ratio
+
+    def forward(self, latents: torch.Tensor, length: int | None = None, attention_mask: torch.Tensor | None = None,
+                cache=None) -> torch.Tensor:
+        """length: L (default N at keep ratio 1); attention_mask [B, cached + N] and cache: keep ratio 1 only."""
+        batch, slots = latents.shape[:2]
+        device = latents.device
+        if self.keep_ratio == 1:
+            if length not in (None, slots):
+                raise ValueError(f"at keep_ratio 1 the decoder gives one token per slot ({slots}), not {length}")
+            past = cache.get_seq_length() // 2 if cache is not None else 0
+            if attention_mask is not None:
+                positions = make_padding_position_ids(attention_mask)
+            else:
+                positions = torch.arange(past + slots, device=device)[None]
+            is_context, key_pos, key_valid = interleaved_stream(positions, attention_mask)
+            mask = causal_by_position_mask(key_pos[:, 2 * past:], key_pos, key_valid)
+            return super().forward(latents, is_context[2 * past:], key_pos[:, 2 * past:], mask, cache=cache)
+        check_compressed_call(attention_mask, cache)
+        if length is None or compressed_slot_count(length, self.keep_ratio) != slots:
+            raise ValueError(f"{slots} slots at keep_ratio {self.keep_ratio} do not decode to length {length}")
+        # Slot i becomes visible at the first position j with ⌊j·N/L⌋ ≥ i, i.e. j = ⌈i·L/N⌉.
+        slot_pos = -(-(torch.arange(slots, device=device) * length) // slots)
+        positions = torch.cat([slot_pos, torch.arange(length, device=device)])[None]
+        is_context = torch.arange(slots + length, device=device) < slots
+        return super().forward(latents, is_context, positions, causal_by_position_mask(positions, positions))
+
+
+def compressed_slot_count(length: int, keep_ratio: float) -> int:
+    return max(1, round(keep_ratio * length))
+
+
+def check_compressed_call(attention_mask: torch.Tensor | None, cache) -> None:
+    if cache is not None or (attention_mask is not None and not bool(attention_mask.bool().all())):
+        raise ValueError("an AURORA autoencoder with keep_ratio < 1 takes whole unpadded rows without a cache (slots "
+                         "and tokens are not one-to-one); use keep_ratio 1 for padding, caching and generation")
+
+
+class AuroraAutoencoder(BackbonePreTrainedModel):
+    """The query autoencoder on its own (trained first, then frozen inside `AuroraForCausalLM`).
+    `forward(input_ids, labels=...)` returns its loss; `encode` / `decode_logits` / `standardize` /
+    `unstandardize` are the maps the denoiser uses. The per-channel statistics are buffers saved with the weights."""
+
+    config_class = AuroraAutoencoderConfig
+    base_model_prefix = "autoencoder"
+    main_input_name = "input_ids"
+    # No output recording: the autoencoder is also a submodel of `AuroraModel`, whose recorded states must be the
+    # denoiser's only (as Cola's VAE).
+    _can_record_outputs = None
+    _can_compile_fullgraph = False  # the dropouts draw their masks inside forward
+
+    def __init__(self, config: AuroraAutoencoderConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.encoder = AuroraQueryEncoder(config)
+        self.decoder = AuroraQueryDecoder(config)
+        self.register_buffer("latent_mean", torch.zeros(config.hidden_size))
+        self.register_buffer("latent_var", torch.ones(config.hidden_size))
+        self.register_buffer("has_latent_statistics", torch.zeros((), dtype=torch.bool))
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return None  # the logits go through the input embedding itself: h·Eᵀ
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Raw latents [B, N, D] (float32). Token dropout applies in training mode."""
+        embeds = self.embed_tokens(input_ids)
+        if self.training and self.config.token_dropout > 0:
+            keep = torch.rand(embeds.shape[:2], device=embeds.device) >= self.config.token_dropout
+            embeds = embeds * keep[..., None].to(embeds.dtype)
+        return self.encoder(embeds, attention_mask, cache=cache).float()
+
+    def decode_logits(self, latents: torch.Tensor, length: int | None = None,
+                      attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Raw latents [B, N, D] -> logits [B, L, V] through the tied embedding. Latent dropout applies in training."""
+        if self.training and self.config.latent_dropout > 0:
+            latents = latents * (torch.rand_like(latents) >= self.config.latent_dropout).to(latents.dtype)
+        states = self.decoder(latents, length, attention_mask, cache=cache)
+        return F.linear(states, self.embed_tokens.weight)
+
+    def standardize(self, latents: torch.Tensor) -> torch.Tensor:
+        return (latents - self.latent_mean) / torch.sqrt(self.latent_var + self.config.statistics_eps)
+
+    def unstandardize(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents * torch.sqrt(self.latent_var + self.config.statistics_eps) + self.latent_mean
+
+    @torch.no_grad()
+    def set_latent_statistics(self, latents: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Per-channel mean and variance of raw latents [B, N, D] at the `valid` [B, N] positions; marks them set."""
+        flat = latents.reshape(-1, latents.shape[-1]).float()
+        if valid is not None:
+            flat = flat[valid.reshape(-1).bool()]
+        if flat.shape[0] < 2:
+            raise ValueError("need at least two latent vectors to estimate the standardisation statistics")
+        self.latent_mean.copy_(flat.mean(0))
+        self.latent_var.copy_(flat.var(0, unbiased=False))
+        self.has_latent_statistics.fill_(True)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, return_dict: bool | None = None,
+                **kwargs) -> AuroraAutoencoderOutput:
+        """input_ids [B, L]; labels (same shape, −100 = ignore; label j is token j, no shift) give the loss.
+        Hidden states and attentions are not recorded (see `_can_record_outputs`)."""
+        check_forward_kwargs(self, kwargs)
+        for name in ("output_hidden_states", "output_attentions"):
+            if kwargs.get(name):
+                raise ValueError(f"{name} is not supported by the AURORA autoencoder (it is also a submodel of "
+                                 f"AuroraModel, whose recorded states are the denoiser's)")
+        latents = self.encode(input_ids, attention_mask)
+        logits = self.decode_logits(latents, input_ids.shape[1], attention_mask)
+        out = AuroraAutoencoderOutput(logits=logits, latents=latents)
+        if labels is not None:
+            scored = scored_positions(labels, attention_mask)
+            out.loss = masked_cross_entropy(logits, labels, scored)
+            out.token_accuracy = ((logits.argmax(-1) == labels) & scored).sum() / scored.sum().clamp(min=1)
+        return out if return_dict is not False else out.to_tuple()
+
+    @torch.no_grad()
+    def reconstruction_accuracy(self, input_ids: torch.Tensor) -> float:
+        """Token accuracy of decoding the encoded input (call in eval mode: no dropout). input_ids [B, L]."""
+        logits = self.decode_logits(self.encode(input_ids), input_ids.shape[1])
+        return (logits.argmax(-1) == input_ids).float().mean().item()
+
+
+# ====================================================================================================================
+# AURORA-LM: block-causal denoiser over the frozen autoencoder's latents
+# ====================================================================================================================
+
+class AuroraDenoiser(nn.Module):
+    """The trainable denoiser: input maps, additive timestep and self-conditioning, QK-normed decoder blocks, final
+    RMSNorm and the x0 head. One module, so that the EMA copy is one `copy.deepcopy`.
+
+    forward(latents [B, T, D], timesteps [B, T], noisy [B, T] bool or None, self_condition [B, T, D] or None,
+    position_ids, mask, cache) -> final states [B, T, d] (normed). `x0_head(states)` is the clean-latent prediction.
+    """
+
+    def __init__(self, config: AuroraConfig):
+        super().__init__()
+        d, latent = config.hidden_size, config.latent_size
+        self.clean_in = nn.Linear(latent, d)
+        rank = config.noisy_input_rank
+        # Only the noisy pathway is squeezed (D -> D_b -> d); None keeps one full-width map.
+        self.noisy_in = (nn.Sequential(nn.Linear(latent, rank, bias=False), nn.Linear(rank, d)) if rank is not None
+                         else nn.Linear(latent, d))
+        self.time_embedding = TimestepEmbedding(d)
+        self.time_proj = nn.ModuleList(nn.Linear(d, d) for _ in range(config.num_hidden_layers))
+        self.self_condition_proj = None
+        if config.self_condition_prob > 0:  # bias-free: a zero draft (no draft) adds nothing
+            self.self_condition_proj = nn.ModuleList(nn.Linear(latent, d, bias=False)
+                                                     for _ in range(config.num_hidden_layers))
+        self.layers = decoder_layers(config, qk_norm=True)
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.x0_head = nn.Linear(d, latent)
+        self.rotary = RotaryEmbedding.from_config(config)
+
+    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, noisy: torch.Tensor | None,
+                self_condition: torch.Tensor | None, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                cache=None) -> torch.Tensor:
+        dtype = self.clean_in.weight.dtype
+        latents = latents.to(dtype)
+        hidden = self.clean_in(latents)
+        if noisy is not None and bool(noisy.any()):
+            hidden = torch.where(noisy[..., None], self.noisy_in(latents), hidden)
+        time = self.time_embedding(timesteps).to(dtype)
+        use_draft = self.self_condition_proj is not None and self_condition is not None
+        cos, sin = self.rotary(position_ids, dtype=dtype)
+        for i, layer in enumerate(self.layers):
+            hidden = hidden + self.time_proj[i](time)
+            if use_draft:
+                hidden = hidden + self.self_condition_proj[i](self_condition.to(dtype))
+            hidden = layer(hidden, cos, sin, mask, cache=cache)
+        return self.norm(hidden)
+
+
+class AuroraPreTrainedModel(BackbonePreTrainedModel):
+    config_class = AuroraConfig
+    # Hidden states and attentions: the denoiser's blocks (the autoencoder is a submodel that records nothing).
+    _can_record_outputs = {"hidden_states": DecoderBlock,
+                           "attentions": OutputRecorder(AttentionProbs, layer_name="layers")}
+    _can_compile_fullgraph = False  # training draws times, noise, dropouts and drafts inside forward
+
+    def get_input_embeddings(self):
+        return self.base_model.autoencoder.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.base_model.autoencoder.embed_tokens = value
+
+    def check_vocab_resize(self, size: int) -> None:
+        if size != self.config.vocab_size:
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot resize its token embeddings ({self.config.vocab_size} -> {size}): the "
+                f"vocabulary belongs to the frozen autoencoder. Resize and retrain an AuroraAutoencoder, then build a "
+                f"new model with AuroraForCausalLM.from_autoencoder")
+
+
+class AuroraModel(AuroraPreTrainedModel):
+    """The frozen autoencoder and the denoiser (without its x0 head's use). `forward(input_ids)` encodes the tokens,
+    standardises the latents and runs the denoiser over them as clean history (σ = 0), block-causally: what
+    generation computes for the prefix. `forward(inputs_embeds=latents, timesteps=..., noisy=...)` runs the denoiser
+    on given standardised latents [B, T, D]."""
+
+    def __init__(self, config: AuroraConfig):
+        super().__init__(config)
+        self.autoencoder = AuroraAutoencoder(config.autoencoder_config)
+        self.denoiser = AuroraDenoiser(config)
+        self.post_init()
+
+    @property
+    def attention_block_size(self) -> int:
+        """Latent positions attend bidirectionally inside blocks of this size, causally across them."""
+        return self.config.block_size
+
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
+    @capture_outputs
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
+                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                timesteps: torch.Tensor | None = None, noisy: torch.Tensor | None = None,
+                self_condition: torch.Tensor | None = None, **kwargs) -> BaseModelOutputWithPast:
+        """input_ids [B, T] (encoded by the autoencoder; with a cache, its encoder's keys are kept in the same cache
+        after the denoiser's layers) or inputs_embeds = standardised latents [B, T, D]. attention_mask [B, cached +
+        T] (left padding; blocks are counted from each row's first real token), or a ready bool mask [B, 1, T,
+        cached + T] with `position_ids`. timesteps [B, T] (default 0: clean); noisy [B, T] bool: positions that take
+        the noisy-input bottleneck (default none); self_condition [B, T, D]: the draft (default none).
+        `output_hidden_states` / `output_attentions` (eager) are recorded for the denoiser's blocks."""
+        check_backbone_inputs(self.config, input_ids, inputs_embeds, kwargs)
+        check_forward_kwargs(self, kwargs)
+        batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past = cache.get_seq_length() if cache is not None else 0
+        if input_ids is not None:
+            encoder_cache = None if cache is None else OffsetCache(cache, self.config.num_hidden_layers)
+            autoencoder = self.autoencoder
+            latents = autoencoder.standardize(autoencoder.encode(input_ids, attention_mask, cache=encoder_cache))
+        else:
+            latents = inputs_embeds
+        device = latents.device
+        if timesteps is None:
+            timesteps = torch.zeros(batch, latents.shape[1], device=device)
+        if attention_mask is not None and attention_mask.dim() == 4:  # a ready mask (training's dual stream)
+            if position_ids is None:
+                raise ValueError("a 4-D attention_mask needs position_ids")
+            mask = attention_mask.bool()
+        else:
+            position_ids, mask = block_causal_layout(attention_mask, batch, latents.shape[1], past,
+                                                     self.config.block_size, device, position_ids)
+        hidden = self.denoiser(latents, timesteps, noisy, self_condition, position_ids, mask, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache)
+
+
+@dataclass
+class AuroraGenerationOptions(GenerationOptions):
+    """AURORA-LM's own `generate()` options (next to the transformers ones the shared skeleton honours).
+
+    Alignment, repaint of a partial prompt block, `max_new_tokens` and EOS work as for Cola DLM
+    (`BlockLatentGenerationMixin`). Per block: `num_inference_steps` Euler steps on the uniform σ grid from 1 to 0;
+    each step predicts ẑ, feeds it to the next step as the self-conditioning draft, and moves x to
+    (σ'/σ)·x + (1 − σ'/σ)·ẑ.
+
+    num_inference_steps (default config.num_ode_steps = 16).
+    self_condition_guidance (default config.self_condition_guidance = 4): w_sc of SC-CFG, ẑ = ẑ_blind +
+        w_sc·(ẑ_aware − ẑ_blind), where "aware" sees the previous step's draft and "blind" a zero draft (two denoiser
+        evaluations per step from the second step on; 1 = one evaluation, the aware prediction).
+    guidance_scale (default config.cfg_scale = 2): w of prompt CFG, ẑ = ẑ_uncond + w·(ẑ − ẑ_uncond), where the
+        unconditional branch is the block alone (with the draft); applied only while σ ≥ cfg_min_sigma and only to
+        rows with a complete history block; 1 = off.
+    cfg_min_sigma (default config.cfg_min_sigma = 0.9).
+    timestep_shift (default 1.0 = the uniform grid): SD3-style shift of the grid (> 1 spends more steps at high σ).
+    temperature (default config.decode_temperature = 0): the decoder's read-out; 0 (or do_sample=False) takes the
+        most likely token, T > 0 samples from softmax(logits / T). The ODE always starts from seeded noise.
+    noise_seeds: one int per row (its noise and read-out draws), so a row gives the same tokens alone or in any
+        batch. Default: drawn from the global torch RNG.
+    top_k / top_p: refused unless 0 / 1.0.
+    """
+
+    family: ClassVar[str] = "AURORA-LM"
+    row_seeds_option: ClassVar[str] = "noise_seeds"
+
+    num_inference_steps: int | None = None
+    self_condition_guidance: float | None = None
+    guidance_scale: float | None = None
+    cfg_min_sigma: float | None = None
+    timestep_shift: float | None = None
+    noise_seeds: list[int] | None = None
+
+    def resolved(self, config: AuroraConfig, batch_size: int) -> "AuroraGenerationOptions":
+        refuse_token_filters("AURORA-LM", "the read-out is greedy or plain sampling; use temperature", self.top_k,
+                             self.top_p)
+        steps = config.num_ode_steps if self.num_inference_steps is None else self.num_inference_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"num_inference_steps must be a positive int, got {steps!r}")
+
+        def value(name: str, given, default) -> float:
+            resolved = float(default if given is None else given)
+            if not resolved >= 0:
+                raise ValueError(f"{name} must be >= 0, got {resolved}")
+            return resolved
+
+        sc_scale = value("self_condition_guidance", self.self_condition_guidance, config.self_condition_guidance)
+        scale = value("guidance_scale", self.guidance_scale, config.cfg_scale)
+        min_sigma = value("cfg_min_sigma", self.cfg_min_sigma, config.cfg_min_sigma)
+        if min_sigma > 1:
+            raise ValueError(f"cfg_min_sigma must be in [0, 1], got {min_sigma}")
+        shift = 1.0 if self.timestep_shift is None else float(self.timestep_shift)
+        if not shift > 0:
+            raise ValueError(f"timestep_shift must be > 0, got {shift}")
+        temperature = value("temperature (AURORA-LM's read-out)", self.temperature, config.decode_temperature)
+        if not self.do_sample:
+            temperature = 0.0
+        return replace(self, num_inference_steps=steps, self_condition_guidance=sc_scale, guidance_scale=scale,
+                       cfg_min_sigma=min_sigma, timestep_shift=shift, temperature=temperature,
+                       noise_seeds=row_seeds(self.noise_seeds, batch_size, "noise_seeds"))
+
+
+class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
+    """AURORA-LM: frozen query autoencoder + block-causal x0 denoiser (+ its EMA copy for self-trajectory
+    consistency). `forward(input_ids)` returns the denoiser's hidden states of the clean text;
+    `forward(input_ids, labels=...)` the training objective; `generate()` denoises a block of latents per ODE solve
+    and decodes it. Build a trainable model around a trained autoencoder with `from_autoencoder`.
+
+    The training loop calls `on_optimizer_step()` after every optimizer step: it counts the steps (λ_ct's ramp) and
+    moves the EMA copy; both are saved with the weights, so a resumed run continues them exactly."""
+
+    generation_options_class = AuroraGenerationOptions
+    base_model_class = AuroraModel
+    network_names = {"prior": "denoiser", "encoder": "ae_encoder", "decoder": "ae_decoder"}
+
+    def __init__(self, config: AuroraConfig):
+        super().__init__(config)
+        self.model = AuroraModel(config)
+        self.ema_denoiser = AuroraDenoiser(config) if config.uses_consistency else None
+        self.register_buffer("optimizer_steps", torch.zeros((), dtype=torch.long))
+        self.post_init()
+        self.freeze_components()
+        if self.ema_denoiser is not None and not self.model.denoiser.clean_in.weight.is_meta:
+            self.ema_denoiser.load_state_dict(self.model.denoiser.state_dict())
+
+    def freeze_components(self) -> None:
+        """The autoencoder and the EMA copy never get gradients."""
+        self.model.autoencoder.requires_grad_(False)
+        if self.ema_denoiser is not None:
+            self.ema_denoiser.requires_grad_(False)
+
+    @classmethod
+    def from_autoencoder(cls, autoencoder: "str | AuroraAutoencoder", config: AuroraConfig | None = None,
+                         **config_kwargs) -> "AuroraForCausalLM":
+        """A fresh AURORA-LM whose frozen autoencoder is a copy of `autoencoder` (a trained `AuroraAutoencoder` or its
+        folder). `config` (or `config_kwargs` for a new `AuroraConfig`) must agree on vocab_size; the autoencoder's
+        config is embedded without its path."""
+        if not isinstance(autoencoder, AuroraAutoencoder):
+            autoencoder = AuroraAutoencoder.from_pretrained(autoencoder)
+        ae_config = embedded_config(autoencoder.config)
+        if config is None:
+            config_kwargs.setdefault("vocab_size", ae_config.vocab_size)
+            config = AuroraConfig(**config_kwargs, autoencoder_config=ae_config)
+        else:
+            if ae_config.vocab_size != config.vocab_size:
+                raise ValueError(f"the autoencoder's vocab_size ({ae_config.vocab_size}) disagrees with the AURORA "
+                                 f"config's vocab_size ({config.vocab_size})")
+            config = copy.deepcopy(config)
+            config.autoencoder_config = ae_config
+            config.validate_aurora()
+        model = cls(config)
+        model.model.autoencoder.load_state_dict(autoencoder.state_dict())
+        return model
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.model.autoencoder.eval()  # frozen: no token or latent dropout
+        if self.ema_denoiser is not None:
+            self.ema_denoiser.eval()
+        return self
+
+    def get_output_embeddings(self):
+        return None  # the denoiser has no softmax over tokens
+
+    def counted_modules(self) -> list[nn.Module]:
+        return [self.model, self.model.autoencoder.encoder, self.model.autoencoder.decoder]
+
+    @torch.no_grad()
+    def on_optimizer_step(self) -> None:
+        """After each optimizer step: count it and move the EMA copy toward the denoiser with decay
+        min(ema_decay, (1 + n) / (10 + n)), n = steps so far."""
+        self.optimizer_steps += 1
+        if self.ema_denoiser is None:
+            return
+        n = int(self.optimizer_steps)
+        decay = min(self.config.ema_decay, (1 + n) / (10 + n))
+        for ema, online in zip(self.ema_denoiser.parameters(), self.model.denoiser.parameters()):
+            ema.lerp_(online.detach().to(ema.dtype), 1 - decay)
+
+    def consistency_weight(self) -> float:
+        """λ_ct now: consistency_weight · min(1, steps / consistency_warmup_steps)."""
+        cfg = self.config
+        if not cfg.uses_consistency:
+            return 0.0
+        ramp = 1.0 if cfg.consistency_warmup_steps == 0 else min(1.0, int(self.optimizer_steps) /
+                                                                cfg.consistency_warmup_steps)
+        return cfg.consistency_weight * ramp
+
+    # ------------------------------------------------------------------------------------------------------------
+    # forward
+    # ------------------------------------------------------------------------------------------------------------
+
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, **kwargs) -> AuroraOutput:
+        """input_ids [B, T]: the denoiser's hidden states of the clean text (AURORA has no next-token logits). With
+        `labels` (same shape, −100 = ignore; label i scores latent i, no shift): the training objective.
+        Transformers' `output_hidden_states`, `output_attentions`, `return_dict` apply."""
+        check_forward_kwargs(self, kwargs)
+        if labels is not None:
+            if cache is not None or inputs_embeds is not None or position_ids is not None:
+                raise ValueError("the AURORA training objective takes input_ids, labels and attention_mask only")
+            return self.training_objective(input_ids, labels, attention_mask)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        return AuroraOutput(last_hidden_state=out.last_hidden_state, cache=out.cache,
+                            hidden_states=out.hidden_states, attentions=out.attentions)
+
+    def predict_x0(self, latents: torch.Tensor, timesteps: torch.Tensor, noisy: torch.Tensor | None = None,
+                   self_condition: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, cache=None, ema: bool = False) -> torch.Tensor:
+        """The predicted clean latents [B, T, D] (float32) of standardised latents [B, T, D] at per-position σ [B, T]:
+        one denoiser evaluation, through the base model's forward (where call counters see it), or through the EMA
+        copy with `ema=True` (then `attention_mask` must be a ready 4-D mask with `position_ids`)."""
+        if ema:
+            hidden = self.ema_denoiser(latents, timesteps, noisy, self_condition, position_ids, attention_mask, cache)
+            return self.ema_denoiser.x0_head(hidden).float()
+        hidden = self.model(inputs_embeds=latents, timesteps=timesteps, noisy=noisy, self_condition=self_condition,
+                            attention_mask=attention_mask, position_ids=position_ids, cache=cache).last_hidden_state
+        return self.model.denoiser.x0_head(hidden).float()
+
+    def training_objective(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                           attention_mask: torch.Tensor | None = None) -> AuroraOutput:
+        """Denoising loss (+ λ_ct · self-trajectory consistency) on packed or right-padded rows.
+
+        Every block at once over [clean stream ; noisy stream] (`dual_stream_mask`): block b's noisy copy x_σ =
+        (1 − σ)·z + σ·ε, σ drawn per (row, block), sees itself and the clean blocks < b (none with probability
+        `history_dropout`) and predicts z. With probability `self_condition_prob` per row, a first pass without
+        gradient gives the draft the main pass sees. Consistency: from σ, the Euler step to σ' = Prev_S(σ) with the
+        detached prediction gives x̃_σ'; the EMA copy's prediction there (draft: the online prediction) is the
+        target of the online prediction."""
+        cfg = self.config
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+        if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+            raise ValueError("the AURORA training objective needs right padding (blocks are counted from column 0)")
+        batch, length = input_ids.shape
+        device = input_ids.device
+        autoencoder = self.model.autoencoder
+        scored = scored_positions(labels, attention_mask)
+        with torch.no_grad():
+            raw = autoencoder.encode(input_ids, attention_mask)
+            if self.training and not bool(autoencoder.has_latent_statistics):
+                # Estimated once, from the frozen encoder on the first training batch; saved with the weights.
+                autoencoder.set_latent_statistics(raw, None if attention_mask is None else attention_mask.bool())
+            z = autoencoder.standardize(raw)
+
+        sampler = make_time_sampler(cfg.time_sampler, **cfg.time_sampler_kwargs())
+        sigma, clean_lead, history_visible = draw_block_conditions(sampler, batch, length, cfg.block_size,
+                                                                   cfg.prompt_block_prob, cfg.history_dropout, device)
+        noise = torch.randn_like(z)
+        x = (1 - sigma[..., None]) * z + sigma[..., None] * noise
+        latents = torch.cat([z, x], dim=1)
+        timesteps = torch.cat([torch.zeros_like(sigma), sigma], dim=1)
+        noisy = torch.arange(2 * length, device=device)[None].expand(batch, -1) >= length
+        positions = torch.arange(length, device=device).repeat(2)[None].expand(batch, -1)
+        mask = dual_stream_mask(length, cfg.block_size, history_visible, attention_mask, device)
+
+        def with_draft(draft: torch.Tensor | None) -> torch.Tensor | None:
+            # The draft [B, L, D] of the noisy stream; the clean stream never has one.
+            return None if draft is None else torch.cat([torch.zeros_like(draft), draft], dim=1)
+
+        draft = None
+        if self.model.denoiser.self_condition_proj is not None:
+            draft = torch.zeros_like(z)
+            if self.training:
+                use = torch.rand(batch, device=device) < cfg.self_condition_prob
+                if bool(use.any()):
+                    with torch.no_grad():
+                        first = self.predict_x0(latents, timesteps, noisy, with_draft(draft), mask, positions)
+                    draft = torch.where(use[:, None, None], first[:, length:], draft)
+        x0 = self.predict_x0(latents, timesteps, noisy, with_draft(draft), mask, positions)[:, length:]
+
+        fm_scored = (scored & ~clean_lead).float()
+        error = (x0 - z).pow(2).mean(-1)
+        if cfg.loss_space == "velocity":  # ‖v̂ − v‖² = ‖ẑ − z‖² / σ²
+            error = error / sigma.clamp(min=cfg.velocity_min_sigma).pow(2)
+        denoising = (error * fm_scored).sum() / fm_scored.sum().clamp(min=1)
+        loss = denoising
+
+        consistency = weight = None
+        if self.ema_denoiser is not None and self.training:
+            weight = torch.tensor(self.consistency_weight(), device=device)
+            grid = FlowMatchEulerSampler(cfg.consistency_steps)
+            grid.set_timesteps(device=device)
+            previous = torch.where(sigma > 0, grid.previous_timestep(sigma.clamp(min=1e-6)), 0.0)
+            ratio = torch.where(sigma > 0, previous / sigma.clamp(min=1e-6), 1.0)[..., None]
+            with torch.no_grad():
+                x_previous = ratio * x + (1 - ratio) * x0.detach()
+                target = self.predict_x0(torch.cat([z, x_previous], dim=1), torch.cat([torch.zeros_like(sigma),
+                                         previous], dim=1), noisy, with_draft(x0.detach() if draft is not None
+                                                                               else None),
+                                         mask, positions, ema=True)[:, length:]
+            consistency = (((x0 - target).pow(2).mean(-1)) * fm_scored).sum() / fm_scored.sum().clamp(min=1)
+            loss = loss + weight * consistency
+            consistency = consistency.detach()
+        return AuroraOutput(loss=loss, denoising_loss=denoising.detach(), consistency_loss=consistency,
+                            consistency_weight=weight)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # generate (the block loop is `BlockLatentGenerationMixin`'s)
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _encode_prompt(self, input_ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """The standardised latents of the aligned prompts."""
+        autoencoder = self.model.autoencoder
+        if autoencoder.config.keep_ratio != 1:
+            raise ValueError(f"generate() needs an autoencoder with keep_ratio 1 (one latent per token), this one has "
+                             f"{autoencoder.config.keep_ratio}")
+        return autoencoder.standardize(autoencoder.encode(input_ids, real.long()))
+
+    def _append_to_prior(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> None:
+        self.model(inputs_embeds=latents, attention_mask=attention_mask, cache=cache)
+
+    def _decode_latents(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
+        autoencoder = self.model.autoencoder
+        return autoencoder.decode_logits(autoencoder.unstandardize(latents), attention_mask=attention_mask,
+                                         cache=cache)
+
+    def _denoise_block(self, state: BlockDecodingState, noise: torch.Tensor, positions: torch.Tensor,
+                       conditional_mask: torch.Tensor, calls: dict) -> torch.Tensor:
+        """Euler steps from σ = 1 to 0 with x0 predictions, self-conditioning (SC-CFG) and prompt CFG at high σ."""
+        opt, Q = state.options, self.config.block_size
+        batch, device = noise.shape[0], noise.device
+        alone_mask = torch.ones(1, 1, Q, Q, dtype=torch.bool, device=device)
+        has_history = state.has_history[:, None, None]
+        prompt_guided = opt.guidance_scale != 1.0 and bool(state.has_history.any())
+        uses_draft = self.model.denoiser.self_condition_proj is not None
+        known_mask = state.known_mask
+        noisy = torch.ones(batch, Q, dtype=torch.bool, device=device)
+        cache = ReadOnlyCache(state.prior_cache)
+        draft = torch.zeros_like(noise) if uses_draft else None
+        first_step = True
+
+        def x0_fn(x: torch.Tensor, sigma: torch.Tensor, mask, draft_now, cache_now) -> torch.Tensor:
+            times = sigma.to(device).expand(batch, Q)
+            if known_mask is not None:
+                times = torch.where(known_mask, 0.0, times)
+            calls["denoiser"] += 1
+            return self.predict_x0(x, times, noisy, draft_now, mask, positions, cache=cache_now)
+
+        def velocity_fn(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+            nonlocal draft, first_step
+            prediction = x0_fn(x, sigma, conditional_mask, draft, cache)
+            if uses_draft and opt.self_condition_guidance != 1.0 and not first_step:
+                blind = x0_fn(x, sigma, conditional_mask, torch.zeros_like(draft), cache)
+                prediction = classifier_free_guidance(prediction, blind, opt.self_condition_guidance)
+            if prompt_guided and float(sigma) >= opt.cfg_min_sigma:
+                unconditional = x0_fn(x, sigma, alone_mask, draft, None)
+                # A row without history would get the same prediction from both branches: it keeps it exactly.
+                prediction = torch.where(has_history, classifier_free_guidance(prediction, unconditional,
+                                                                               opt.guidance_scale), prediction)
+            if uses_draft:
+                draft = prediction
+            first_step = False
+            # The Euler step of an x0 prediction: v = (x − ẑ) / σ (σ > 0 at every evaluated grid point).
+            return (x - prediction.to(x.dtype)) / sigma.to(x.dtype)
+
+        solver = FlowMatchEulerSampler(opt.num_inference_steps, shift=opt.timestep_shift)
+        solver.set_timesteps(device=device)
+        return solver.solve(velocity_fn, noise, state.known, None if known_mask is None else known_mask[..., None])
+
+
+__all__ = ["AuroraAutoencoder", "AuroraAutoencoderConfig", "AuroraAutoencoderOutput", "AuroraConfig",
+           "AuroraDenoiser", "AuroraForCausalLM", "AuroraGenerationOptions", "AuroraModel", "AuroraOutput",
+           "AuroraQueryDecoder", "AuroraQueryEncoder", "causal_by_position_mask"]
