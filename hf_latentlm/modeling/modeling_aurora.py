@@ -27,7 +27,14 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_aurora import AuroraAutoencoderConfig, AuroraConfig
-from .flow import FlowMatchEulerSampler, TimestepEmbedding, classifier_free_guidance, make_time_sampler
+from .flow import (
+    FlowMatchEulerSampler,
+    TimestepEmbedding,
+    classifier_free_guidance,
+    euler_step_from_x0,
+    make_time_sampler,
+    x0_to_velocity,
+)
 from .generation import (
     BlockDecodingState,
     BlockLatentGenerationMixin,
@@ -683,10 +690,13 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
             weight = torch.tensor(self.consistency_weight(), device=device)
             grid = FlowMatchEulerSampler(cfg.consistency_steps)
             grid.set_timesteps(device=device)
-            previous = torch.where(sigma > 0, grid.previous_timestep(sigma.clamp(min=1e-6)), 0.0)
-            ratio = torch.where(sigma > 0, previous / sigma.clamp(min=1e-6), 1.0)[..., None]
+            # Clean leading positions (σ = 0) stay where they are.
+            positive = sigma > 0
+            sigma_safe = torch.where(positive, sigma, 1.0)
+            previous = torch.where(positive, grid.previous_timestep(sigma_safe), 0.0)
             with torch.no_grad():
-                x_previous = ratio * x + (1 - ratio) * x0.detach()
+                x_previous = torch.where(positive[..., None], euler_step_from_x0(
+                    x, x0.detach(), sigma_safe[..., None], previous[..., None]), x)
                 target = self.predict_x0(torch.cat([z, x_previous], dim=1), torch.cat([torch.zeros_like(sigma),
                                          previous], dim=1), noisy, with_draft(x0.detach() if draft is not None
                                                                                else None),
@@ -753,8 +763,8 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
             if uses_draft:
                 draft = prediction
             first_step = False
-            # The Euler step of an x0 prediction: v = (x − ẑ) / σ (σ > 0 at every evaluated grid point).
-            return (x - prediction.to(x.dtype)) / sigma.to(x.dtype)
+            # The Euler step of an x0 prediction (σ > 0 at every evaluated grid point).
+            return x0_to_velocity(x, prediction.to(x.dtype), sigma.to(x.dtype))
 
         solver = FlowMatchEulerSampler(opt.num_inference_steps, shift=opt.timestep_shift)
         solver.set_timesteps(device=device)
