@@ -41,9 +41,6 @@ from hf_latentlm.loading import load_model_and_tokenizer
 from hf_latentlm.presets import get_preset
 from hf_latentlm.training.loop import TrainConfig, make_optimizer
 
-NETWORKS = ("dit", "vae_encoder", "vae_decoder")
-
-
 def numbers(text: str, kind=int) -> list:
     return [kind(x) for x in text.split(",") if x.strip()]
 
@@ -154,14 +151,14 @@ def git_state() -> dict:
 
 @torch.no_grad()
 def network_calls(model, prompt: torch.Tensor, new_tokens: int, kwargs: dict) -> dict:
-    """Network evaluations of one `generate()` of `prompt` [1, T] (Cola's defaults plus `kwargs`, EOS ignored, fixed
-    noise seed): per network and in all, and per generated token; cross-checked with forward hooks (`CallCounter`:
+    """Network evaluations of one `generate()` of `prompt` [1, T] (the model's defaults plus `kwargs`, EOS ignored,
+    fixed noise seed): per network and in all, and per generated token; cross-checked with forward hooks (`CallCounter`:
     `hooked_calls`, a warning when they disagree)."""
     with CallCounter(model) as counter:
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                              eos_token_id=None, noise_seeds=[0], return_dict_in_generate=True, **kwargs)
     generated = int(out.num_new_tokens[0])
-    calls = {name: int(out.calls_by_network[name][0]) for name in NETWORKS}
+    calls = {name: int(count[0]) for name, count in out.calls_by_network.items()}
     if counter.calls != int(out.model_calls[0]):
         print(f"WARNING: generate() reports {int(out.model_calls[0])} network calls, forward hooks counted "
               f"{counter.calls}", file=sys.stderr)

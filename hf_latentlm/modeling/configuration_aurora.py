@@ -22,7 +22,8 @@ class AuroraAutoencoderConfig(BackboneConfig):
 
     Backbone fields (`BackboneConfig`, Llama names) size both halves: `num_hidden_layers` blocks EACH (paper: 6 + 6).
     Args:
-        keep_ratio (`float`, 1.0): c = N / L in (0, 1] (the paper's models use 1). `generate()` of a denoiser needs 1.
+        keep_ratio (`float`, 1.0): c = N / L in (0, 1] (the paper's models use 1). The denoiser (`AuroraConfig`)
+            needs 1; below 1 the autoencoder trains and reports on its own (no padding, no cache).
         token_dropout (`float`, 0.3): probability of zeroing a whole input token embedding (training only).
         latent_dropout (`float`, 0.6): probability of zeroing a latent coordinate before decoding (training only,
             no rescaling, as in the paper).
@@ -184,6 +185,9 @@ class AuroraConfig(BackboneConfig):
         if ae.vocab_size != self.vocab_size:
             raise ValueError(f"the autoencoder's vocab_size ({ae.vocab_size}) disagrees with AuroraConfig.vocab_size "
                              f"({self.vocab_size})")
+        if ae.keep_ratio != 1:
+            raise ValueError(f"AURORA-LM's denoiser needs an autoencoder with keep_ratio 1 (one latent per token, so "
+                             f"that latent blocks are token blocks); this one has keep_ratio {ae.keep_ratio}")
         if self.noisy_input_rank is not None and self.noisy_input_rank < 1:
             raise ValueError(f"AuroraConfig.noisy_input_rank must be None (no bottleneck) or at least 1, got "
                              f"{self.noisy_input_rank}")

@@ -528,10 +528,10 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
             self.ema_denoiser.load_state_dict(self.model.denoiser.state_dict())
 
     def freeze_components(self) -> None:
-        """The autoencoder and the EMA copy never get gradients."""
-        self.model.autoencoder.requires_grad_(False)
+        """The autoencoder and the EMA copy never get gradients, and run in eval mode (no dropout) from the start."""
+        self.model.autoencoder.requires_grad_(False).eval()
         if self.ema_denoiser is not None:
-            self.ema_denoiser.requires_grad_(False)
+            self.ema_denoiser.requires_grad_(False).eval()
 
     @classmethod
     def from_autoencoder(cls, autoencoder: "str | AuroraAutoencoder", config: AuroraConfig | None = None,
