@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         users = {s.name: s.components[name] for s in FAMILIES.values() if name in s.components}
         t.add_argument(f"--{name}", help="; ".join(f"--family {user}: folder of a trained {name} (from --family "
                                                    f"{source})" for user, source in users.items()))
+    t.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one field of the family's config (repeatable); VALUE is read as JSON "
+                        "(64, 0.5, null, true, \"x0\") or else taken as a string, e.g. --config loss_space=velocity")
     t.add_argument("--sample-prompt", default=DEFAULT_SAMPLE_PROMPT, help="prompt for the sample printed at the end")
     t.add_argument("--no-sample", action="store_true", help="do not print a sample after training")
 
@@ -86,6 +89,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def config_overrides(items: list[str]) -> dict:
+    """`--config KEY=VALUE` items -> {key: value}, each value parsed as JSON when it parses, else kept as a string."""
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--config {item!r}: expected KEY=VALUE")
+        try:
+            overrides[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = value
+    return overrides
+
+
+def check_config_keys(spec, overrides: dict) -> None:
+    """ValueError naming a `--config` key the family's config does not have (transformers' configs would keep an
+    unknown key silently, so a typo would train the default)."""
+    from transformers import LlamaConfig
+
+    known = (spec.config_class or LlamaConfig)()
+    unknown = sorted(key for key in overrides if not hasattr(known, key))
+    if unknown:
+        raise ValueError(f"--config: the {spec.name} family's config has no field(s) {unknown}")
+
+
 def cmd_train(args) -> int:
     from .training.loop import TrainConfig, train
 
@@ -96,9 +124,11 @@ def cmd_train(args) -> int:
         warmup_steps=args.warmup_steps, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
         train_files=args.train_file, validation_files=args.validation_file, tokenizer=args.tokenizer,
         components={name: getattr(args, name) for name in component_names() if getattr(args, name) is not None},
+        model_kwargs=config_overrides(args.config),
     )
     spec = get_family(cfg.family)
     check_components(cfg.family, cfg.components)
+    check_config_keys(spec, cfg.model_kwargs)
     cfg.resolved()  # fail on bad values before loading any data
     metrics = train(cfg)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))

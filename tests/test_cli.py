@@ -13,6 +13,8 @@ from hf_latentlm.cli import main
     (["generate", "--model", "/nonexistent/folder", "--prompt", "hi"], "does not exist"),
     (["eval", "--model", "/nonexistent/folder"], "does not exist"),
     (["bench", "--model", "no-equals-sign"], "NAME=DIR"),
+    (["train", "--family", "plm", "--output-dir", "x", "--config", "block_sise=4"], "no field(s) ['block_sise']"),
+    (["train", "--output-dir", "x", "--config", "no-equals-sign"], "expected KEY=VALUE"),
 ])
 def test_bad_input_is_one_line_and_nonzero(run_cli, argv, needle):
     code, _, err = run_cli(*argv)
@@ -54,6 +56,23 @@ def test_train_generate_eval_round_trip(tmp_path, run_cli):
         assert entry["ci_low"] <= entry["value"] <= entry["ci_high"]
     assert result["brier"]["num_positions"] == 64
     assert 0 < result["nll"]["nll"] < 10 and result["nll"]["perplexity"] > 1
+
+
+def test_config_overrides_parse_json_values_or_keep_strings():
+    from hf_latentlm.cli import config_overrides
+
+    assert config_overrides(["a=64", "b=0.5", "c=null", "d=true", "e=velocity", 'f="x0"', "g=[1, 2]"]) == {
+        "a": 64, "b": 0.5, "c": None, "d": True, "e": "velocity", "f": "x0", "g": [1, 2]}
+
+
+def test_train_config_overrides_reach_the_saved_config(tmp_path, run_cli):
+    out = tmp_path / "plm"
+    code, _, err = run_cli("train", "--family", "plm", "--preset", "tiny", "--output-dir", str(out), "--max-steps",
+                           "1", "--eval-every", "0", "--batch-size", "2", "--no-sample", "--config", "k_pred=3",
+                           "--config", "block_size=6")
+    assert code == 0, err
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["k_pred"] == 3 and saved["block_size"] == 6
 
 
 def test_train_plm_prints_tokens_per_call_next_to_the_ar_baseline(tmp_path, run_cli):
