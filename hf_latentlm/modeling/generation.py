@@ -77,6 +77,37 @@ class GenerationOptions:
         raise NotImplementedError
 
 
+@dataclass
+class BlockLatentGenerationOptions(GenerationOptions):
+    """Options every block-latent family (Cola DLM, AURORA-LM) shares: `num_inference_steps` (default
+    config.num_ode_steps) ODE steps per block, `timestep_shift` (default 1.0, the uniform grid; > 1 spends more steps
+    at high noise), `temperature` of the decoder's read-out (default config.decode_temperature; 0 or do_sample=False
+    takes the most likely token) and `noise_seeds` (one per row). top_k / top_p are refused unless 0 / 1.0."""
+
+    row_seeds_option: ClassVar[str] = "noise_seeds"
+
+    num_inference_steps: int | None = None
+    timestep_shift: float | None = None
+    noise_seeds: list[int] | None = None
+
+    def resolved_block_options(self, config, batch_size: int) -> dict:
+        """The shared fields resolved and checked (ValueError naming the option), for `dataclasses.replace`."""
+        refuse_token_filters(self.family, "the read-out is greedy or plain sampling; use temperature", self.top_k,
+                             self.top_p)
+        steps = config.num_ode_steps if self.num_inference_steps is None else self.num_inference_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"num_inference_steps must be a positive int, got {steps!r}")
+        shift = 1.0 if self.timestep_shift is None else float(self.timestep_shift)
+        if not shift > 0:
+            raise ValueError(f"timestep_shift must be > 0, got {shift}")
+        temperature = config.decode_temperature if self.temperature is None else float(self.temperature)
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 for the {self.family} read-out, got {temperature}")
+        return {"num_inference_steps": steps, "timestep_shift": shift,
+                "temperature": temperature if self.do_sample else 0.0,
+                "noise_seeds": row_seeds(self.noise_seeds, batch_size, "noise_seeds")}
+
+
 class DecodingStep(NamedTuple):
     """What a family's `_decoding_step` returns: candidate tokens [B, W], how many of each row's leading candidates
     count ([B]; None: all W), and how many network evaluations the step made for each unfinished row (an int, or
@@ -453,6 +484,6 @@ class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
         raise NotImplementedError
 
 
-__all__ = ["BlockAlignedPrompts", "BlockDecodingState", "BlockLatentGenerationMixin", "DecodingStep", "GenerateOutput", "GenerationOptions", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",
+__all__ = ["BlockAlignedPrompts", "BlockDecodingState", "BlockLatentGenerationOptions", "BlockLatentGenerationMixin", "DecodingStep", "GenerateOutput", "GenerationOptions", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",
            "HARMLESS_HF_OPTIONS", "block_aligned_prompts", "check_prompt", "pop_options", "read_out_tokens", "refuse_token_filters", "reject_unknown_options",
            "resolve_generation_request", "row_seeds"]

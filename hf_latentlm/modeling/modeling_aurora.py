@@ -35,13 +35,7 @@ from .flow import (
     make_time_sampler,
     x0_to_velocity,
 )
-from .generation import (
-    BlockDecodingState,
-    BlockLatentGenerationMixin,
-    GenerationOptions,
-    refuse_token_filters,
-    row_seeds,
-)
+from .generation import BlockDecodingState, BlockLatentGenerationMixin, BlockLatentGenerationOptions
 from .layers import (
     AttentionProbs,
     DecoderBlock,
@@ -61,6 +55,7 @@ from .modeling_backbone import (
     check_forward_kwargs,
     embedded_config,
     masked_cross_entropy,
+    refuse_vocab_resize,
     scored_positions,
 )
 
@@ -377,11 +372,8 @@ class AuroraPreTrainedModel(BackbonePreTrainedModel):
         self.base_model.autoencoder.embed_tokens = value
 
     def check_vocab_resize(self, size: int) -> None:
-        if size != self.config.vocab_size:
-            raise NotImplementedError(
-                f"{type(self).__name__} cannot resize its token embeddings ({self.config.vocab_size} -> {size}): the "
-                f"vocabulary belongs to the frozen autoencoder. Resize and retrain an AuroraAutoencoder, then build a "
-                f"new model with AuroraForCausalLM.from_autoencoder")
+        refuse_vocab_resize(self, size, "the frozen autoencoder", "an AuroraAutoencoder",
+                            "AuroraForCausalLM.from_autoencoder")
 
 
 class AuroraModel(AuroraPreTrainedModel):
@@ -441,15 +433,17 @@ class AuroraModel(AuroraPreTrainedModel):
 
 
 @dataclass
-class AuroraGenerationOptions(GenerationOptions):
+class AuroraGenerationOptions(BlockLatentGenerationOptions):
     """AURORA-LM's own `generate()` options (next to the transformers ones the shared skeleton honours).
 
     Alignment, repaint of a partial prompt block, `max_new_tokens` and EOS work as for Cola DLM
-    (`BlockLatentGenerationMixin`). Per block: `num_inference_steps` Euler steps on the uniform σ grid from 1 to 0;
-    each step predicts ẑ, feeds it to the next step as the self-conditioning draft, and moves x to
-    (σ'/σ)·x + (1 − σ'/σ)·ẑ.
+    (`BlockLatentGenerationMixin`). Per block: `num_inference_steps` Euler steps on the σ grid from 1 to 0; each step
+    predicts ẑ, feeds it to the next step as the self-conditioning draft, and moves x to (σ'/σ)·x + (1 − σ'/σ)·ẑ.
 
-    num_inference_steps (default config.num_ode_steps = 16).
+    Shared with Cola DLM (`BlockLatentGenerationOptions`): num_inference_steps (default config.num_ode_steps = 16),
+    timestep_shift (default 1.0, the uniform grid), temperature (default config.decode_temperature = 0: the greedy
+    read-out; the ODE always starts from seeded noise), noise_seeds (one per row: its noise and read-out draws, so a
+    row gives the same tokens alone or in any batch), top_k / top_p refused.
     self_condition_guidance (default config.self_condition_guidance = 4): w_sc of SC-CFG, ẑ = ẑ_blind +
         w_sc·(ẑ_aware − ẑ_blind), where "aware" sees the previous step's draft and "blind" a zero draft (two denoiser
         evaluations per step from the second step on; 1 = one evaluation, the aware prediction).
@@ -457,51 +451,26 @@ class AuroraGenerationOptions(GenerationOptions):
         unconditional branch is the block alone (with the draft); applied only while σ ≥ cfg_min_sigma and only to
         rows with a complete history block; 1 = off.
     cfg_min_sigma (default config.cfg_min_sigma = 0.9).
-    timestep_shift (default 1.0 = the uniform grid): SD3-style shift of the grid (> 1 spends more steps at high σ).
-    temperature (default config.decode_temperature = 0): the decoder's read-out; 0 (or do_sample=False) takes the
-        most likely token, T > 0 samples from softmax(logits / T). The ODE always starts from seeded noise.
-    noise_seeds: one int per row (its noise and read-out draws), so a row gives the same tokens alone or in any
-        batch. Default: drawn from the global torch RNG.
-    top_k / top_p: refused unless 0 / 1.0.
     """
 
     family: ClassVar[str] = "AURORA-LM"
-    row_seeds_option: ClassVar[str] = "noise_seeds"
 
-    num_inference_steps: int | None = None
     self_condition_guidance: float | None = None
     guidance_scale: float | None = None
     cfg_min_sigma: float | None = None
-    timestep_shift: float | None = None
-    noise_seeds: list[int] | None = None
 
     def resolved(self, config: AuroraConfig, batch_size: int) -> "AuroraGenerationOptions":
-        refuse_token_filters("AURORA-LM", "the read-out is greedy or plain sampling; use temperature", self.top_k,
-                             self.top_p)
-        steps = config.num_ode_steps if self.num_inference_steps is None else self.num_inference_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"num_inference_steps must be a positive int, got {steps!r}")
-
-        def value(name: str, given, default) -> float:
-            resolved = float(default if given is None else given)
-            if not resolved >= 0:
-                raise ValueError(f"{name} must be >= 0, got {resolved}")
-            return resolved
-
-        sc_scale = value("self_condition_guidance", self.self_condition_guidance, config.self_condition_guidance)
-        scale = value("guidance_scale", self.guidance_scale, config.cfg_scale)
-        min_sigma = value("cfg_min_sigma", self.cfg_min_sigma, config.cfg_min_sigma)
-        if min_sigma > 1:
-            raise ValueError(f"cfg_min_sigma must be in [0, 1], got {min_sigma}")
-        shift = 1.0 if self.timestep_shift is None else float(self.timestep_shift)
-        if not shift > 0:
-            raise ValueError(f"timestep_shift must be > 0, got {shift}")
-        temperature = value("temperature (AURORA-LM's read-out)", self.temperature, config.decode_temperature)
-        if not self.do_sample:
-            temperature = 0.0
-        return replace(self, num_inference_steps=steps, self_condition_guidance=sc_scale, guidance_scale=scale,
-                       cfg_min_sigma=min_sigma, timestep_shift=shift, temperature=temperature,
-                       noise_seeds=row_seeds(self.noise_seeds, batch_size, "noise_seeds"))
+        shared = self.resolved_block_options(config, batch_size)
+        values = {}
+        for name, default in (("self_condition_guidance", config.self_condition_guidance),
+                              ("guidance_scale", config.cfg_scale), ("cfg_min_sigma", config.cfg_min_sigma)):
+            given = getattr(self, name)
+            values[name] = float(default if given is None else given)
+            if not values[name] >= 0:
+                raise ValueError(f"{name} must be >= 0, got {values[name]}")
+        if values["cfg_min_sigma"] > 1:
+            raise ValueError(f"cfg_min_sigma must be in [0, 1], got {values['cfg_min_sigma']}")
+        return replace(self, **values, **shared)
 
 
 class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):

@@ -50,6 +50,15 @@ def resized_vocab_size(model, new_num_tokens: int | None, pad_to_multiple_of: in
     return size
 
 
+def refuse_vocab_resize(model, size: int, owner: str, component: str, rebuild: str) -> None:
+    """NotImplementedError unless `size` is the model's vocabulary size: for families whose vocabulary belongs to a
+    trained component (`owner`), retrained as `component` and rebuilt with `rebuild`."""
+    if size != model.config.vocab_size:
+        raise NotImplementedError(
+            f"{type(model).__name__} cannot resize its token embeddings ({model.config.vocab_size} -> {size}): the "
+            f"vocabulary belongs to {owner}. Resize and retrain {component}, then build a new model with {rebuild}")
+
+
 def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     """Mean CE over the `scored` positions (0, not NaN, when none is scored); static shapes (no boolean indexing)."""
     nll = F.cross_entropy(logits.flatten(0, -2).float(), targets.clamp(min=0).flatten(), reduction="none")
@@ -121,4 +130,4 @@ class BackbonePreTrainedModel(PreTrainedModel):
 
 
 __all__ = ["BackbonePreTrainedModel", "embedded_config", "check_backbone_inputs", "check_forward_kwargs",
-           "masked_cross_entropy", "resized_vocab_size", "scored_positions"]
+           "masked_cross_entropy", "refuse_vocab_resize", "resized_vocab_size", "scored_positions"]

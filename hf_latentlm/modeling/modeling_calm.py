@@ -53,6 +53,7 @@ from .modeling_backbone import (
     embedded_config,
     check_backbone_inputs,
     check_forward_kwargs,
+    refuse_vocab_resize,
 )
 
 
@@ -345,11 +346,8 @@ class CALMPreTrainedModel(BackbonePreTrainedModel):
         """Refused unless the size stays the same: the vocabulary belongs to the frozen autoencoder, which maps every
         chunk to and from its latent, so a new token has no latent and the saved config would disagree with the
         autoencoder's. Resize the autoencoder, retrain it, then build a new CALM with `from_autoencoder`."""
-        if size != self.config.vocab_size:
-            raise NotImplementedError(
-                f"{type(self).__name__} cannot resize its token embeddings ({self.config.vocab_size} -> {size}): "
-                f"the vocabulary belongs to the frozen autoencoder (chunks <-> latents). Resize and retrain a "
-                f"CALMAutoencoder, then build a new model with CALMForCausalLM.from_autoencoder")
+        refuse_vocab_resize(self, size, "the frozen autoencoder (chunks <-> latents)", "a CALMAutoencoder",
+                            "CALMForCausalLM.from_autoencoder")
 
 
 class CALMModel(CALMPreTrainedModel):

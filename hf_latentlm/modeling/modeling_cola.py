@@ -35,13 +35,7 @@ from .flow import (
     classifier_free_guidance,
     make_time_sampler,
 )
-from .generation import (
-    BlockDecodingState,
-    BlockLatentGenerationMixin,
-    GenerationOptions,
-    refuse_token_filters,
-    row_seeds,
-)
+from .generation import BlockDecodingState, BlockLatentGenerationMixin, BlockLatentGenerationOptions
 from .layers import (
     AttentionProbs,
     DiTBlock,
@@ -423,7 +417,7 @@ class VelocityHead(nn.Module):
 
 
 @dataclass
-class ColaGenerationOptions(GenerationOptions):
+class ColaGenerationOptions(BlockLatentGenerationOptions):
     """Cola DLM's own `generate()` options (next to the transformers ones the shared skeleton honours).
 
     Alignment: latent blocks of `block_size` are counted from each row's first real token, as the row would be
@@ -431,53 +425,31 @@ class ColaGenerationOptions(GenerationOptions):
     first generated one, with its known positions held at their clean latents (repaint). Exactly `max_new_tokens`
     tokens come back unless EOS stops a row (inside a block if need be).
 
-    num_inference_steps (default config.num_ode_steps = 16): ODE steps per block, from t = 1 to t = 0.
+    Shared with AURORA-LM (`BlockLatentGenerationOptions`): num_inference_steps (default config.num_ode_steps = 16,
+    ODE steps per block from t = 1 to t = 0), timestep_shift, temperature (default config.decode_temperature = 0:
+    the VAE decoder's greedy read-out; the ODE always starts from seeded noise), noise_seeds (one per row, so a row
+    gives the same tokens alone or in any batch), top_k / top_p refused.
     ode_solver (default config.ode_solver = "euler"): "euler" (one DiT evaluation per step) or "heun" (two, the last
         step one).
     guidance_scale (default config.cfg_scale = 7): w of v = v_uncond + w·(v_cond − v_uncond), where the unconditional
         branch is the DiT on the current block alone; 1 = no guidance (one DiT evaluation per step); a row with no
         history block uses 1 (both branches would be the same).
-    timestep_shift (default 1.0 = the uniform grid): SD3-style shift of the ODE grid (> 1 spends more steps at high
-        noise).
-    temperature (default config.decode_temperature = 0): the VAE decoder's read-out; 0 (or do_sample=False) takes
-        the most likely token, T > 0 samples from softmax(logits / T). The ODE always starts from seeded noise.
-    noise_seeds: one int per row; row b draws its noise (and read-out samples) from a generator seeded with it, so
-        a row gives the same tokens alone or in any batch. Default: seeds drawn from the global torch RNG.
-    top_k / top_p: refused unless 0 / 1.0.
     """
 
     family: ClassVar[str] = "Cola DLM"
-    row_seeds_option: ClassVar[str] = "noise_seeds"
 
-    num_inference_steps: int | None = None
     ode_solver: str | None = None
     guidance_scale: float | None = None
-    timestep_shift: float | None = None
-    noise_seeds: list[int] | None = None
 
     def resolved(self, config: ColaConfig, batch_size: int) -> "ColaGenerationOptions":
-        refuse_token_filters("Cola DLM", "the read-out is greedy or plain sampling; use temperature", self.top_k,
-                             self.top_p)
-        steps = config.num_ode_steps if self.num_inference_steps is None else self.num_inference_steps
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"num_inference_steps must be a positive int, got {steps!r}")
+        shared = self.resolved_block_options(config, batch_size)
         solver = config.ode_solver if self.ode_solver is None else self.ode_solver
         if solver not in ODE_SOLVERS:
             raise ValueError(f"ode_solver must be one of {ODE_SOLVERS}, got {solver!r}")
         scale = config.cfg_scale if self.guidance_scale is None else float(self.guidance_scale)
         if not scale >= 0:
             raise ValueError(f"guidance_scale must be >= 0, got {scale}")
-        shift = 1.0 if self.timestep_shift is None else float(self.timestep_shift)
-        if not shift > 0:
-            raise ValueError(f"timestep_shift must be > 0, got {shift}")
-        temperature = config.decode_temperature if self.temperature is None else float(self.temperature)
-        if not temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 for Cola DLM's read-out, got {temperature}")
-        if not self.do_sample:
-            temperature = 0.0
-        return replace(self, num_inference_steps=steps, ode_solver=solver, guidance_scale=scale,
-                       timestep_shift=shift, temperature=temperature,
-                       noise_seeds=row_seeds(self.noise_seeds, batch_size, "noise_seeds"))
+        return replace(self, ode_solver=solver, guidance_scale=scale, **shared)
 
 
 class ColaForCausalLM(ColaPreTrainedModel, BlockLatentGenerationMixin):
