@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import latent_fixtures as lf
 import pytest
 import torch
 from torch import nn
@@ -47,15 +48,7 @@ def make_aurora(seed: int = 0, autoencoder: AuroraAutoencoder | None = None, **o
 
 
 def tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(2, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def left_padded(rows: list[torch.Tensor], pad: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(r.numel() for r in rows)
-    ids, mask = torch.full((len(rows), width), pad), torch.zeros(len(rows), width, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, width - r.numel():], mask[b, width - r.numel():] = r, 1
-    return ids, mask
+    return lf.random_tokens(VOCAB, batch, length, seed)
 
 
 class DenoiserSpy:
@@ -218,7 +211,7 @@ def test_left_padded_rows_encode_and_decode_as_alone():
     positions' latents hold (garbage there changes nothing)."""
     autoencoder = make_autoencoder(randomize=True, initializer_range=0.2).eval()
     rows = [tokens(1, n, seed=n)[0] for n in (5, 11, 3)]
-    ids, mask = left_padded(rows)
+    ids, mask = lf.left_padded(rows)
     with torch.no_grad():
         latents = autoencoder.encode(ids, mask)
         garbage = torch.where(mask.bool()[..., None], latents, 100 * torch.randn_like(latents))
@@ -702,21 +695,12 @@ def test_calls_by_network_match_a_hand_count_and_the_forward_hooks(generator_mod
     cfg_min_sigma = 0.5  # at S = 4: σ = 1, 0.75 and 0.5 (the boundary counts) are guided
     expected = expected_calls(prompt_length, max_new, steps, sc_guidance, guidance, cfg_min_sigma)
     names = dict(zip(("denoiser", "ae_encoder", "ae_decoder"), model.counted_modules()))
-    counted = dict.fromkeys(names, 0)
-    handles = [module.register_forward_pre_hook(lambda *_, name=name: counted.__setitem__(name, counted[name] + 1))
-               for name, module in names.items()]
-    try:
+    with lf.forward_calls_counted(names) as counted:
         out = model.generate(tokens(1, prompt_length), max_new_tokens=max_new, eos_token_id=None,
                              return_dict_in_generate=True, num_inference_steps=steps,
                              self_condition_guidance=sc_guidance, guidance_scale=guidance,
                              cfg_min_sigma=cfg_min_sigma, noise_seeds=[0])
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert out.num_new_tokens.tolist() == [max_new]
-    assert {k: v.tolist() for k, v in out.calls_by_network.items()} == {k: [v] for k, v in expected.items()}
-    assert counted == expected
-    assert out.model_calls.tolist() == [sum(expected.values())]
+    lf.assert_calls_match(out, max_new, expected, counted)
 
 
 def test_no_blind_evaluation_without_self_conditioning():
@@ -733,18 +717,14 @@ def test_prompt_guidance_is_skipped_exactly_for_a_row_without_history(generator_
     exactly the same first block and tokens at w = 3 as at w = 1; the row with history is guided (differs)."""
     model = generator_model
     short, long = tokens(1, 3, seed=8)[0], tokens(1, 9, seed=9)[0]
-    ids, mask = left_padded([short, long])
-    blocks = []
-    hook = model.model.autoencoder.decoder.register_forward_pre_hook(lambda m, args: blocks.append(args[0].clone()))
-    try:
-        results = {}
+    ids, mask = lf.left_padded([short, long])
+    results = {}
+    with lf.first_inputs_recorded(model.model.autoencoder.decoder) as blocks:
         for w in (1.0, 3.0):
             blocks.clear()
             sequences = model.generate(ids, attention_mask=mask, max_new_tokens=1, eos_token_id=None,
                                        num_inference_steps=3, guidance_scale=w, noise_seeds=[4, 5])
             results[w] = sequences, blocks[-1]  # the generated block (the first decoder call reads the history)
-    finally:
-        hook.remove()
     (plain, plain_block), (guided, guided_block) = results[1.0], results[3.0]
     assert torch.equal(guided_block[0], plain_block[0])
     assert torch.equal(guided[0], plain[0])
@@ -758,7 +738,7 @@ def test_repaint_holds_the_prompt_latents_at_time_zero_in_every_call(generator_m
     model = generator_model
     autoencoder = model.model.autoencoder
     rows = [tokens(1, 6, seed=1)[0], tokens(1, 5, seed=2)[0]]
-    ids, mask = left_padded(rows)
+    ids, mask = lf.left_padded(rows)
     with torch.no_grad():
         known = [autoencoder.standardize(autoencoder.encode(r[None]))[0, Q:] for r in rows]
         raw = [autoencoder.encode(r[None])[0, Q:] for r in rows]
@@ -795,15 +775,4 @@ def test_bad_generate_options_are_named(generator_model, option, value):
 def test_sampled_read_out_uses_each_rows_own_generator(generator_model):
     """temperature 1: rows of different prompt lengths (no history, mid-block, whole blocks), left padded, give in
     a batch exactly what they give alone; the read-out does sample (other seeds or greedy give other tokens)."""
-    model = generator_model
-    rows = [tokens(1, n, seed=10 + n)[0] for n in (3, 6, 8)]
-    ids, mask = left_padded(rows)
-    seeds = [11, 12, 13]
-    kwargs = dict(max_new_tokens=6, eos_token_id=None, num_inference_steps=2)
-    batched = model.generate(ids, attention_mask=mask, temperature=1.0, noise_seeds=seeds, **kwargs)
-    for b, row in enumerate(rows):
-        alone = model.generate(row[None], temperature=1.0, noise_seeds=[seeds[b]], **kwargs)
-        assert batched[b, ids.shape[1]:].tolist() == alone[0, row.numel():].tolist(), b
-    other_seeds = model.generate(ids, attention_mask=mask, temperature=1.0, noise_seeds=[21, 22, 23], **kwargs)
-    greedy = model.generate(ids, attention_mask=mask, temperature=0.0, noise_seeds=seeds, **kwargs)
-    assert not torch.equal(batched, other_seeds) and not torch.equal(batched, greedy)
+    lf.assert_sampled_rows_as_alone(generator_model, [tokens(1, n, seed=10 + n)[0] for n in (3, 6, 8)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import latent_fixtures as lf
 import pytest
 import torch
 
@@ -42,15 +43,7 @@ def make_cola(seed: int = 0, vae: ColaTextVAE | None = None, randomize: bool = T
 
 
 def tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(2, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def left_padded(rows: list[torch.Tensor], pad: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(r.numel() for r in rows)
-    ids, mask = torch.full((len(rows), width), pad), torch.zeros(len(rows), width, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, width - r.numel():], mask[b, width - r.numel():] = r, 1
-    return ids, mask
+    return lf.random_tokens(VOCAB, batch, length, seed)
 
 
 class VelocitySpy:
@@ -251,7 +244,7 @@ def test_left_padded_batch_gives_each_row_what_it_gets_alone():
     model = make_cola().eval()
     vae = model.model.vae
     rows = [tokens(1, n, seed=n)[0] for n in (5, 11, 3)]
-    ids, mask = left_padded(rows)
+    ids, mask = lf.left_padded(rows)
     with torch.no_grad():
         mean = vae.encode(ids, mask)
         logits = vae.decode_logits(mean, mask)
@@ -549,21 +542,12 @@ def test_calls_by_network_match_a_hand_count_and_the_forward_hooks(generator_mod
     model, steps = generator_model, 3
     sampler = FlowMatchHeunSampler if solver == "heun" else FlowMatchEulerSampler
     expected = expected_calls(prompt_length, max_new, sampler.evaluations(steps), guidance != 1.0)
-    counted = dict.fromkeys(expected, 0)
     modules = {"dit": model.model, "vae_encoder": model.model.vae.encoder, "vae_decoder": model.model.vae.decoder}
-    handles = [module.register_forward_pre_hook(lambda *_, name=name: counted.__setitem__(name, counted[name] + 1))
-               for name, module in modules.items()]
-    try:
+    with lf.forward_calls_counted(modules) as counted:
         out = model.generate(tokens(1, prompt_length), max_new_tokens=max_new, eos_token_id=None,
                              return_dict_in_generate=True, num_inference_steps=steps, ode_solver=solver,
                              guidance_scale=guidance, noise_seeds=[0])
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert out.num_new_tokens.tolist() == [max_new]
-    assert {k: v.tolist() for k, v in out.calls_by_network.items()} == {k: [v] for k, v in expected.items()}
-    assert counted == expected
-    assert out.model_calls.tolist() == [sum(expected.values())]
+    lf.assert_calls_match(out, max_new, expected, counted)
 
 
 def test_guidance_is_skipped_exactly_for_a_row_without_history(generator_model):
@@ -571,10 +555,8 @@ def test_guidance_is_skipped_exactly_for_a_row_without_history(generator_model):
     block exactly as it would alone at w = 1; the row with history is guided (differs from w = 1)."""
     model = generator_model
     short, long = tokens(1, 3, seed=8)[0], tokens(1, 9, seed=9)[0]
-    ids, mask = left_padded([short, long])
-    blocks = []
-    hook = model.model.vae.decoder.register_forward_pre_hook(lambda module, args: blocks.append(args[0].clone()))
-    try:
+    ids, mask = lf.left_padded([short, long])
+    with lf.first_inputs_recorded(model.model.vae.decoder) as blocks:
         def run(prompt, attention_mask, guidance, seeds):
             blocks.clear()
             out = model.generate(prompt, attention_mask=attention_mask, max_new_tokens=1, eos_token_id=None,
@@ -585,8 +567,6 @@ def test_guidance_is_skipped_exactly_for_a_row_without_history(generator_model):
         alone, alone_block = run(short[None], None, 1.0, [4])
         _, alone_guided_block = run(short[None], None, 7.0, [4])
         _, long_unguided_block = run(long[None], None, 1.0, [5])
-    finally:
-        hook.remove()
     torch.testing.assert_close(batched_block[0], alone_block[0], atol=1e-5, rtol=1e-4)
     assert torch.equal(alone_block, alone_guided_block)
     assert batched[0, -1] == alone[0, -1]
@@ -599,7 +579,7 @@ def test_repaint_holds_the_prompt_latents_at_time_zero_in_every_call(generator_m
     posterior mean, computed alone) at the known positions, at t = 0, and the solver's time elsewhere."""
     model = generator_model
     rows = [tokens(1, 6, seed=1)[0], tokens(1, 5, seed=2)[0]]
-    ids, mask = left_padded(rows)
+    ids, mask = lf.left_padded(rows)
     with torch.no_grad():
         clean = [model.model.vae.encode(r[None])[0, (r.numel() // Q) * Q:] for r in rows]
     spy = VelocitySpy(model)
@@ -633,23 +613,12 @@ def test_sampled_read_out_uses_each_rows_own_generator(generator_model):
     """temperature 1: rows of different prompt lengths (history or not, ending mid-block or not), left padded,
     give in a batch exactly what they give alone; the read-out does sample (other seeds, other tokens; greedy
     differs), and config.decode_temperature is the default temperature."""
-    model = generator_model
-    rows = [tokens(1, n, seed=10 + n)[0] for n in (3, 6, 9)]
-    ids, mask = left_padded(rows)
-    seeds = [11, 12, 13]
-    kwargs = dict(max_new_tokens=6, eos_token_id=None, num_inference_steps=2)
-    batched = model.generate(ids, attention_mask=mask, temperature=1.0, noise_seeds=seeds, **kwargs)
-    for b, row in enumerate(rows):
-        alone = model.generate(row[None], temperature=1.0, noise_seeds=[seeds[b]], **kwargs)
-        assert batched[b, ids.shape[1]:].tolist() == alone[0, row.numel():].tolist(), b
-    other_seeds = model.generate(ids, attention_mask=mask, temperature=1.0, noise_seeds=[21, 22, 23], **kwargs)
-    greedy = model.generate(ids, attention_mask=mask, temperature=0.0, noise_seeds=seeds, **kwargs)
-    assert not torch.equal(batched, other_seeds) and not torch.equal(batched, greedy)
-    sampling_model = copy.deepcopy(model)
+    run = lf.assert_sampled_rows_as_alone(generator_model, [tokens(1, n, seed=10 + n)[0] for n in (3, 6, 9)])
+    sampling_model = copy.deepcopy(generator_model)
     sampling_model.config.decode_temperature = 1.0
-    assert torch.equal(sampling_model.generate(ids, attention_mask=mask, noise_seeds=seeds, **kwargs), batched)
-    assert torch.equal(sampling_model.generate(ids, attention_mask=mask, noise_seeds=seeds, do_sample=False, **kwargs),
-                       greedy)
+    same = dict(attention_mask=run.mask, noise_seeds=run.seeds, **run.kwargs)
+    assert torch.equal(sampling_model.generate(run.ids, **same), run.batched)
+    assert torch.equal(sampling_model.generate(run.ids, do_sample=False, **same), run.greedy)
 
 
 # ====================================================================================================================

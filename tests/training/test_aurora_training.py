@@ -2,49 +2,27 @@
 denoiser block at the end of every row): exact resume of everything the denoiser carries between steps (the EMA copy,
 the step count that ramps λ_ct, the latent statistics of the first batch), and a 2-process CPU DDP run."""
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import latent_fixtures as lf
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_latentlm.families import build_model
 from hf_latentlm.training import loop
 from hf_latentlm.training.loop import TrainConfig, train
 
-WORKER = Path(__file__).with_name("ddp_worker.py")
 ROW_LENGTH = 14
 
-
-@pytest.fixture(scope="module")
-def autoencoder_folder(tokenizer, tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("aurora-ae")
-    build_model("aurora-ae", "tiny", tokenizer).save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def short_rows(tiny_rows) -> torch.Tensor:
-    return tiny_rows[:40, :ROW_LENGTH].clone()
+autoencoder_folder = lf.component_folder_fixture("aurora-ae")
+short_rows = lf.short_rows_fixture(ROW_LENGTH)
 
 
 def aurora_config(out, autoencoder_folder, **overrides) -> TrainConfig:
     # consistency_warmup_steps 3: λ_ct is still ramping at the resume point (step 2) and capped after it.
-    values = dict(family="aurora", preset="tiny", output_dir=str(out), max_steps=4, batch_size=2, seq_len=ROW_LENGTH,
-                  eval_every=0, save_every=2, log_every=1, progress_bar=False, seed=5,
-                  components={"autoencoder": autoencoder_folder}, model_kwargs={"consistency_warmup_steps": 3})
-    values.update(overrides)
-    return TrainConfig(**values)
-
-
-def logged_steps(folder: Path) -> list[dict]:
-    return [r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    return lf.tiny_train_config("aurora", out, ROW_LENGTH, {"autoencoder": autoencoder_folder},
+                                {"consistency_warmup_steps": 3}, **overrides)
 
 
 def test_aurora_resumes_exactly(tmp_path, tokenizer, short_rows, autoencoder_folder, monkeypatch):
@@ -57,7 +35,7 @@ def test_aurora_resumes_exactly(tmp_path, tokenizer, short_rows, autoencoder_fol
                     train_rows=short_rows)
     assert resumed["step"] == straight["step"] == 4
 
-    a, b = logged_steps(tmp_path / "a"), logged_steps(tmp_path / "b")
+    a, b = lf.logged_steps(tmp_path / "a"), lf.logged_steps(tmp_path / "b")
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
         assert {"loss", "denoising_loss", "consistency_loss", "consistency_weight", "grad_norm"} <= set(ra)
@@ -94,19 +72,7 @@ def test_aurora_resumes_exactly(tmp_path, tokenizer, short_rows, autoencoder_fol
 def test_aurora_trains_with_two_process_ddp(tmp_path, tokenizer, short_rows, autoencoder_folder):
     """torchrun, 2 CPU processes, 2 steps: both ranks end with identical weights, EMA copy and latent statistics; the
     denoiser and its EMA move, the frozen autoencoder's weights do not."""
-    rows_file = tmp_path / "rows.pt"
-    torch.save(short_rows[:16].clone(), rows_file)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
-           str(tmp_path / "ddp"), str(rows_file), "2", "--family", "aurora", "--max-steps", "2",
-           f"--component=autoencoder={autoencoder_folder}"]
-    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [load_file(tmp_path / "ddp" / f"rank{r}.safetensors") for r in range(2)]
-    torch.manual_seed(0)  # as the worker builds it
-    initial = build_model("aurora", "tiny", tokenizer, autoencoder=autoencoder_folder).state_dict()
-    assert set(ranks[0]) == set(initial)
-    for name, value in ranks[0].items():
-        assert torch.equal(value, ranks[1][name]), f"ranks differ at {name}"
+    ranks, initial = lf.two_process_ddp(tmp_path, short_rows, tokenizer, "aurora", "autoencoder", autoencoder_folder)
 
     def moved(prefix):
         return max((ranks[0][n].float() - v.float()).abs().max().item() for n, v in initial.items()

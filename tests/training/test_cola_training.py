@@ -3,48 +3,26 @@ VAE block and a partial DiT block at the end of every row): exact resume with th
 and a 2-process CPU DDP run. The generic every-family resume test (test_loop.py) checks only the final loss; this one
 compares every logged loss part of every step."""
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+import latent_fixtures as lf
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_latentlm.families import build_model
 from hf_latentlm.training import loop
 from hf_latentlm.training.loop import TrainConfig, train
 
-WORKER = Path(__file__).with_name("ddp_worker.py")
 ROW_LENGTH = 13
 
-
-@pytest.fixture(scope="module")
-def vae_folder(tokenizer, tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("cola-vae")
-    build_model("cola-vae", "tiny", tokenizer).save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def short_rows(tiny_rows) -> torch.Tensor:
-    return tiny_rows[:40, :ROW_LENGTH].clone()
+vae_folder = lf.component_folder_fixture("cola-vae")
+short_rows = lf.short_rows_fixture(ROW_LENGTH)
 
 
 def cola_config(out, vae_folder, **overrides) -> TrainConfig:
-    values = dict(family="cola", preset="tiny", output_dir=str(out), max_steps=4, batch_size=2, seq_len=ROW_LENGTH,
-                  eval_every=0, save_every=2, log_every=1, progress_bar=False, seed=5, components={"vae": vae_folder},
-                  model_kwargs={"vae_learning_rate_ratio": 0.5})
-    values.update(overrides)
-    return TrainConfig(**values)
-
-
-def logged_steps(folder: Path) -> list[dict]:
-    return [r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    return lf.tiny_train_config("cola", out, ROW_LENGTH, {"vae": vae_folder}, {"vae_learning_rate_ratio": 0.5},
+                                **overrides)
 
 
 def loss_parts(record: dict) -> dict:
@@ -61,7 +39,7 @@ def test_cola_resumes_exactly(tmp_path, tokenizer, short_rows, vae_folder, monke
 
     # Every step's loss and loss parts (flow matching, VAE, reconstruction, KL, masked, reference KL, logSNR, lr and
     # gradient norm), steps 1-2 from the first half and 3-4 from the resumed run.
-    a, b = logged_steps(tmp_path / "a"), logged_steps(tmp_path / "b")
+    a, b = lf.logged_steps(tmp_path / "a"), lf.logged_steps(tmp_path / "b")
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
     expected_parts = {"loss", "flow_matching_loss", "vae_loss", "reconstruction_nll", "kl", "mask_nll",
                       "reference_kl", "logsnr", "lr", "grad_norm"}
@@ -91,19 +69,7 @@ def test_cola_resumes_exactly(tmp_path, tokenizer, short_rows, vae_folder, monke
 def test_cola_trains_with_two_process_ddp(tmp_path, tokenizer, short_rows, vae_folder):
     """torchrun, 2 CPU processes, 2 steps: DDP keeps both ranks' weights identical (the VAE's included, trained
     jointly), the DiT and the VAE move, the reference encoder does not."""
-    rows_file = tmp_path / "rows.pt"
-    torch.save(short_rows[:16].clone(), rows_file)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
-           str(tmp_path / "ddp"), str(rows_file), "2", "--family", "cola", "--max-steps", "2",
-           f"--component=vae={vae_folder}"]
-    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [load_file(tmp_path / "ddp" / f"rank{r}.safetensors") for r in range(2)]
-    torch.manual_seed(0)  # as the worker builds it
-    initial = build_model("cola", "tiny", tokenizer, vae=vae_folder).state_dict()
-    assert set(ranks[0]) == set(initial)
-    for name, value in ranks[0].items():
-        assert torch.equal(value, ranks[1][name]), f"ranks differ at {name}"
+    ranks, initial = lf.two_process_ddp(tmp_path, short_rows, tokenizer, "cola", "vae", vae_folder)
 
     def moved(prefix):
         return max((ranks[0][n] - v).abs().max().item() for n, v in initial.items() if n.startswith(prefix))
