@@ -13,7 +13,6 @@ Two models:
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -53,7 +52,7 @@ from .modeling_backbone import (
     BackbonePreTrainedModel,
     check_backbone_inputs,
     check_forward_kwargs,
-    embedded_config,
+    composite_config,
     masked_cross_entropy,
     refuse_vocab_resize,
     scored_positions,
@@ -108,8 +107,9 @@ class QueryStack(nn.Module):
     context is read at every layer, never updated). One learned vector starts every query; it starts at zero, so
     that the first layer's queries begin as a plain average of the context they see (**choice**).
 
-    forward(context [B, n, d], is_context [T] bool, positions [B or 1, T], mask, cache) -> normed query states [B, m, d]
-    (T = n + m; the stream's items in order, context where `is_context`)."""
+    read(context [B, n, d], is_context [T] bool, positions [B or 1, T], mask, cache) -> normed query states [B, m, d]
+    (T = n + m; the stream's items in order, context where `is_context`); `read_one_per_position` and
+    `read_compressed` lay the stream out for keep ratio 1 and below 1."""
 
     def __init__(self, config: AuroraAutoencoderConfig):
         super().__init__()
@@ -118,8 +118,8 @@ class QueryStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary = RotaryEmbedding.from_config(config)
 
-    def forward(self, context: torch.Tensor, is_context: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                cache=None) -> torch.Tensor:
+    def read(self, context: torch.Tensor, is_context: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+             cache=None) -> torch.Tensor:
         batch, dtype = context.shape[0], self.query.dtype
         stream = context.new_zeros(batch, is_context.numel(), context.shape[-1], dtype=dtype)
         stream[:, is_context] = context.to(dtype)
@@ -129,6 +129,25 @@ class QueryStack(nn.Module):
         for layer in self.layers:
             x = torch.where(fixed, stream, layer(x, cos, sin, mask, cache=cache))
         return self.norm(x[:, ~is_context])
+
+    def read_one_per_position(self, context: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
+        """Keep ratio 1: query i shares position i with context item i (interleaved stream), so left padding
+        (`attention_mask` [B, cached + n]) and a cache of earlier items work as for a causal LM."""
+        past = cache.get_seq_length() // 2 if cache is not None else 0
+        if attention_mask is not None:
+            positions = make_padding_position_ids(attention_mask)
+        else:
+            positions = torch.arange(past + context.shape[1], device=context.device)[None]
+        is_context, key_pos, key_valid = interleaved_stream(positions, attention_mask)
+        mask = causal_by_position_mask(key_pos[:, 2 * past:], key_pos, key_valid)
+        return self.read(context, is_context[2 * past:], key_pos[:, 2 * past:], mask, cache=cache)
+
+    def read_compressed(self, context: torch.Tensor, context_positions: torch.Tensor,
+                        query_positions: torch.Tensor) -> torch.Tensor:
+        """Keep ratio < 1: [context ; queries] at the given positions, whole unpadded rows, no cache."""
+        positions = torch.cat([context_positions, query_positions])[None]
+        is_context = torch.arange(positions.shape[-1], device=positions.device) < context_positions.numel()
+        return self.read(context, is_context, positions, causal_by_position_mask(positions, positions))
 
 
 def interleaved_stream(positions: torch.Tensor, valid: torch.Tensor | None) -> tuple:
@@ -152,24 +171,14 @@ class AuroraQueryEncoder(QueryStack):
                 cache=None) -> torch.Tensor:
         """attention_mask [B, cached + L] (left padding; keep ratio 1 only); cache: keys of earlier tokens (written;
         keep ratio 1 only)."""
-        batch, length = token_embeds.shape[:2]
-        device = token_embeds.device
         if self.keep_ratio == 1:
-            past = cache.get_seq_length() // 2 if cache is not None else 0
-            if attention_mask is not None:
-                positions = make_padding_position_ids(attention_mask)
-            else:
-                positions = torch.arange(past + length, device=device)[None]
-            is_context, key_pos, key_valid = interleaved_stream(positions, attention_mask)
-            mask = causal_by_position_mask(key_pos[:, 2 * past:], key_pos, key_valid)
-            return super().forward(token_embeds, is_context[2 * past:], key_pos[:, 2 * past:], mask, cache=cache)
+            return self.read_one_per_position(token_embeds, attention_mask, cache)
         check_compressed_call(attention_mask, cache)
+        length, device = token_embeds.shape[1], token_embeds.device
         slots = compressed_slot_count(length, self.keep_ratio)
         # Slot i sits at the position of the last token it covers: ⌈(i+1)L/N⌉ − 1.
         slot_pos = -(-(torch.arange(1, slots + 1, device=device) * length) // slots) - 1
-        positions = torch.cat([torch.arange(length, device=device), slot_pos])[None]
-        is_context = torch.arange(length + slots, device=device) < length
-        return super().forward(token_embeds, is_context, positions, causal_by_position_mask(positions, positions))
+        return self.read_compressed(token_embeds, torch.arange(length, device=device), slot_pos)
 
 
 class AuroraQueryDecoder(QueryStack):
@@ -183,27 +192,17 @@ class AuroraQueryDecoder(QueryStack):
     def forward(self, latents: torch.Tensor, length: int | None = None, attention_mask: torch.Tensor | None = None,
                 cache=None) -> torch.Tensor:
         """length: L (default N at keep ratio 1); attention_mask [B, cached + N] and cache: keep ratio 1 only."""
-        batch, slots = latents.shape[:2]
-        device = latents.device
+        slots, device = latents.shape[1], latents.device
         if self.keep_ratio == 1:
             if length not in (None, slots):
                 raise ValueError(f"at keep_ratio 1 the decoder gives one token per slot ({slots}), not {length}")
-            past = cache.get_seq_length() // 2 if cache is not None else 0
-            if attention_mask is not None:
-                positions = make_padding_position_ids(attention_mask)
-            else:
-                positions = torch.arange(past + slots, device=device)[None]
-            is_context, key_pos, key_valid = interleaved_stream(positions, attention_mask)
-            mask = causal_by_position_mask(key_pos[:, 2 * past:], key_pos, key_valid)
-            return super().forward(latents, is_context[2 * past:], key_pos[:, 2 * past:], mask, cache=cache)
+            return self.read_one_per_position(latents, attention_mask, cache)
         check_compressed_call(attention_mask, cache)
         if length is None or compressed_slot_count(length, self.keep_ratio) != slots:
             raise ValueError(f"{slots} slots at keep_ratio {self.keep_ratio} do not decode to length {length}")
         # Slot i becomes visible at the first position j with ⌊j·N/L⌋ ≥ i, i.e. j = ⌈i·L/N⌉.
         slot_pos = -(-(torch.arange(slots, device=device) * length) // slots)
-        positions = torch.cat([slot_pos, torch.arange(length, device=device)])[None]
-        is_context = torch.arange(slots + length, device=device) < slots
-        return super().forward(latents, is_context, positions, causal_by_position_mask(positions, positions))
+        return self.read_compressed(latents, slot_pos, torch.arange(length, device=device))
 
 
 def compressed_slot_count(length: int, keep_ratio: float) -> int:
@@ -510,17 +509,8 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
         config is embedded without its path."""
         if not isinstance(autoencoder, AuroraAutoencoder):
             autoencoder = AuroraAutoencoder.from_pretrained(autoencoder)
-        ae_config = embedded_config(autoencoder.config)
-        if config is None:
-            config_kwargs.setdefault("vocab_size", ae_config.vocab_size)
-            config = AuroraConfig(**config_kwargs, autoencoder_config=ae_config)
-        else:
-            if ae_config.vocab_size != config.vocab_size:
-                raise ValueError(f"the autoencoder's vocab_size ({ae_config.vocab_size}) disagrees with the AURORA "
-                                 f"config's vocab_size ({config.vocab_size})")
-            config = copy.deepcopy(config)
-            config.autoencoder_config = ae_config
-            config.validate_aurora()
+        config = composite_config(AuroraConfig, "autoencoder_config", autoencoder.config, config, "validate_aurora",
+                                  "autoencoder", **config_kwargs)
         model = cls(config)
         model.model.autoencoder.load_state_dict(autoencoder.state_dict())
         return model

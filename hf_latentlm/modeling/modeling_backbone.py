@@ -41,6 +41,26 @@ def embedded_config(component_config):
     return embedded
 
 
+def composite_config(config_class, field: str, component_config, config=None, validate: str | None = None,
+                     component_name: str = "component", **config_kwargs):
+    """The config of a model built around a trained component (Cola's VAE, AURORA's autoencoder): `config` (a copy)
+    or `config_class(**config_kwargs)` with the component's config embedded (`embedded_config`) as `field`. A given
+    config whose vocab_size disagrees with the component's is refused; `validate` names its method that re-checks it
+    after the component config is set."""
+    embedded = embedded_config(component_config)
+    if config is None:
+        config_kwargs.setdefault("vocab_size", embedded.vocab_size)
+        return config_class(**config_kwargs, **{field: embedded})
+    if embedded.vocab_size != config.vocab_size:
+        raise ValueError(f"the {component_name}'s vocab_size ({embedded.vocab_size}) disagrees with the "
+                         f"{config_class.__name__}'s vocab_size ({config.vocab_size})")
+    config = copy.deepcopy(config)
+    setattr(config, field, embedded)
+    if validate is not None:
+        getattr(config, validate)()
+    return config
+
+
 def resized_vocab_size(model, new_num_tokens: int | None, pad_to_multiple_of: int | None) -> int:
     """The vocabulary size `resize_token_embeddings(new_num_tokens, pad_to_multiple_of)` would give, computed before
     anything changes so that a family can refuse it first."""
@@ -129,5 +149,5 @@ class BackbonePreTrainedModel(PreTrainedModel):
         self.base_model.embed_tokens = value
 
 
-__all__ = ["BackbonePreTrainedModel", "embedded_config", "check_backbone_inputs", "check_forward_kwargs",
+__all__ = ["BackbonePreTrainedModel", "composite_config", "embedded_config", "check_backbone_inputs", "check_forward_kwargs",
            "masked_cross_entropy", "refuse_vocab_resize", "resized_vocab_size", "scored_positions"]

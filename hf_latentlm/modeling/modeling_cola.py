@@ -14,7 +14,6 @@ The DiT's clean history is computed once per block and kept in a KV cache; the d
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -54,7 +53,7 @@ from .modeling_backbone import (
     BackbonePreTrainedModel,
     check_backbone_inputs,
     check_forward_kwargs,
-    embedded_config,
+    composite_config,
     masked_cross_entropy,
     scored_positions,
 )
@@ -487,17 +486,7 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentGenerationMixin):
         the VAE's config is embedded without its path."""
         if not isinstance(vae, ColaTextVAE):
             vae = ColaTextVAE.from_pretrained(vae)
-        vae_config = embedded_config(vae.config)
-        if config is None:
-            config_kwargs.setdefault("vocab_size", vae_config.vocab_size)
-            config = ColaConfig(**config_kwargs, vae_config=vae_config)
-        else:
-            if vae_config.vocab_size != config.vocab_size:
-                raise ValueError(f"the VAE's vocab_size ({vae_config.vocab_size}) disagrees with the Cola config's "
-                                 f"vocab_size ({config.vocab_size})")
-            config = copy.deepcopy(config)
-            config.vae_config = vae_config
-            config.validate_cola()
+        config = composite_config(ColaConfig, "vae_config", vae.config, config, "validate_cola", "VAE", **config_kwargs)
         model = cls(config)
         model.model.vae.load_state_dict(vae.state_dict())
         if model.reference_encoder is not None:
