@@ -51,6 +51,7 @@ from .layers import (
 from .modeling_backbone import (
     BackbonePreTrainedModel,
     check_backbone_inputs,
+    check_block_training_rows,
     check_forward_kwargs,
     composite_config,
     masked_cross_entropy,
@@ -596,10 +597,7 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
         detached prediction gives x̃_σ'; the EMA copy's prediction there (draft: the online prediction) is the
         target of the online prediction."""
         cfg = self.config
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-        if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
-            raise ValueError("the AURORA training objective needs right padding (blocks are counted from column 0)")
+        check_block_training_rows(input_ids, attention_mask, "AURORA")
         batch, length = input_ids.shape
         device = input_ids.device
         autoencoder = self.model.autoencoder

@@ -79,6 +79,15 @@ def refuse_vocab_resize(model, size: int, owner: str, component: str, rebuild: s
             f"vocabulary belongs to {owner}. Resize and retrain {component}, then build a new model with {rebuild}")
 
 
+def check_block_training_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, family: str) -> None:
+    """What a block-latent training objective (Cola DLM, AURORA-LM) refuses: input_ids that are not [batch, length],
+    and left padding (its blocks are counted from column 0)."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+        raise ValueError(f"the {family} training objective needs right padding (blocks are counted from column 0)")
+
+
 def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     """Mean CE over the `scored` positions (0, not NaN, when none is scored); static shapes (no boolean indexing)."""
     nll = F.cross_entropy(logits.flatten(0, -2).float(), targets.clamp(min=0).flatten(), reduction="none")
@@ -149,5 +158,5 @@ class BackbonePreTrainedModel(PreTrainedModel):
         self.base_model.embed_tokens = value
 
 
-__all__ = ["BackbonePreTrainedModel", "composite_config", "embedded_config", "check_backbone_inputs", "check_forward_kwargs",
+__all__ = ["BackbonePreTrainedModel", "check_block_training_rows", "composite_config", "embedded_config", "check_backbone_inputs", "check_forward_kwargs",
            "masked_cross_entropy", "refuse_vocab_resize", "resized_vocab_size", "scored_positions"]

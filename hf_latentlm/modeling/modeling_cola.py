@@ -52,6 +52,7 @@ from .layers import (
 from .modeling_backbone import (
     BackbonePreTrainedModel,
     check_backbone_inputs,
+    check_block_training_rows,
     check_forward_kwargs,
     composite_config,
     masked_cross_entropy,
@@ -553,10 +554,7 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentGenerationMixin):
         < b (none with probability `history_dropout`), and regresses the velocity ε − z_0. z_0 is the VAE's sampled
         latent with gradient when the VAE trains, so the latent space co-adapts with the prior."""
         cfg = self.config
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-        if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
-            raise ValueError("the Cola training objective needs right padding (blocks are counted from column 0)")
+        check_block_training_rows(input_ids, attention_mask, "Cola")
         batch, length = input_ids.shape
         vae = self.model.vae
         parts = {}
