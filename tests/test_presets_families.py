@@ -73,7 +73,7 @@ def test_components_of_the_wrong_kind_are_refused(tokenizer, tmp_path):
 
     with pytest.raises(ValueError, match="calm family needs a trained autoencoder: train one with `--family calm-ae`"):
         check_components("calm", {})
-    with pytest.raises(ValueError, match="--autoencoder only applies to --family calm, not 'plm'"):
+    with pytest.raises(ValueError, match="--autoencoder only applies to --family aurora, calm, not 'plm'"):
         check_components("plm", {"autoencoder": "x"})
     build_model("plm", "tiny", tokenizer).save_pretrained(tmp_path / "plm")
     with pytest.raises(ValueError, match="holds a 'plm' model, expected a 'calm_autoencoder'"):

@@ -60,7 +60,7 @@ def draws_randomness(family: str, tokenizer, rows, components: dict) -> bool:
 
 
 def max_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    return max((x.float() - y.float()).abs().max().item() for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
