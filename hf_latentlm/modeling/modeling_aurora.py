@@ -516,6 +516,28 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
         model.model.autoencoder.load_state_dict(autoencoder.state_dict())
         return model
 
+    @torch.no_grad()
+    def estimate_latent_statistics(self, rows: torch.Tensor, max_rows: int = 64, batch_size: int = 16) -> None:
+        """Per-channel standardisation statistics of the frozen encoder's latents over the first `max_rows` of
+        `rows` [N, L] (unpadded token rows), in eval mode. They are buffers of the autoencoder, saved with the
+        weights; the denoiser's targets are standardised with them."""
+        rows = rows[:max_rows]
+        if rows.ndim != 2 or rows.shape[0] == 0:
+            raise ValueError(f"estimate_latent_statistics needs [N, L] token rows with N >= 1, got {tuple(rows.shape)}")
+        autoencoder = self.model.autoencoder
+        was_training = autoencoder.training
+        autoencoder.eval()
+        device = autoencoder.embed_tokens.weight.device
+        raw = torch.cat([autoencoder.encode(chunk.to(device)) for chunk in rows.split(batch_size)])
+        autoencoder.train(was_training)
+        autoencoder.set_latent_statistics(raw)
+
+    def prepare_training(self, train_rows: torch.Tensor) -> None:
+        """Called by the training loop before the first step: the latent statistics, from the training rows, unless
+        the model (or the checkpoint it resumes) already has them."""
+        if not bool(self.model.autoencoder.has_latent_statistics):
+            self.estimate_latent_statistics(train_rows)
+
     def train(self, mode: bool = True):
         super().train(mode)
         self.model.autoencoder.eval()  # frozen: no token or latent dropout
@@ -605,7 +627,14 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
         with torch.no_grad():
             raw = autoencoder.encode(input_ids, attention_mask)
             if self.training and not bool(autoencoder.has_latent_statistics):
-                # Estimated once, from the frozen encoder on the first training batch; saved with the weights.
+                # Normally set before the first step (`prepare_training`); a model trained through the bare API
+                # estimates them on its first batch. Never inside an adapter fine-tune: an adapter does not carry
+                # buffers, so the reloaded base would standardise differently.
+                if any("lora_" in name for name, _ in self.named_parameters()):
+                    raise ValueError("this AURORA model has no latent statistics, and a fine-tune with adapters "
+                                     "cannot set them (an adapter does not carry buffers): call "
+                                     "`model.estimate_latent_statistics(rows)` on the base model before attaching "
+                                     "the adapters, and save it")
                 autoencoder.set_latent_statistics(raw, None if attention_mask is None else attention_mask.bool())
             z = autoencoder.standardize(raw)
 

@@ -231,6 +231,9 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
     tokenizer, train_rows, val_rows = load_rows(cfg, tokenizer, train_rows, val_rows)
     model, optimizer, scheduler = build(cfg, model, tokenizer)
     checkpoint, start_step = resume(cfg, accelerator, model, optimizer, scheduler)
+    prepare_training = getattr(model, "prepare_training", None)
+    if prepare_training is not None:  # e.g. AURORA's latent statistics, estimated once from the training rows
+        prepare_training(train_rows)
     # Created only now that every input (files, tokenizer, components, checkpoint) has loaded: a run refused
     # for a bad input leaves nothing behind.
     if accelerator.is_main_process:

@@ -352,6 +352,38 @@ def test_first_training_batch_sets_the_statistics_once_over_real_positions():
     assert torch.equal(autoencoder.latent_mean, mean) and torch.equal(autoencoder.latent_var, var)
 
 
+def test_prepare_training_estimates_the_statistics_from_the_first_rows_in_eval_mode():
+    """`prepare_training` (called by the training loop before step 0) sets the statistics to the mean / variance of
+    the eval encoder's latents over the first 64 rows, batched or not; a model that has them keeps them."""
+    model = make_aurora(autoencoder=make_autoencoder(randomize=True, token_dropout=0.5, latent_dropout=0.5))
+    autoencoder = model.model.autoencoder
+    rows = tokens(70, 9, seed=3)
+    model.prepare_training(rows)
+    with torch.no_grad():
+        autoencoder.eval()
+        vectors = torch.cat([autoencoder.encode(rows[i:i + 1]) for i in range(64)]).reshape(-1, D)
+    assert bool(autoencoder.has_latent_statistics)
+    torch.testing.assert_close(autoencoder.latent_mean, vectors.mean(0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(autoencoder.latent_var, vectors.var(0, unbiased=False), atol=1e-5, rtol=1e-5)
+    mean = autoencoder.latent_mean.clone()
+    model.prepare_training(tokens(70, 9, seed=4))
+    assert torch.equal(autoencoder.latent_mean, mean)
+    with pytest.raises(ValueError, match="token rows"):
+        model.estimate_latent_statistics(tokens(0, 9))
+
+
+def test_an_adapter_fine_tune_refuses_to_set_missing_statistics():
+    """An adapter does not carry buffers: statistics set inside a LoRA fine-tune would be lost on reload."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(make_aurora(), LoraConfig(target_modules=r"model\.denoiser\.layers\.\d+\.self_attn\.q_proj",
+                                                     r=2))
+    model.train()
+    ids = tokens(2, 8)
+    with pytest.raises(ValueError, match="estimate_latent_statistics"):
+        model(input_ids=ids, labels=ids)
+
+
 def test_a_freshly_built_model_keeps_its_frozen_autoencoder_out_of_dropout():
     model = make_aurora()
     assert model.training
