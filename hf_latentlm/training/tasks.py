@@ -1,0 +1,442 @@
+"""Offline instruction tasks for SFT and DPO post-training (issue 13), built by code from fixed seeds.
+
+Why these tasks. Post-training a multi-token model is only interesting where parallel decoding matters: the
+responses must be long and predictable once the prompt is read (low entropy), and the result must be scored
+exactly. Copying or rearranging given text is such a task, and lines of verse from the packaged Shakespeare
+corpus suit the packaged tokenizer (it was trained on them). So every example shows a short passage of
+consecutive verse lines and asks for it back:
+
+* ``repeat``: "Repeat these lines exactly:" -- the response is the passage itself, the lowest-entropy response
+  there is (every token is in the prompt).
+* ``reverse``: "Reverse the order of the words in each line:" -- the response is still a deterministic function
+  of the prompt, but the model must attend to the instruction and rearrange, not only copy.
+
+:data:`TASKS` names three task sets: ``verse-repeat`` (the default), ``verse-reverse`` and ``verse-mixed`` (half
+of each, so the instruction decides the answer). A passage grows line by line until its response is at least
+``min_response_tokens`` (default 24) tokens of the default tokenizer, so every response is long. Train examples
+come from the corpus ``train`` split (37 works) and a ``test`` split from the corpus ``test`` works (Macbeth, Much
+Ado), so test prompts are unseen; any split name of the corpus can be requested.
+
+Formats (TRL's plain-text "prompt/completion" and "preference" formats, not conversational):
+
+* the full text of an example is the paper's template ``User: {instruction}\\n\\nAssistant: {response}<|endoftext|>``;
+* ``prompt`` = ``"User: {instruction}\\n\\nAssistant:"`` and ``completion`` = ``" {response}<|endoftext|>"``, so
+  ``prompt + completion`` is the template exactly. The separating space goes at the start of the completion: the
+  byte-level BPE glues a space to the word after it (``" hell"``), so the prompt then ends on a token boundary
+  (``":"``) and the tokenized prompt is a prefix of the tokenized prompt + completion, which TRL's SFT and DPO
+  trainers need to split the two without a warning;
+* preference rows have ``prompt``, ``chosen`` (= the ``completion`` text) and ``rejected`` (a plausible wrong
+  answer in the same form), plus ``rejected_kind``.
+
+End of text and TRL 1.16. ``SFTTrainer`` (``_prepare_dataset``, "Adding EOS") appends ``tokenizer.eos_token`` to
+a non-conversational ``completion`` (or ``text``) *unless it already ends with it*, then tokenizes ``prompt`` and
+``prompt + completion`` with ``processing_class(text=...)``; ``DPOTrainer`` does the same to ``chosen`` and
+``rejected``. The packaged tokenizer adds no special tokens of its own. The completions here already end with
+``<|endoftext|>``, so TRL adds nothing and the tokenized completion ends with exactly one eos id (0) -- the same
+ids whether or not TRL is used, and the dataset alone spells out the template. Extra columns (``instruction``,
+``response``, ``kind``, ``rejected_kind``) are metadata: TRL's default ``remove_unused_columns=True`` drops them
+after tokenizing.
+
+Scoring. :func:`exact_match` compares a decoded prediction with the bare ``response``; only the template's
+separating space, the end-of-text marker and trailing whitespace are normalised away.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from datasets import Dataset, DatasetDict
+
+from hf_latentlm.training.corpus import (
+    CORPUS_SPLITS,
+    load_corpus_documents,
+    load_default_tokenizer,
+)
+
+EOS_TEXT = "<|endoftext|>"
+"""The default tokenizer's end-of-text token (id 0), written out at the end of every completion."""
+
+DEFAULT_TASK = "verse-repeat"
+DEFAULT_SPLIT_SIZES: Mapping[str, int] = {"train": 2000, "test": 200}
+MIN_RESPONSE_TOKENS = 24
+"""Shortest response (tokens of ``" {response}"``, end-of-text excluded) a task example may have."""
+
+SHORTER_REJECTED_KINDS = ("truncated", "dropped_word")
+LONGER_REJECTED_KINDS = ("duplicated_word", "extra_line")
+REJECTED_KINDS = SHORTER_REJECTED_KINDS + LONGER_REJECTED_KINDS
+"""How a rejected answer is wrong: half are shorter than the chosen one, half longer, so a DPO length bias shows."""
+
+# A verse line: short enough that it is not wrapped prose (the corpus wraps prose at ~70 characters), long enough
+# to carry a few words. Passages stop growing at this many lines; they reach 24 tokens well before it.
+_LINE_CHARS = (20, 60)
+_LINE_WORDS = (4, 12)
+_MAX_PASSAGE_LINES = 8
+_MAX_ATTEMPTS_PER_EXAMPLE = 50
+
+
+@dataclass(frozen=True)
+class TaskKind:
+    """One instruction: its wording and the deterministic map from the passage's lines to the response's lines."""
+
+    name: str
+    instruction: str
+    transform: Callable[[Sequence[str]], list[str]]
+
+
+def _repeat_lines(lines: Sequence[str]) -> list[str]:
+    return list(lines)
+
+
+def _reverse_words_of_each_line(lines: Sequence[str]) -> list[str]:
+    return [" ".join(reversed(line.split())) for line in lines]
+
+
+TASK_KINDS: dict[str, TaskKind] = {
+    "repeat": TaskKind("repeat", "Repeat these lines exactly:", _repeat_lines),
+    "reverse": TaskKind("reverse", "Reverse the order of the words in each line:", _reverse_words_of_each_line),
+}
+
+TASKS: dict[str, tuple[str, ...]] = {
+    "verse-repeat": ("repeat",),
+    "verse-reverse": ("reverse",),
+    "verse-mixed": ("repeat", "reverse"),
+}
+"""Task name -> the instruction kinds its examples are drawn from (in equal shares)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Template and scoring
+# ---------------------------------------------------------------------------------------------------------------------
+
+def format_prompt(instruction: str) -> str:
+    """The ``prompt`` column: the template up to and including ``"Assistant:"`` (no trailing space)."""
+    return f"User: {instruction}\n\nAssistant:"
+
+
+def format_completion(response: str) -> str:
+    """The ``completion`` / ``chosen`` / ``rejected`` text: separating space, response, end-of-text."""
+    return f" {response}{EOS_TEXT}"
+
+
+def _normalise_answer(text: str) -> str:
+    # The answer ends at the first end-of-text marker (whatever a batch decode prints after it is padding);
+    # the template's one separating space and trailing whitespace are not part of the answer.
+    text = text.split(EOS_TEXT, 1)[0]
+    return text.removeprefix(" ").rstrip()
+
+
+def exact_match(prediction: str, reference: str) -> bool:
+    """Whether a decoded prediction is exactly the reference response.
+
+    Both sides lose everything from the first ``<|endoftext|>`` on, one leading space (the template's separator
+    after ``"Assistant:"``, so a completion-format text can be compared with the bare ``response``) and trailing
+    whitespace. Nothing else is normalised: case, punctuation, inner spacing and line breaks must all match.
+    """
+    return _normalise_answer(prediction) == _normalise_answer(reference)
+
+
+def task_accuracy(predictions: Sequence[str], references: Sequence[str]) -> float:
+    """Fraction of predictions that :func:`exact_match` their reference.
+
+    Raises:
+        ValueError: if the two sequences differ in length or are empty (an accuracy of nothing is undefined).
+    """
+    if len(predictions) != len(references):
+        raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
+    if not references:
+        raise ValueError("task_accuracy needs at least one prediction")
+    return sum(exact_match(p, r) for p, r in zip(predictions, references)) / len(references)
+
+
+def response_lengths(dataset: Dataset, tokenizer, column: str = "completion") -> list[int]:
+    """Token count of each row's ``column`` text with its trailing ``<|endoftext|>`` left out.
+
+    For ``completion``, ``chosen`` or ``rejected`` this is the number of tokens the model must generate before the
+    end-of-text token (the separating space included); its mean is the task's mean response length.
+    """
+    texts = [text.removesuffix(EOS_TEXT) for text in dataset[column]]
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Verse passages
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _is_verse_line(line: str) -> bool:
+    """A line of spoken verse, not a speaker name, heading, stage direction, cast list entry or wrapped prose."""
+    words = line.split()
+    if not (_LINE_CHARS[0] <= len(line) <= _LINE_CHARS[1] and _LINE_WORDS[0] <= len(words) <= _LINE_WORDS[1]):
+        return False
+    if not line[0].isupper() or "  " in line or any(c in line for c in "[]_"):
+        return False
+    first_word_letters = "".join(c for c in words[0] if c.isalpha())
+    # "DUNCAN, King of Scotland." or "SCENE III. A heath." start with an all-capitals word; "I'll" and "O," do not.
+    return not (len(first_word_letters) > 1 and first_word_letters.isupper())
+
+
+@lru_cache(maxsize=len(CORPUS_SPLITS))
+def verse_runs(corpus_split: str) -> tuple[tuple[str, ...], ...]:
+    """Maximal runs of consecutive verse lines (one speech or part of it) in the works of ``corpus_split``."""
+    runs: list[tuple[str, ...]] = []
+    for document in load_corpus_documents(corpus_split):
+        run: list[str] = []
+        in_stage_direction = False
+        for raw_line in document.split("\n"):
+            line = raw_line.strip()
+            # Stage directions are bracketed and may span lines: "[Enter BERTRAM, ... all\nin black.]".
+            if line.startswith("["):
+                in_stage_direction = True
+            verse = not in_stage_direction and _is_verse_line(line)
+            if in_stage_direction and "]" in line:
+                in_stage_direction = False
+            if verse:
+                run.append(line)
+            else:
+                if len(run) >= 3:  # two lines to show and one to continue with (the "extra_line" rejection)
+                    runs.append(tuple(run))
+                run = []
+        if len(run) >= 3:
+            runs.append(tuple(run))
+    return tuple(runs)
+
+
+@dataclass(frozen=True)
+class _Example:
+    kind: TaskKind
+    passage: tuple[str, ...]
+    next_line: str  # the line after the passage in the play, for a plausible "extra_line" rejection
+    response_lines: tuple[str, ...]
+
+    @property
+    def instruction(self) -> str:
+        return self.kind.instruction + "\n" + "\n".join(self.passage)
+
+    @property
+    def response(self) -> str:
+        return "\n".join(self.response_lines)
+
+
+def _token_count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _sample_examples(
+    kinds: Sequence[TaskKind],
+    corpus_split: str,
+    size: int,
+    rng: random.Random,
+    kind_rng: random.Random,
+    tokenizer,
+    min_response_tokens: int,
+    excluded_passages: set[tuple[str, ...]],
+) -> list[_Example]:
+    """``size`` distinct passages of ``corpus_split``, each grown until its response is long enough.
+
+    Passages are drawn from ``rng`` and instruction kinds from ``kind_rng``, one after the other, so a larger
+    ``size`` extends a smaller one's examples instead of reshuffling them.
+    """
+    runs = verse_runs(corpus_split)
+    # Every line that has at least two more lines after it in its run can start a passage.
+    starts = [(r, i) for r, run in enumerate(runs) for i in range(len(run) - 2)]
+    if not starts:
+        raise ValueError(f"corpus split {corpus_split!r} has no verse passages")
+    kind_order = balanced_order(kinds, size, kind_rng)
+    examples: list[_Example] = []
+    used = set(excluded_passages)
+    attempts = 0
+    while len(examples) < size:
+        attempts += 1
+        if attempts > _MAX_ATTEMPTS_PER_EXAMPLE * size:
+            raise ValueError(
+                f"could not draw {size} distinct passages with >= {min_response_tokens} response tokens from "
+                f"corpus split {corpus_split!r}; ask for fewer examples or a shorter minimum"
+            )
+        kind = kind_order[len(examples)]
+        run_index, start = rng.choice(starts)
+        run = runs[run_index]
+        for end in range(start + 2, min(len(run), start + _MAX_PASSAGE_LINES + 1)):
+            passage = run[start:end]  # end < len(run): a next line exists
+            response_lines = tuple(kind.transform(passage))
+            if _token_count(tokenizer, format_completion("\n".join(response_lines)).removesuffix(EOS_TEXT)) \
+                    >= min_response_tokens:
+                break
+        else:
+            continue  # the run ends (or the cap is hit) before the response is long enough
+        if passage in used:
+            continue
+        used.add(passage)
+        examples.append(_Example(kind, passage, run[end], response_lines))
+    return examples
+
+
+def balanced_order(items: Sequence, size: int, rng: random.Random) -> list:
+    """``size`` items in equal shares (to within one), each block of ``len(items)`` a seeded permutation.
+
+    Block by block rather than one shuffle of the whole list, so the first n of a longer order are the order of
+    length n: asking for more examples never changes the earlier ones.
+    """
+    order: list = []
+    while len(order) < size:
+        order.extend(rng.sample(list(items), len(items)))
+    return order[:size]
+
+
+def _split_rng(name: str, split: str, seed: int, purpose: str) -> random.Random:
+    # A string seed is hashed with SHA-512 by `random`, so it is stable across processes and Python hash seeds;
+    # each split and purpose gets its own stream, so e.g. the test size never changes the train examples.
+    return random.Random(f"hf_latentlm.tasks/{name}/{split}/{seed}/{purpose}")
+
+
+def _check_request(name: str, split_sizes: Mapping[str, int] | None) -> dict[str, int]:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    sizes = dict(DEFAULT_SPLIT_SIZES if split_sizes is None else split_sizes)
+    for split, size in sizes.items():
+        if split not in CORPUS_SPLITS:
+            raise ValueError(f"unknown split {split!r}; splits are drawn from the corpus splits {CORPUS_SPLITS}")
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"split {split!r} needs a positive integer size, got {size!r}")
+    return sizes
+
+
+def _build_examples(name: str, sizes: Mapping[str, int], seed: int, min_response_tokens: int,
+                    tokenizer) -> dict[str, list[_Example]]:
+    kinds = [TASK_KINDS[k] for k in TASKS[name]]
+    # "train" first, so the other splits can leave out any passage it used (they come from other works anyway).
+    order = sorted(sizes, key=lambda split: split != "train")
+    used: set[tuple[str, ...]] = set()
+    examples = {}
+    for split in order:
+        examples[split] = _sample_examples(
+            kinds, split, sizes[split], _split_rng(name, split, seed, "passages"),
+            _split_rng(name, split, seed, "kinds"), tokenizer, min_response_tokens, used,
+        )
+        used.update(example.passage for example in examples[split])
+    return {split: examples[split] for split in sizes}
+
+
+def load_task(
+    name: str = DEFAULT_TASK,
+    split_sizes: Mapping[str, int] | None = None,
+    seed: int = 0,
+    min_response_tokens: int = MIN_RESPONSE_TOKENS,
+    tokenizer=None,
+) -> DatasetDict:
+    """The SFT data of task ``name``: one split per key of ``split_sizes`` (default train 2000, test 200).
+
+    Each split ``s`` is drawn from the corpus split ``s`` ("train", "validation" or "test"), so a test split's
+    prompts come from works never seen in training. Columns: ``prompt``, ``completion`` (TRL's prompt/completion
+    format, see the module docstring), ``instruction`` (the user's text), ``response`` (the bare reference answer
+    for :func:`exact_match`) and ``kind`` ("repeat" or "reverse"). The same ``seed`` gives identical datasets.
+
+    Args:
+        tokenizer: the tokenizer that measures ``min_response_tokens``; the packaged default if ``None``.
+
+    Raises:
+        ValueError: for an unknown task name (the message lists the known ones), an unknown split or a size
+            that is not a positive integer.
+    """
+    sizes = _check_request(name, split_sizes)
+    tokenizer = load_default_tokenizer() if tokenizer is None else tokenizer
+    examples = _build_examples(name, sizes, seed, min_response_tokens, tokenizer)
+    return DatasetDict({
+        split: Dataset.from_dict({
+            "prompt": [format_prompt(e.instruction) for e in rows],
+            "completion": [format_completion(e.response) for e in rows],
+            "instruction": [e.instruction for e in rows],
+            "response": [e.response for e in rows],
+            "kind": [e.kind.name for e in rows],
+        })
+        for split, rows in examples.items()
+    })
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Preference pairs
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _words_with_lines(lines: Sequence[str]) -> list[list[str]]:
+    return [line.split() for line in lines]
+
+
+def _join_lines(word_lines: Sequence[Sequence[str]]) -> str:
+    return "\n".join(" ".join(words) for words in word_lines if words)
+
+
+def _wrong_response(example: _Example, rejected_kind: str, rng: random.Random) -> str:
+    """A plausible wrong answer of the given kind (whole words only, so the tokens change where the words do)."""
+    word_lines = _words_with_lines(example.response_lines)
+    positions = [(li, wi) for li, words in enumerate(word_lines) for wi in range(len(words))]
+    if rejected_kind == "truncated":
+        # Stop early at a word boundary in the second half, as if generation ended too soon.
+        keep = rng.randrange(len(positions) // 2, len(positions))
+        kept = [[] for _ in word_lines]
+        for li, wi in positions[:keep]:
+            kept[li].append(word_lines[li][wi])
+        return _join_lines(kept)
+    if rejected_kind == "dropped_word":
+        li, wi = rng.choice(positions[:-1])  # not the last word: that would be a truncation
+        word_lines[li].pop(wi)
+        return _join_lines(word_lines)
+    if rejected_kind == "duplicated_word":
+        li, wi = rng.choice(positions)
+        word_lines[li].insert(wi, word_lines[li][wi])
+        return _join_lines(word_lines)
+    if rejected_kind == "extra_line":
+        # Carry on with the play's next line, transformed like the others, as if the answer did not stop.
+        return "\n".join(example.kind.transform(example.passage + (example.next_line,)))
+    raise ValueError(f"unknown rejected kind {rejected_kind!r}; expected one of {REJECTED_KINDS}")
+
+
+def _rejected_for(example: _Example, rejected_kind: str, rng: random.Random, tokenizer) -> str:
+    """A wrong answer of ``rejected_kind`` that is strictly shorter (or longer) in tokens than the right one."""
+    chosen_tokens = _token_count(tokenizer, format_completion(example.response).removesuffix(EOS_TEXT))
+    want_shorter = rejected_kind in SHORTER_REJECTED_KINDS
+    for _ in range(_MAX_ATTEMPTS_PER_EXAMPLE):
+        wrong = _wrong_response(example, rejected_kind, rng)
+        tokens = _token_count(tokenizer, format_completion(wrong).removesuffix(EOS_TEXT))
+        if not exact_match(wrong, example.response) and (tokens < chosen_tokens if want_shorter
+                                                         else tokens > chosen_tokens):
+            return wrong
+    raise RuntimeError(f"no {rejected_kind!r} rejection of {example.response!r} changes its token length as required")
+
+
+def load_preference_task(
+    name: str = DEFAULT_TASK,
+    split_sizes: Mapping[str, int] | None = None,
+    seed: int = 0,
+    min_response_tokens: int = MIN_RESPONSE_TOKENS,
+    tokenizer=None,
+) -> DatasetDict:
+    """The DPO data of task ``name``: the examples of :func:`load_task` (same prompts) as preference pairs.
+
+    Columns: ``prompt``, ``chosen`` (exactly the SFT ``completion``), ``rejected`` (a wrong answer in the same
+    completion form), ``rejected_kind`` (one of :data:`REJECTED_KINDS`, in equal shares), ``instruction``,
+    ``response`` (the reference) and ``kind``. ``truncated`` / ``dropped_word`` rejections have strictly fewer
+    tokens than the chosen answer and ``duplicated_word`` / ``extra_line`` strictly more, so a preference that
+    merely tracks length is right on one half and wrong on the other.
+
+    Raises:
+        ValueError: as :func:`load_task`.
+    """
+    sizes = _check_request(name, split_sizes)
+    tokenizer = load_default_tokenizer() if tokenizer is None else tokenizer
+    examples = _build_examples(name, sizes, seed, min_response_tokens, tokenizer)
+    splits = {}
+    for split, rows in examples.items():
+        rng = _split_rng(name, split, seed, "rejected")
+        rejected_kinds = balanced_order(REJECTED_KINDS, len(rows), _split_rng(name, split, seed, "rejected kinds"))
+        rejected = [_rejected_for(e, kind, rng, tokenizer) for e, kind in zip(rows, rejected_kinds)]
+        splits[split] = Dataset.from_dict({
+            "prompt": [format_prompt(e.instruction) for e in rows],
+            "chosen": [format_completion(e.response) for e in rows],
+            "rejected": [format_completion(wrong) for wrong in rejected],
+            "rejected_kind": rejected_kinds,
+            "instruction": [e.instruction for e in rows],
+            "response": [e.response for e in rows],
+            "kind": [e.kind.name for e in rows],
+        })
+    return DatasetDict(splits)
