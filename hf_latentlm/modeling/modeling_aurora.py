@@ -642,12 +642,8 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
         sigma, clean_lead, history_visible = draw_block_conditions(sampler, batch, length, cfg.block_size,
                                                                    cfg.prompt_block_prob, cfg.history_dropout, device)
         noise = torch.randn_like(z)
-        x = (1 - sigma[..., None]) * z + sigma[..., None] * noise
-        latents = torch.cat([z, x], dim=1)
-        timesteps = torch.cat([torch.zeros_like(sigma), sigma], dim=1)
-        noisy = torch.arange(2 * length, device=device)[None].expand(batch, -1) >= length
-        positions = torch.arange(length, device=device).repeat(2)[None].expand(batch, -1)
-        mask = dual_stream_mask(length, cfg.block_size, history_visible, attention_mask, device)
+        x, latents, timesteps, noisy, positions, mask = self.dual_stream_inputs(z, sigma, noise, history_visible,
+                                                                                attention_mask)
 
         def with_draft(draft: torch.Tensor | None) -> torch.Tensor | None:
             # The draft [B, L, D] of the noisy stream; the clean stream never has one.
@@ -665,9 +661,7 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
         x0 = self.predict_x0(latents, timesteps, noisy, with_draft(draft), mask, positions)[:, length:]
 
         fm_scored = (scored & ~clean_lead).float()
-        error = (x0 - z).pow(2).mean(-1)
-        if cfg.loss_space == "velocity":  # ‖v̂ − v‖² = ‖ẑ − z‖² / σ²
-            error = error / sigma.clamp(min=cfg.velocity_min_sigma).pow(2)
+        error = self.denoising_error(x0, z, sigma)
         denoising = (error * fm_scored).sum() / fm_scored.sum().clamp(min=1)
         loss = denoising
 
@@ -692,6 +686,46 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
             consistency = consistency.detach()
         return AuroraOutput(loss=loss, denoising_loss=denoising.detach(), consistency_loss=consistency,
                             consistency_weight=weight)
+
+    def dual_stream_inputs(self, z: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor,
+                           history_visible: torch.Tensor | None = None,
+                           attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """The inputs of one dual-stream denoiser pass over every block of rows whose blocks start at column 0 (right
+        padding only). z [B, T, D] standardised clean latents; sigma [B, T] (one per block; 0 on clean leading
+        positions); noise [B, T, D]: ε. Returns (x = (1 − σ)·z + σ·ε [B, T, D], latents [z ; x], timesteps [0 ; σ],
+        noisy (the second stream), positions, mask (`dual_stream_mask`, history where `history_visible`))."""
+        batch, length = z.shape[:2]
+        device = z.device
+        x = (1 - sigma[..., None]) * z + sigma[..., None] * noise
+        latents = torch.cat([z, x], dim=1)
+        timesteps = torch.cat([torch.zeros_like(sigma), sigma], dim=1)
+        noisy = torch.arange(2 * length, device=device)[None].expand(batch, -1) >= length
+        positions = torch.arange(length, device=device).repeat(2)[None].expand(batch, -1)
+        mask = dual_stream_mask(length, self.config.block_size, history_visible, attention_mask, device)
+        return x, latents, timesteps, noisy, positions, mask
+
+    def denoising_error(self, x0: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """Per-position denoising error [B, T]: mean over channels of (ẑ − z)², divided by σ² (clamped at
+        `velocity_min_sigma`) when `loss_space` is "velocity"."""
+        cfg = self.config
+        error = (x0 - z).pow(2).mean(-1)
+        if cfg.loss_space == "velocity":  # ‖v̂ − v‖² = ‖ẑ − z‖² / σ²
+            error = error / sigma.clamp(min=cfg.velocity_min_sigma).pow(2)
+        return error
+
+    def denoising_terms(self, z: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor,
+                        history_visible: torch.Tensor | None = None,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The plain denoising error of every latent position with the given draws, unreduced: [B, T] (float32).
+        One pass of the online denoiser, without a self-conditioning draft (a zero draft, as the training objective
+        gives a row that draws none) and without consistency; arguments as `dual_stream_inputs`. Used by
+        per-response scores (sums over a response's positions, hf_latentlm/training/latent_scores.py)."""
+        length = z.shape[1]
+        _, latents, timesteps, noisy, positions, mask = self.dual_stream_inputs(z, sigma, noise, history_visible,
+                                                                                attention_mask)
+        draft = None if self.model.denoiser.self_condition_proj is None else torch.zeros_like(latents)
+        x0 = self.predict_x0(latents, timesteps, noisy, draft, mask, positions)[:, length:]
+        return self.denoising_error(x0, z, sigma)
 
     # ------------------------------------------------------------------------------------------------------------
     # generate (the block loop is `BlockLatentGenerationMixin`'s)

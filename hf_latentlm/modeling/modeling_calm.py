@@ -519,13 +519,24 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         μ + σ·ε); model_noise [B, L, N, d_noise] uniform in [-0.5, 0.5] (the energy head's input).
         Every step is computed and the per-step losses are weighted by `scored` (no boolean indexing: static shapes
         under torch.compile, the same value); nothing scored gives 0, not NaN."""
+        loss, fidelity, diversity = self.energy_terms(hidden, targets, target_noise, model_noise)
+        keep, steps = scored.flatten(), scored.sum().clamp(min=1)
+        return tuple(torch.where(keep, part.flatten(), 0.0).sum() / steps for part in (loss, fidelity, diversity))
+
+    def energy_terms(self, hidden: torch.Tensor, targets: torch.Tensor, target_noise: torch.Tensor,
+                     model_noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The energy loss of every step with the given draws, unreduced: (loss, fidelity, diversity), each [B, L].
+
+        Arguments as `masked_energy_loss` (targets may hold −100 where the caller ignores a step: read as token 0).
+        The targets' posterior samples are μ + σ·target_noise from the frozen autoencoder (no gradient); the model's
+        samples come from the energy head with `model_noise`. Used by the training loss (masked mean over steps) and
+        by per-response scores (sums over a response's chunks, hf_latentlm/training/latent_scores.py)."""
         with torch.no_grad():
             mean, log_std = self.autoencoder.encode(targets.clamp(min=0))  # unscored steps: any token, weight 0
             target_samples = mean[..., None, :] + log_std.exp()[..., None, :] * target_noise  # [B, L, M, l]
         samples = self.sample_latents(hidden, model_noise).float()  # [B, L, N, l]
         loss, fidelity, diversity = energy_loss(samples.flatten(0, 1), target_samples.flatten(0, 1).float())
-        keep, steps = scored.flatten(), scored.sum().clamp(min=1)
-        return tuple(torch.where(keep, part, 0.0).sum() / steps for part in (loss, fidelity, diversity))
+        return tuple(part.view(targets.shape[:2]) for part in (loss, fidelity, diversity))
 
     # ------------------------------------------------------------------------------------------------------------
     # generate

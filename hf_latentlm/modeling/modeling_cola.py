@@ -580,15 +580,8 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentGenerationMixin):
         t, clean_lead, history_visible = draw_block_conditions(sampler, batch, length, Q, cfg.prompt_block_prob,
                                                                cfg.history_dropout, device)
         noise = torch.randn_like(z0)
-        z_t = (1 - t[..., None]) * z0 + t[..., None] * noise
-
-        latents = torch.cat([z0.detach(), z_t], dim=1)
-        timesteps = torch.cat([torch.zeros_like(t), t], dim=1)
-        positions = torch.arange(length, device=device).repeat(2)[None].expand(batch, -1)
-        mask = dual_stream_mask(length, Q, history_visible, attention_mask, device)
-        velocity = self.velocity(latents, timesteps, mask, positions)[:, length:]
+        error = self.flow_matching_error(z0, t, noise, history_visible, attention_mask)
         fm_scored = (scored & ~clean_lead).float()
-        error = (velocity - (noise - z0).float()).pow(2).mean(-1)
         flow_matching = (error * fm_scored).sum() / fm_scored.sum().clamp(min=1)
 
         loss = cfg.flow_matching_weight * flow_matching
@@ -599,6 +592,27 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentGenerationMixin):
         detached = {name: None if value is None else value.detach() for name, value in parts.items()}
         return ColaOutput(loss=loss, flow_matching_loss=flow_matching.detach(), logsnr=vae.encoder.logsnr().detach(),
                           **detached)
+
+    def flow_matching_error(self, z0: torch.Tensor, times: torch.Tensor, noise: torch.Tensor,
+                            history_visible: torch.Tensor | None = None,
+                            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The flow-matching error of every latent position with the given draws, unreduced: [B, T] (float32).
+
+        z0 [B, T, d_z]: clean latents of rows whose blocks start at column 0 (right padding only); times [B, T]: the
+        flow time of each position (one per block; 0 on clean leading positions, which the caller leaves unscored);
+        noise [B, T, d_z]: ε. One dual-stream pass: block b's noisy copy z_t = (1 − t)·z0 + t·ε sees itself and the
+        clean, detached blocks < b where `history_visible` [B, num_blocks] (None: all); error = mean over channels
+        of (v̂ − (ε − z0))². Used by the training loss (a masked mean) and by per-response scores (sums over a
+        response's positions, hf_latentlm/training/latent_scores.py)."""
+        batch, length = z0.shape[:2]
+        device = z0.device
+        z_t = (1 - times[..., None]) * z0 + times[..., None] * noise
+        latents = torch.cat([z0.detach(), z_t], dim=1)
+        timesteps = torch.cat([torch.zeros_like(times), times], dim=1)
+        positions = torch.arange(length, device=device).repeat(2)[None].expand(batch, -1)
+        mask = dual_stream_mask(length, self.config.block_size, history_visible, attention_mask, device)
+        velocity = self.velocity(latents, timesteps, mask, positions)[:, length:]
+        return (velocity - (noise - z0).float()).pow(2).mean(-1)
 
     # ------------------------------------------------------------------------------------------------------------
     # generate

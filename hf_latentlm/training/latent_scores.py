@@ -1,0 +1,409 @@
+"""DPO response scores of the latent families (issue 13): CALM, Cola DLM, AURORA-LM.
+
+None of the three has a token likelihood, so, as PLM does (paper 002, App. 16.2) and as Diffusion-DPO does for
+image diffusion, a response is scored by the family's OWN training loss restricted to the response, under random
+draws that are made once per preference pair and then held fixed (the same for the policy and the reference, every
+epoch, in any batch), normalised by the number of terms:
+
+    ResponseScore.loss_sum = Σ over the response's terms of the per-term training loss,  num_terms = #terms,
+    score = −loss_sum / num_terms,  δ = score(policy) − score(reference),  DPO: −log σ(γ·(δ⁺ − δ⁻)).
+
+What a term is (this file's definitions; the papers define no DPO score for these families):
+
+* CALM (`CALMResponseScorer`): one term per RESPONSE CHUNK of K tokens: the energy loss (paper 000, Eq. 10) of that
+  chunk's latent, predicted from the hidden state of the chunk before it, with N fixed head-noise draws and M fixed
+  posterior draws (N, M: the config's `num_model_samples` / `num_target_samples` unless given). num_terms =
+  ⌈R / K⌉ for a response of R tokens. Alignment as `CALMForCausalLM.generate()`: the prompt is left-filled with EOS
+  (attention 0) to a multiple of K, so the response starts on a chunk boundary, and (beyond generate, which stops
+  inside a chunk) the response's last chunk is right-filled with EOS to K tokens (its target is that filled chunk).
+  A prompt of at least one token is needed (its last chunk's hidden state predicts the first response chunk).
+* Cola DLM (`ColaResponseScorer`): one term per RESPONSE LATENT POSITION (one latent per token, so num_terms = R):
+  the flow-matching error mean_c (v̂ − (ε − z0))² of that position, with block times t and noise ε fixed; z0 is the
+  VAE's posterior sample μ + σ·ξ with fixed ξ (the training objective's z0; with gradient iff the VAE trains). Only
+  the flow-matching term: the VAE's reconstruction / KL / masked terms and the reference-KL are not part of the
+  score. History always visible (no history dropout).
+* AURORA-LM (`AuroraResponseScorer`): one term per RESPONSE LATENT POSITION (num_terms = R): the plain denoising
+  error mean_c (ẑ − z)² (divided by σ² when `loss_space="velocity"`) of that position, with block σ and noise ε
+  fixed, z the frozen encoder's standardised latent. ONE pass of the online denoiser with a zero self-conditioning
+  draft (no draft pass) and no self-trajectory consistency term (it needs the EMA copy and is a regulariser, not a
+  per-response loss). History always visible.
+
+Block alignment of the flow families (`alignment=`):
+* "repaint" (default): as their `generate()`: blocks of Q counted from the row's first real token; a prompt that
+  ends mid-block makes that block the response's first, with the prompt's positions in it clean at time 0 (the
+  repaint `generate()` does, which training teaches through `prompt_block_prob`'s clean leading positions) and
+  unscored. Every block touching the response gets one drawn time.
+* "eos_fill": the prompt is left-filled with (−P mod Q) EOS tokens (real, attended: a document boundary, as in the
+  packed training stream) so the response starts on a block boundary (as CALM's alignment).
+Prompt positions are never scored in either; clean history blocks get time 0 in their (unused) noisy copies.
+
+Draws (`draws()`): pages of 16 terms, each page from `torch.Generator().manual_seed(stable_int(seed, pair key,
+stream, page))` (sha256-based, never Python's salted `hash`), indexed by the term's index from the response's start
+(CALM: response chunk k; Cola/AURORA: response block k for t/σ, response position j for ε; Cola's ξ: row position p
+from the row's first real token). So the draws depend only on (seed, pair key, index): not on the batch, the padding,
+the epoch or the model, and they are the same for policy and reference. The two candidates of a pair share one pair
+key, hence the same draws at the same index (common random numbers: Diffusion-DPO shares t AND ε between the winning
+and losing sample; here also CALM's head noise and posterior draws); each candidate's draws are frozen for good.
+Draw tensors are [B, n, ...] with n the term index (padding along dim 1 with 0, `draw_pad_values`, is harmless).
+
+Rows: `input_ids` [B, T] = prompt + response (+ terminal EOS), `attention_mask` 1 = real token (right padding, as
+TRL's collator gives; left padding is accepted too: each row's real tokens are taken in order), `completion_mask`
+1 = response token (a contiguous run ending at the row's last real token). `score` runs through the wrapped model's
+forward (`preference.call_as_forward`), so DDP's and PEFT's hooks fire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..modeling.flow import make_time_sampler
+from .preference import DRAW_SEED, ResponseScore, call_as_forward, core_model, row_generator
+
+#: Terms per generator page: the draw of term i comes from page i // PAGE, so it does not depend on the row's length.
+PAGE = 16
+
+ALIGNMENTS = ("repaint", "eos_fill")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared helpers
+# ---------------------------------------------------------------------------------------------------------------------
+
+def paged_draws(seed: int, key: Any, stream: str, count: int, page: Callable[[torch.Generator], torch.Tensor]) -> \
+        torch.Tensor:
+    """The first `count` draws of stream `stream` of pair `key`: [count, ...], page p (terms p·PAGE ..) drawn by
+    `page(generator)` -> [PAGE, ...] from a generator seeded by (seed, key, stream, p)."""
+    pages = [page(row_generator(seed, key, stream, p)) for p in range(max(1, -(-count // PAGE)))]
+    return torch.cat(pages)[:count]
+
+
+def stack_padded(rows: list[torch.Tensor], device) -> torch.Tensor:
+    """[B, max n, ...] from rows [n_b, ...], zero-padded along dim 1."""
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0.0).to(device)
+
+
+def take(draw: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """draw [B, n, ...] gathered at index [B, J] (along dim 1), 0 where not `valid` [B, J] (or index >= n)."""
+    n = draw.shape[1]
+    inside = valid & (index < n) & (index >= 0)
+    flat = index.clamp(0, max(n - 1, 0))
+    gathered = draw[torch.arange(draw.shape[0], device=draw.device)[:, None], flat.to(draw.device)]
+    mask = inside.to(draw.device).reshape(*inside.shape, *([1] * (draw.dim() - 2)))
+    return torch.where(mask, gathered, torch.zeros((), dtype=draw.dtype, device=draw.device))
+
+
+@dataclass
+class SplitRow:
+    prompt: torch.Tensor  # [P] ids
+    response: torch.Tensor  # [R] ids
+
+
+def split_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+               min_prompt: int = 0) -> list[SplitRow]:
+    """Each row's (prompt, response) ids from its real tokens in order; ValueError naming the row if the response is
+    empty, not one run at the end of the real tokens, or the prompt is shorter than `min_prompt`."""
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape or completion_mask.shape != input_ids.shape:
+        raise ValueError(f"input_ids, attention_mask and completion_mask must all be [B, T], got "
+                         f"{tuple(input_ids.shape)}, {tuple(attention_mask.shape)}, {tuple(completion_mask.shape)}")
+    rows = []
+    for b in range(input_ids.shape[0]):
+        real = attention_mask[b].bool()
+        ids, completion = input_ids[b][real], completion_mask[b][real].bool()
+        r = int(completion.sum())
+        if r == 0:
+            raise ValueError(f"row {b} has no response token (completion_mask is 0 on its real tokens)")
+        if not bool(completion[ids.numel() - r:].all()):
+            raise ValueError(f"row {b}: the response (completion_mask) must be one run at the end of the row's real "
+                             f"tokens")
+        if ids.numel() - r < min_prompt:
+            raise ValueError(f"row {b}: a prompt of at least {min_prompt} token(s) is needed, got {ids.numel() - r}")
+        rows.append(SplitRow(ids[: ids.numel() - r], ids[ids.numel() - r:]))
+    return rows
+
+
+def fill_token_id(config) -> int:
+    """EOS (the document separator), else the pad token, else 0: what `generate()` fills prompts with."""
+    for name in ("eos_token_id", "pad_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def check_keys(pair_keys: Sequence, batch: int) -> None:
+    if len(pair_keys) != batch:
+        raise ValueError(f"{len(pair_keys)} pair keys for {batch} rows")
+
+
+def check_draws(draws: dict, names: Sequence[str], scorer: str) -> None:
+    for name in names:
+        if name not in draws:
+            raise ValueError(f"{scorer} needs the draw {name!r} (from {scorer}.draws)")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CALM
+# ---------------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class CALMLayout:
+    """Rows laid out for CALM scoring: `input_ids` / `attention_mask` [B, C·K], each row [pad chunks][EOS left-fill]
+    [prompt][response][EOS right-fill], left-padded by whole chunks (attention 0, as are the fills);
+    `response_chunks` [B]: its response's chunks, the last ones of the row."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_chunks: torch.Tensor
+
+
+class CALMResponseScorer:
+    """CALM's DPO response score: Σ over the response's chunks of the energy loss (Eq. 10) of the chunk's latent
+    under fixed head noise and fixed posterior samples, over ⌈R / K⌉ terms (module docstring).
+
+    Draws: `model_noise` [B, C, N, d_noise] uniform in [−0.5, 0.5] (the energy head's input for the N samples of
+    response chunk c), `target_noise` [B, C, M, l] standard normal (the M posterior samples μ + σ·ε of its target).
+    """
+
+    draw_pad_values: ClassVar[dict[str, float]] = {"model_noise": 0.0, "target_noise": 0.0}
+
+    def __init__(self, seed: int = DRAW_SEED, num_model_samples: int | None = None,
+                 num_target_samples: int | None = None):
+        if num_model_samples is not None and num_model_samples < 2:
+            raise ValueError(f"num_model_samples must be at least 2 (the energy loss's diversity term), got "
+                             f"{num_model_samples}")
+        if num_target_samples is not None and num_target_samples < 1:
+            raise ValueError(f"num_target_samples must be at least 1, got {num_target_samples}")
+        self.seed, self.num_model_samples, self.num_target_samples = seed, num_model_samples, num_target_samples
+
+    def samples(self, config) -> tuple[int, int]:
+        n = config.num_model_samples if self.num_model_samples is None else self.num_model_samples
+        m = config.num_target_samples if self.num_target_samples is None else self.num_target_samples
+        return n, m
+
+    @staticmethod
+    def layout(config, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               completion_mask: torch.Tensor) -> CALMLayout:
+        """The chunk-aligned rows (see `CALMLayout`); the fill token is `generate()`'s (EOS, else pad)."""
+        K, fill = config.chunk_size, fill_token_id(config)
+        rows = split_rows(input_ids, attention_mask, completion_mask, min_prompt=1)
+        built = []
+        for row in rows:
+            left, right = (-row.prompt.numel()) % K, (-row.response.numel()) % K
+            ids = torch.cat([row.prompt.new_full((left,), fill), row.prompt, row.response,
+                             row.prompt.new_full((right,), fill)])
+            mask = torch.cat([torch.zeros(left, dtype=torch.long), torch.ones(row.prompt.numel() + row.response.numel(),
+                                                                               dtype=torch.long),
+                              torch.zeros(right, dtype=torch.long)]).to(ids.device)
+            built.append((ids, mask, -(-row.response.numel() // K)))
+        width = max(ids.numel() for ids, _, _ in built)
+        ids_out = input_ids.new_full((len(built), width), fill)
+        mask_out = torch.zeros(len(built), width, dtype=torch.long, device=input_ids.device)
+        for b, (ids, mask, _) in enumerate(built):
+            ids_out[b, width - ids.numel():], mask_out[b, width - ids.numel():] = ids, mask
+        chunks = torch.tensor([c for _, _, c in built], device=input_ids.device)
+        return CALMLayout(ids_out, mask_out, chunks)
+
+    @torch.no_grad()
+    def draws(self, reference_model, input_ids, attention_mask, completion_mask, pair_keys) -> dict[str, torch.Tensor]:
+        check_keys(pair_keys, input_ids.shape[0])
+        config = core_model(reference_model).config
+        n, m = self.samples(config)
+        layout = self.layout(config, input_ids, attention_mask, completion_mask)
+        model_noise, target_noise = [], []
+        for b, count in enumerate(layout.response_chunks.tolist()):
+            model_noise.append(paged_draws(self.seed, pair_keys[b], "calm-head-noise", count, lambda g: torch.rand(
+                PAGE, n, config.noise_size, generator=g) - 0.5))
+            target_noise.append(paged_draws(self.seed, pair_keys[b], "calm-posterior", count, lambda g: torch.randn(
+                PAGE, m, config.latent_size, generator=g)))
+        return {"model_noise": stack_padded(model_noise, input_ids.device),
+                "target_noise": stack_padded(target_noise, input_ids.device)}
+
+    def score(self, model, input_ids, attention_mask, completion_mask, draws) -> ResponseScore:
+        check_draws(draws, ("model_noise", "target_noise"), "CALMResponseScorer")
+        loss_sum, num_terms = call_as_forward(model, self._score_rows, input_ids=input_ids,
+                                              attention_mask=attention_mask, completion_mask=completion_mask,
+                                              model_noise=draws["model_noise"], target_noise=draws["target_noise"])
+        return ResponseScore(loss_sum=loss_sum, num_terms=num_terms)
+
+    def _score_rows(self, core, input_ids=None, attention_mask=None, completion_mask=None, model_noise=None,
+                    target_noise=None, **_wrapper_kwargs):
+        config = core.config
+        K = config.chunk_size
+        layout = self.layout(config, input_ids, attention_mask, completion_mask)
+        ids, mask, counts = layout.input_ids, layout.attention_mask, layout.response_chunks
+        # Step i's hidden state (chunks 0..i read) predicts chunk i + 1; the response's chunks are the last ones.
+        hidden = core.model(input_ids=ids[:, :-K], attention_mask=mask[:, :-K]).last_hidden_state
+        targets = ids[:, K:].view(ids.shape[0], -1, K)
+        last = int(counts.max())
+        hidden, targets = hidden[:, -last:], targets[:, -last:]
+        index = torch.arange(last, device=ids.device)[None] - (last - counts[:, None])  # response chunk of each step
+        scored = index >= 0
+        loss, _, _ = core.energy_terms(hidden, targets, take(target_noise, index, scored).to(hidden.device),
+                                       take(model_noise, index, scored).to(hidden.device))
+        loss_sum = torch.where(scored.to(loss.device), loss, 0.0).sum(1)
+        return loss_sum, counts.to(loss_sum)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cola DLM and AURORA-LM: block flow matching
+# ---------------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class BlockLayout:
+    """Rows laid out for a block-latent score: `input_ids` / `attention_mask` [B, W], each row [EOS fill (eos_fill
+    alignment only, attended)][prompt][response], right-padded (blocks counted from column 0 = the row's first
+    token); `response_start` [B] column of the first response token; `response_length` [B]; `row_length` [B]."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_start: torch.Tensor
+    response_length: torch.Tensor
+    row_length: torch.Tensor
+
+    def response_blocks(self, block_size: int) -> torch.Tensor:
+        """[B] number of blocks touching the response."""
+        first = self.response_start // block_size
+        last = (self.response_start + self.response_length - 1) // block_size
+        return last - first + 1
+
+    def response_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(j [B, W]: each column's index in the response, in_response [B, W] bool)."""
+        column = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)[None]
+        j = column - self.response_start[:, None]
+        return j, (j >= 0) & (j < self.response_length[:, None])
+
+
+class BlockFlowResponseScorer:
+    """Shared by Cola and AURORA: layout, draws (`times` [B, nb] one time per response block, `noise` [B, R, D] ε per
+    response position), and the per-position times / noise of a layout. Subclasses say what the latents and the
+    per-position error are."""
+
+    draw_pad_values: ClassVar[dict[str, float]] = {"times": 0.0, "noise": 0.0}
+    family: ClassVar[str] = ""
+    draw_names: ClassVar[tuple[str, ...]] = ("times", "noise")
+
+    def __init__(self, seed: int = DRAW_SEED, alignment: str = "repaint"):
+        if alignment not in ALIGNMENTS:
+            raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
+        self.seed, self.alignment = seed, alignment
+
+    def layout(self, config, input_ids, attention_mask, completion_mask) -> BlockLayout:
+        Q, fill = config.block_size, fill_token_id(config)
+        rows = split_rows(input_ids, attention_mask, completion_mask)
+        built = []
+        for row in rows:
+            left = (-row.prompt.numel()) % Q if self.alignment == "eos_fill" else 0
+            built.append(torch.cat([row.prompt.new_full((left,), fill), row.prompt, row.response]))
+        lengths = torch.tensor([ids.numel() for ids in built], device=input_ids.device)
+        width = int(lengths.max())
+        ids_out = input_ids.new_full((len(built), width), fill)
+        for b, ids in enumerate(built):
+            ids_out[b, : ids.numel()] = ids
+        mask_out = (torch.arange(width, device=input_ids.device)[None] < lengths[:, None]).long()
+        response_length = torch.tensor([row.response.numel() for row in rows], device=input_ids.device)
+        return BlockLayout(ids_out, mask_out, lengths - response_length, response_length, lengths)
+
+    def extra_draws(self, config, layout: BlockLayout, pair_keys) -> dict[str, torch.Tensor]:
+        return {}
+
+    @torch.no_grad()
+    def draws(self, reference_model, input_ids, attention_mask, completion_mask, pair_keys) -> dict[str, torch.Tensor]:
+        check_keys(pair_keys, input_ids.shape[0])
+        config = core_model(reference_model).config
+        layout = self.layout(config, input_ids, attention_mask, completion_mask)
+        sampler = make_time_sampler(config.time_sampler, **config.time_sampler_kwargs())
+        blocks = layout.response_blocks(config.block_size).tolist()
+        times, noise = [], []
+        for b, length in enumerate(layout.response_length.tolist()):
+            times.append(paged_draws(self.seed, pair_keys[b], f"{self.family}-time", blocks[b],
+                                     lambda g: sampler.sample((PAGE,), generator=g, device="cpu").float()))
+            noise.append(paged_draws(self.seed, pair_keys[b], f"{self.family}-noise", length,
+                                     lambda g: torch.randn(PAGE, config.latent_size, generator=g)))
+        out = {"times": stack_padded(times, input_ids.device), "noise": stack_padded(noise, input_ids.device)}
+        out.update(self.extra_draws(config, layout, pair_keys))
+        return out
+
+    def conditions(self, config, layout: BlockLayout, times: torch.Tensor, noise: torch.Tensor):
+        """Per-position (times [B, W], noise [B, W, D], in_response [B, W]) of `layout`: a response position gets
+        its block's time and its own ε; every other position time 0 and ε = 0 (clean)."""
+        Q = config.block_size
+        j, in_response = layout.response_positions()
+        column = torch.arange(layout.input_ids.shape[1], device=j.device)[None]
+        block = column // Q - (layout.response_start // Q)[:, None]
+        return take(times, block, in_response), take(noise, j, in_response), in_response
+
+    def score(self, model, input_ids, attention_mask, completion_mask, draws) -> ResponseScore:
+        name = type(self).__name__
+        check_draws(draws, self.draw_names, name)
+        loss_sum, num_terms = call_as_forward(model, self._score_rows, input_ids=input_ids,
+                                              attention_mask=attention_mask, completion_mask=completion_mask,
+                                              **{key: draws[key] for key in self.draw_names})
+        return ResponseScore(loss_sum=loss_sum, num_terms=num_terms)
+
+    def _score_rows(self, core, input_ids=None, attention_mask=None, completion_mask=None, **kwargs):
+        config = core.config
+        layout = self.layout(config, input_ids, attention_mask, completion_mask)
+        draws = {key: kwargs[key] for key in self.draw_names}
+        times, noise, in_response = self.conditions(config, layout, draws["times"], draws["noise"])
+        error = self.position_errors(core, layout, times, noise, draws)
+        loss_sum = torch.where(in_response.to(error.device), error, 0.0).sum(1)
+        return loss_sum, layout.response_length.to(loss_sum)
+
+    def position_errors(self, core, layout: BlockLayout, times, noise, draws) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ColaResponseScorer(BlockFlowResponseScorer):
+    """Cola DLM's DPO response score: Σ over the response's latent positions of the flow-matching error at fixed
+    (t per response block, ε per position) and a fixed posterior draw ξ (z0 = μ + σ·ξ), over R terms (module
+    docstring). Extra draw: `latent_noise` [B, L, d_z], ξ of every row position from its first token."""
+
+    draw_pad_values: ClassVar[dict[str, float]] = {"times": 0.0, "noise": 0.0, "latent_noise": 0.0}
+    family: ClassVar[str] = "cola"
+    draw_names: ClassVar[tuple[str, ...]] = ("times", "noise", "latent_noise")
+
+    def extra_draws(self, config, layout: BlockLayout, pair_keys) -> dict[str, torch.Tensor]:
+        rows = [paged_draws(self.seed, pair_keys[b], "cola-posterior", length,
+                            lambda g: torch.randn(PAGE, config.latent_size, generator=g))
+                for b, length in enumerate(layout.row_length.tolist())]
+        return {"latent_noise": stack_padded(rows, layout.input_ids.device)}
+
+    def position_errors(self, core, layout: BlockLayout, times, noise, draws) -> torch.Tensor:
+        vae = core.model.vae
+        ids, mask = layout.input_ids, layout.attention_mask
+        width = ids.shape[1]
+        column = torch.arange(width, device=ids.device)[None].expand(ids.shape[0], -1)
+        xi = take(draws["latent_noise"], column, mask.bool())
+        # z0 as in the joint objective: the posterior sample, with gradient only when the VAE trains.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and core.config.trains_vae):
+            mean = vae.encoder(ids, mask)
+            z0 = vae.sample_latents(mean, xi.to(mean))
+        return core.flow_matching_error(z0, times.to(z0.device), noise.to(z0), None, mask)
+
+
+class AuroraResponseScorer(BlockFlowResponseScorer):
+    """AURORA-LM's DPO response score: Σ over the response's latent positions of the plain denoising error at fixed
+    (σ per response block, ε per position), one denoiser pass with a zero self-conditioning draft, no consistency
+    term, over R terms (module docstring). The model must have its latent statistics (both models standardise
+    with them)."""
+
+    family: ClassVar[str] = "aurora"
+
+    def position_errors(self, core, layout: BlockLayout, times, noise, draws) -> torch.Tensor:
+        autoencoder = core.model.autoencoder
+        if not bool(autoencoder.has_latent_statistics):
+            raise ValueError("this AURORA model has no latent statistics: call `estimate_latent_statistics(rows)` "
+                             "(the training loop's `prepare_training` does) before scoring responses")
+        with torch.no_grad():
+            z = autoencoder.standardize(autoencoder.encode(layout.input_ids, layout.attention_mask))
+        return core.denoising_terms(z, times.to(z.device), noise.to(z), None, layout.attention_mask)
+
+
+__all__ = ["ALIGNMENTS", "AuroraResponseScorer", "BlockFlowResponseScorer", "BlockLayout", "CALMLayout",
+           "CALMResponseScorer", "ColaResponseScorer", "PAGE", "paged_draws", "split_rows"]
