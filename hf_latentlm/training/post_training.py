@@ -1,0 +1,490 @@
+"""Post-training (issue 13): SFT and DPO on TRL's trainers, for the AR baseline and every multi-token family.
+
+* The AR baseline (transformers' `LlamaForCausalLM`, and any model outside the family registry) trains with TRL's
+  STOCK `SFTTrainer` and `DPOTrainer`; its DPO loss is TRL's `loss_type="sigmoid_norm"`: the log-ratio of each
+  response summed over its tokens (the terminal end-of-text token included) and divided by their number — the
+  paper's AR score (App. 16.2, "decoder component omitted").
+* A multi-token family trains with `LatentSFTTrainer` / `LatentDPOTrainer`, subclasses that change only the loss:
+  - SFT: the family's own objective, `model(input_ids, attention_mask, labels)`, with the prompt's labels -100
+    (TRL's prompt/completion preparation; the response's terminal end-of-text token is a target). TRL's fused LM
+    head would otherwise replace it with next-token cross-entropy.
+  - DPO: the response score of the family's `ResponseScorer` (`preference.py`), reference-relative and
+    length-normalised: δ = s_θ − s_ref, loss −log σ(β·(δ(x+,u+) − δ(x−,u−))), β = `DPOConfig.beta` (γ = 5 in the
+    paper). The frozen draws u (PLM: auxiliaries and block phase) and the reference scores are computed ONCE, when
+    the trainer is built, with the reference (the `ref_model`, the adapter-disabled model under PEFT, or the model
+    itself before any step), and stored as dataset columns; every epoch then reads the same u for policy and
+    reference.
+* `sft_config` / `dpo_config`: TRL's own config classes with the paper's optimisation (Adam (0.9, 0.95), no weight
+  decay, clipping at 1, linear warmup — 3% for SFT, 10% for DPO as App. 16.2 says — then linear decay) and CPU-safe
+  defaults (no bf16, no gradient checkpointing).
+* `run_sft` / `run_dpo`: load a model folder, train on a task of `tasks.py`, and save a normal checkpoint (a LoRA
+  run is merged first) that `hf-latentlm generate/eval` and the Auto classes load. The CLI's `sft` / `dpo`.
+
+Multi-process: under `torchrun --nproc_per_node N` (or `accelerate launch --multi_gpu`) with `use_cpu=True` on CPU,
+each rank computes the draws and reference scores of every N-th pair and the ranks exchange them
+(`gather_object`), so every rank holds the same columns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from datasets import Dataset, IterableDataset, concatenate_datasets
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+from .preference import ResponseScorer, core_model, pair_key, scorer_for
+
+logger = logging.getLogger(__name__)
+
+#: Paper App. 16: Adam (0.9, 0.95), eps 1e-8, no weight decay, clipping at norm 1, linear warmup then linear decay.
+OPTIMISATION = dict(adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
+                    lr_scheduler_type="linear", optim="adamw_torch")
+SFT_WARMUP = 0.03  # fraction of training (App. 16.1)
+DPO_WARMUP = 0.10  # fraction of training (App. 16.2: "warmed up over the first 10% of training")
+DPO_BETA = 5.0     # γ, the DPO inverse temperature (App. 16.2)
+#: Default learning rates of the CPU-scale models (the paper's are for 1.3B/3B models); LoRA runs use 10x.
+SFT_LEARNING_RATE = 1e-4
+DPO_LEARNING_RATE = 5e-6
+LORA_LEARNING_RATE_FACTOR = 10.0
+
+REF_CHOSEN, REF_REJECTED = "ref_chosen_score", "ref_rejected_score"
+PAIR_KEY = "pair_key"
+CANDIDATES = ("chosen", "rejected")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Configs
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _common_args(output_dir, learning_rate: float, batch_size: int, max_steps: int | None, seed: int,
+                 warmup: float) -> dict:
+    return dict(
+        output_dir=str(output_dir), learning_rate=learning_rate, per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=batch_size, max_steps=max_steps if max_steps else -1, num_train_epochs=1,
+        seed=seed, warmup_steps=warmup, **OPTIMISATION,
+        # CPU-safe: TRL defaults to bf16 and gradient checkpointing.
+        bf16=False, fp16=False, use_cpu=not torch.cuda.is_available(), activation_checkpointing=False,
+        report_to=[], save_strategy="no", logging_steps=10, disable_tqdm=True, dataloader_num_workers=0,
+    )
+
+
+def sft_config(output_dir, *, learning_rate: float = SFT_LEARNING_RATE, batch_size: int = 8,
+               max_steps: int | None = None, seed: int = 0, **overrides) -> SFTConfig:
+    """TRL's `SFTConfig` with the paper's SFT optimisation (3% warmup) and CPU-safe defaults; `overrides` win.
+    `max_steps=None` trains one epoch."""
+    return SFTConfig(**{**_common_args(output_dir, learning_rate, batch_size, max_steps, seed, SFT_WARMUP),
+                        **overrides})
+
+
+def dpo_config(output_dir, *, autoregressive: bool = False, beta: float = DPO_BETA,
+               learning_rate: float = DPO_LEARNING_RATE, batch_size: int = 8, max_steps: int | None = None,
+               seed: int = 0, **overrides) -> DPOConfig:
+    """TRL's `DPOConfig` with the paper's DPO optimisation (β = γ = 5, 10% warmup) and CPU-safe defaults;
+    `overrides` win. The reference is precomputed (`precompute_ref_log_probs=True`): it is the frozen starting
+    model, never reloaded from disk. `autoregressive=True` selects TRL's length-normalised `sigmoid_norm` loss (the
+    AR baseline with the stock `DPOTrainer`); otherwise `LatentDPOTrainer` computes the loss itself."""
+    return DPOConfig(**{**_common_args(output_dir, learning_rate, batch_size, max_steps, seed, DPO_WARMUP),
+                        "beta": beta, "loss_type": ["sigmoid_norm" if autoregressive else "sigmoid"],
+                        "precompute_ref_log_probs": True, **overrides})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Dataset checks
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _columns(dataset) -> list[str]:
+    names = getattr(dataset, "column_names", None)
+    if names is None and isinstance(dataset, IterableDataset):
+        names = list(next(iter(dataset)).keys())
+    return list(names or [])
+
+
+def check_sft_dataset(dataset, text_field: str = "text", label: str = "train") -> None:
+    """ValueError unless `dataset` is one of TRL's SFT formats: prompt/completion (response-only loss), messages,
+    a text column or already tokenized input_ids."""
+    if dataset is None:
+        raise ValueError("SFT needs a train dataset")
+    columns = _columns(dataset)
+    if "prompt" in columns and "completion" not in columns:
+        raise ValueError(f"the {label} dataset has a 'prompt' column but no 'completion': SFT needs prompt/completion "
+                         f"pairs (columns: {columns})")
+    if not ({"prompt", "completion"} <= set(columns) or {"messages", text_field, "input_ids"} & set(columns)):
+        raise ValueError(f"the {label} dataset has none of TRL's SFT columns (prompt + completion, messages, "
+                         f"{text_field!r} or input_ids); it has {columns}")
+
+
+def check_preference_dataset(dataset, label: str = "train") -> None:
+    """ValueError unless `dataset` holds preference pairs: chosen + rejected (with a prompt, or one TRL can extract),
+    or TRL's tokenized prompt_ids / chosen_ids / rejected_ids."""
+    if dataset is None:
+        raise ValueError("DPO needs a train dataset")
+    columns = set(_columns(dataset))
+    if not ({"chosen", "rejected"} <= columns or {"prompt_ids", "chosen_ids", "rejected_ids"} <= columns):
+        raise ValueError(f"the {label} dataset is not a preference dataset: it needs 'prompt', 'chosen' and "
+                         f"'rejected' columns; it has {sorted(columns)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SFT
+# ---------------------------------------------------------------------------------------------------------------------
+
+class LatentSFTTrainer(SFTTrainer):
+    """TRL's `SFTTrainer` whose loss is the family's own objective, `model(input_ids, attention_mask, labels)`.
+
+    Labels are TRL's (the prompt, and padding, at -100 for prompt/completion data), so the objective covers the
+    response only (PLM: encoder + decoder + alignment terms of the response targets, the terminal end-of-text
+    included; a fresh block phase per step, as in pretraining). The loss is a per-micro-batch mean
+    (`loss_is_scaled_for_ga = False`: the Trainer divides it by the accumulation steps). Every other scalar of the
+    model's output (PLM: encoder_nll, decoder_nll, alignment_loss, ...) is logged.
+    """
+
+    loss_is_scaled_for_ga = False
+    _tag_names = ["trl", "sft", "hf-latentlm"]
+
+    def __init__(self, model, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None, **kwargs):
+        check_sft_dataset(train_dataset, getattr(args, "dataset_text_field", "text"))
+        if eval_dataset is not None and not isinstance(eval_dataset, dict):
+            check_sft_dataset(eval_dataset, getattr(args, "dataset_text_field", "text"), "eval")
+        super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
+
+    @staticmethod
+    def response_labels(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The labels the model is trained on: TRL's `labels` (else the input ids), -100 on padding and, where the
+        batch carries one, outside the `completion_mask`."""
+        labels = inputs.get("labels", inputs["input_ids"])
+        if inputs.get("attention_mask") is not None:
+            labels = labels.masked_fill(inputs["attention_mask"] == 0, -100)
+        if inputs.get("completion_mask") is not None:
+            labels = labels.masked_fill(inputs["completion_mask"] == 0, -100)
+        return labels
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        out = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                    labels=self.response_labels(inputs))
+        for name, value in out.items():
+            if name != "loss" and isinstance(value, torch.Tensor) and value.dim() == 0:
+                self._metrics[mode][name].append(self.accelerator.gather_for_metrics(value.detach()).mean().item())
+        return (out.loss, out) if return_outputs else out.loss
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DPO
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _pad_rows(rows: Sequence[torch.Tensor], value) -> torch.Tensor:
+    if rows[0].dim() == 0:
+        return torch.stack(list(rows))
+    return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True, padding_value=value)
+
+
+@dataclass
+class ScoredPreferenceCollator:
+    """TRL's preference collator (`base`: [chosen; rejected] rows with input_ids, attention_mask, completion_mask)
+    plus the stored draws as `draw_<key>` [2B, ...] (padded along dim 1 with the scorer's pad values) and the
+    reference scores `ref_chosen_score` / `ref_rejected_score` [B]."""
+
+    base: Callable
+    draw_keys: Sequence[str]
+    pad_values: Mapping[str, float | int]
+
+    def __call__(self, examples: list[dict]) -> dict:
+        needed = [REF_CHOSEN, REF_REJECTED] + [f"{c}_draw_{k}" for c in CANDIDATES for k in self.draw_keys]
+        missing = [name for name in needed if name not in examples[0]]
+        if missing:
+            raise ValueError(f"preference examples lack the precomputed columns {missing}: build the dataset through "
+                             f"LatentDPOTrainer, which adds them")
+        batch = self.base(examples)
+        for key in self.draw_keys:
+            rows = [torch.as_tensor(e[f"{c}_draw_{key}"]) for c in CANDIDATES for e in examples]
+            batch[f"draw_{key}"] = _pad_rows(rows, self.pad_values.get(key, 0))
+        batch[REF_CHOSEN] = torch.tensor([e[REF_CHOSEN] for e in examples], dtype=torch.float32)
+        batch[REF_REJECTED] = torch.tensor([e[REF_REJECTED] for e in examples], dtype=torch.float32)
+        return batch
+
+
+class LatentDPOTrainer(DPOTrainer):
+    """TRL's `DPOTrainer` with a family's response score (`ResponseScorer`) in place of summed log-probabilities.
+
+    loss = mean over pairs of −log σ(β·(δ+ − δ−)), δ = s_θ(x, u) − s_ref(x, u), s = `ResponseScore.normalised()`.
+
+    At construction (TRL's `precompute_ref_log_probs` step, always on here) every pair of the train (and eval)
+    dataset gets, from the reference (`ref_model`; under PEFT the adapter-disabled model; else the model itself,
+    which has not trained yet): the frozen draws of both candidates (`scorer.draws`, seeded per pair, so independent
+    of batching and epoch), stored as columns `chosen_draw_<key>` / `rejected_draw_<key>`, the reference scores
+    `ref_chosen_score` / `ref_rejected_score` under those draws, and the `pair_key`. The collator hands them to
+    `compute_loss`, which scores the policy on the stacked [chosen; rejected] batch under the same draws. Logged as
+    in TRL: rewards/chosen, rewards/rejected (β·δ), rewards/margins, rewards/accuracies; plus scores/chosen,
+    scores/rejected (the policy's s_θ).
+    """
+
+    _tag_names = ["trl", "dpo", "hf-latentlm"]
+
+    def __init__(self, model, ref_model=None, args: DPOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 scorer: ResponseScorer | None = None, **kwargs):
+        check_preference_dataset(train_dataset)
+        if eval_dataset is not None and not isinstance(eval_dataset, dict):
+            check_preference_dataset(eval_dataset, "eval")
+        if args is None:
+            args = dpo_config("latent-dpo")
+        if args.sync_ref_model:
+            raise ValueError("LatentDPOTrainer keeps a frozen reference (its scores are precomputed): "
+                             "sync_ref_model is not supported")
+        if not args.precompute_ref_log_probs:
+            logger.warning("LatentDPOTrainer precomputes the reference scores and frozen draws; setting "
+                           "precompute_ref_log_probs=True")
+            args.precompute_ref_log_probs = True
+        if args.max_length is not None and args.truncation_mode != "keep_start":
+            raise ValueError("LatentDPOTrainer needs truncation_mode='keep_start' (the draws are laid out on the "
+                             "sequence from its start)")
+        self.scorer = scorer
+        self._draw_keys: list[str] | None = None
+        super().__init__(model=model, ref_model=ref_model, args=args, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, **kwargs)
+        if self.scorer is None:
+            self.scorer = scorer_for(self.model)
+        self.data_collator = ScoredPreferenceCollator(base=self.data_collator, draw_keys=tuple(self._draw_keys or ()),
+                                                      pad_values=dict(self.scorer.draw_pad_values))
+
+    # -- reference ------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def reference_model(self):
+        """The frozen reference, in eval mode and without gradient: `ref_model`; under PEFT the model with its
+        adapters disabled (or its "ref" adapter); else the model itself, which is the reference only before the
+        first optimizer step."""
+        from accelerate.utils import is_peft_model
+        from trl.trainer.utils import use_adapter
+
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        model = self.ref_model if self.ref_model is not None else unwrapped
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                if self.ref_model is not None:
+                    yield self.ref_model
+                elif is_peft_model(unwrapped):
+                    with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                        yield unwrapped
+                else:
+                    if self.state.global_step > 0:
+                        raise ValueError("the reference is the initial model, which has trained since: pass the "
+                                         "dataset when building the trainer, or give a ref_model")
+                    yield unwrapped
+        finally:
+            model.train(training)
+
+    def _precompute_ref_logps(self, dataset: Dataset, name: str, batch_size: int) -> Dataset:
+        """Adds the pair key, the frozen draws and the reference scores of every pair as columns (see the class)."""
+        from accelerate.utils import gather_object
+
+        if isinstance(dataset, IterableDataset):
+            raise ValueError("LatentDPOTrainer precomputes draws and reference scores: it needs a map-style Dataset")
+        if REF_CHOSEN in dataset.column_names:
+            return dataset
+        missing = {"prompt_ids", "chosen_ids", "rejected_ids"} - set(dataset.column_names)
+        if missing:
+            raise ValueError(f"the {name} dataset lacks the tokenized columns {sorted(missing)}")
+        if len(dataset) == 0:
+            raise ValueError(f"the {name} dataset is empty")
+        if self.scorer is None:
+            self.scorer = scorer_for(self.model)
+        collate = getattr(self.data_collator, "base", self.data_collator)
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        mine = list(range(rank, len(dataset), world))
+        device = self.accelerator.device
+        records = {}
+        with self.reference_model() as reference:
+            for start in range(0, len(mine), batch_size):
+                indices = mine[start:start + batch_size]
+                examples = [dataset[i] for i in indices]
+                batch = collate(examples)
+                ids, mask, completion = (batch[k].to(device) for k in ("input_ids", "attention_mask", "completion_mask"))
+                keys = [pair_key(e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]) for e in examples]
+                draws = self.scorer.draws(reference, ids, mask, completion, keys + keys)
+                scores = self.scorer.score(reference, ids, mask, completion, draws).normalised().float().cpu()
+                n = len(indices)
+                for j, index in enumerate(indices):
+                    record = {PAIR_KEY: keys[j], REF_CHOSEN: float(scores[j]), REF_REJECTED: float(scores[n + j])}
+                    for key, value in draws.items():
+                        record[f"chosen_draw_{key}"] = value[j].cpu().tolist()
+                        record[f"rejected_draw_{key}"] = value[n + j].cpu().tolist()
+                    records[index] = record
+        if world > 1:
+            merged = {}
+            for part in gather_object([records]):
+                merged.update(part)
+            records = merged
+        names = list(records[0])
+        self._draw_keys = sorted(n.removeprefix("chosen_draw_") for n in names if n.startswith("chosen_draw_"))
+        columns = {column: [records[i][column] for i in range(len(dataset))] for column in names}
+        return concatenate_datasets([dataset, Dataset.from_dict(columns)], axis=1)
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        extra = [PAIR_KEY, REF_CHOSEN, REF_REJECTED] + [f"{c}_draw_{k}" for c in CANDIDATES
+                                                        for k in self._draw_keys or ()]
+        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *extra]))
+
+    # -- loss -----------------------------------------------------------------------------------------------------
+
+    def policy_scores(self, model, inputs) -> torch.Tensor:
+        """[2B] s_θ of the stacked [chosen; rejected] rows of `inputs` under their stored draws."""
+        draws = {k.removeprefix("draw_"): v for k, v in inputs.items() if k.startswith("draw_")}
+        if not draws or REF_CHOSEN not in inputs:
+            raise ValueError("the batch lacks the precomputed draws / reference scores (use the trainer's collator)")
+        score = self.scorer.score(model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"],
+                                  draws)
+        return score.normalised()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        scores = self.policy_scores(model, inputs)
+        chosen, rejected = scores.chunk(2)
+        delta_chosen = chosen - inputs[REF_CHOSEN].to(chosen.dtype)
+        delta_rejected = rejected - inputs[REF_REJECTED].to(rejected.dtype)
+        losses = -F.logsigmoid(self.beta * (delta_chosen - delta_rejected))
+        loss = losses.mean()
+
+        gather = self.accelerator.gather_for_metrics
+        reward_chosen, reward_rejected = self.beta * delta_chosen.detach(), self.beta * delta_rejected.detach()
+        metrics = self._metrics[mode]
+        metrics["rewards/chosen"].append(gather(reward_chosen).mean().item())
+        metrics["rewards/rejected"].append(gather(reward_rejected).mean().item())
+        metrics["rewards/margins"].append(gather(reward_chosen - reward_rejected).mean().item())
+        metrics["rewards/accuracies"].append(gather((reward_chosen > reward_rejected).float()).mean().item())
+        metrics["scores/chosen"].append(gather(chosen.detach()).mean().item())
+        metrics["scores/rejected"].append(gather(rejected.detach()).mean().item())
+        return (loss, {"scores": scores.detach(), "losses": losses.detach()}) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Runs (the CLI's `sft` and `dpo`)
+# ---------------------------------------------------------------------------------------------------------------------
+
+def is_autoregressive(model) -> bool:
+    """True for a model outside the family registry (the AR baseline is transformers' Llama): stock TRL trainers."""
+    from ..families import family_of_model_type
+
+    return family_of_model_type(core_model(model).config.model_type) is None
+
+
+def lora_config(model, r: int = 16, alpha: int = 32):
+    """PEFT LoRA on the family's recommended backbone projections (the registry's `lora_target_modules`; the AR
+    baseline: the same projection names of `model.layers.*`)."""
+    from peft import LoraConfig
+
+    from ..families import BACKBONE_LORA_TARGETS, family_of_model_type
+
+    spec = family_of_model_type(core_model(model).config.model_type)
+    targets = (spec.lora_target_modules if spec is not None else None) or BACKBONE_LORA_TARGETS
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
+
+
+def _max_length(model) -> int | None:
+    return getattr(core_model(model).config, "max_position_embeddings", None)
+
+
+def save_post_trained(trainer, output_dir, tokenizer) -> None:
+    """The trained model as a normal checkpoint in `output_dir` (a PEFT model merged first), with its tokenizer and
+    the trainer's log (`post_training_log.json`); written by the main process."""
+    from accelerate.utils import is_peft_model
+
+    from .checkpoint import save_tokenizer
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if is_peft_model(model):
+        model = model.merge_and_unload()
+    if trainer.accelerator.is_main_process:
+        output = Path(output_dir)
+        output.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(output)
+        save_tokenizer(tokenizer, output)
+        (output / "post_training_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
+    trainer.accelerator.wait_for_everyone()
+
+
+def _summary(kind: str, trainer, result, output_dir, family: str) -> dict:
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"stage": kind, "family": family, "output_dir": str(output_dir), "steps": trainer.state.global_step,
+            "train_loss": result.training_loss, "losses": losses,
+            "finite": all(math.isfinite(x) for x in losses) and math.isfinite(result.training_loss)}
+
+
+def _family_name(model) -> str:
+    from ..families import BASELINE_FAMILY, family_of_model_type
+
+    spec = family_of_model_type(core_model(model).config.model_type)
+    return spec.name if spec is not None else BASELINE_FAMILY
+
+
+def run_sft(model_dir, output_dir, task: str | None = None, max_steps: int | None = None, lora: bool = False, *,
+            learning_rate: float | None = None, batch_size: int = 8, seed: int = 0, train_size: int | None = None,
+            dataset: Dataset | None = None, callbacks: Sequence | None = None, **config_overrides) -> dict:
+    """SFT of the model in `model_dir` on `task` (`tasks.load_task`; or `dataset`, prompt/completion rows) and a
+    normal checkpoint in `output_dir`. AR: stock `SFTTrainer`; other families: `LatentSFTTrainer`. `lora`: train a
+    LoRA adapter, then save the merged model. `callbacks`: extra `TrainerCallback`s. Returns a summary (steps,
+    losses)."""
+    from ..loading import load_model_and_tokenizer
+    from . import tasks
+
+    model, tokenizer = load_model_and_tokenizer(str(model_dir))
+    if dataset is None:
+        dataset = tasks.load_task(task or tasks.DEFAULT_TASK, tokenizer=tokenizer, seed=seed,
+                                  split_sizes={"train": train_size or tasks.DEFAULT_SPLIT_SIZES["train"]})["train"]
+    if learning_rate is None:
+        learning_rate = SFT_LEARNING_RATE * (LORA_LEARNING_RATE_FACTOR if lora else 1.0)
+    args = sft_config(output_dir, learning_rate=learning_rate, batch_size=batch_size, max_steps=max_steps, seed=seed,
+                      **{"max_length": _max_length(model), **config_overrides})
+    trainer_class = SFTTrainer if is_autoregressive(model) else LatentSFTTrainer
+    trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                            peft_config=lora_config(model) if lora else None, callbacks=list(callbacks or []))
+    result = trainer.train()
+    save_post_trained(trainer, output_dir, tokenizer)
+    return _summary("sft", trainer, result, output_dir, _family_name(model))
+
+
+def run_dpo(model_dir, output_dir, task: str | None = None, max_steps: int | None = None, lora: bool = False, *,
+            learning_rate: float | None = None, batch_size: int = 8, seed: int = 0, train_size: int | None = None,
+            beta: float = DPO_BETA, dataset: Dataset | None = None, callbacks: Sequence | None = None,
+            **config_overrides) -> dict:
+    """DPO of the (SFT) model in `model_dir` on `task` (`tasks.load_preference_task`; or `dataset`, prompt / chosen /
+    rejected rows), the model itself being the frozen reference, and a normal checkpoint in `output_dir`. AR: stock
+    `DPOTrainer` with `sigmoid_norm`; other families: `LatentDPOTrainer`. `lora`: train a LoRA adapter (the reference
+    is then the adapter-disabled model), then save the merged model. `callbacks`: extra `TrainerCallback`s. Returns
+    a summary (steps, losses)."""
+    from ..loading import load_model_and_tokenizer
+    from . import tasks
+
+    model, tokenizer = load_model_and_tokenizer(str(model_dir))
+    if dataset is None:
+        dataset = tasks.load_preference_task(task or tasks.DEFAULT_TASK, tokenizer=tokenizer, seed=seed,
+                                             split_sizes={"train": train_size or tasks.DEFAULT_SPLIT_SIZES["train"]}
+                                             )["train"]
+    if learning_rate is None:
+        learning_rate = DPO_LEARNING_RATE * (LORA_LEARNING_RATE_FACTOR if lora else 1.0)
+    autoregressive = is_autoregressive(model)
+    args = dpo_config(output_dir, autoregressive=autoregressive, beta=beta, learning_rate=learning_rate,
+                      batch_size=batch_size, max_steps=max_steps, seed=seed,
+                      **{"max_length": _max_length(model), **config_overrides})
+    trainer_class = DPOTrainer if autoregressive else LatentDPOTrainer
+    trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                            peft_config=lora_config(model) if lora else None, callbacks=list(callbacks or []))
+    result = trainer.train()
+    save_post_trained(trainer, output_dir, tokenizer)
+    return _summary("dpo", trainer, result, output_dir, _family_name(model))

@@ -1,0 +1,516 @@
+"""Post-training (issue 13): SFT and DPO trainers on TRL, the response-score abstraction and PLM's DPO score.
+
+What is checked, against independent computations where there is a number to compute:
+- PLM's score s(x, u) = -(L_enc^r + L_dec^r) / N_terms equals a hand computation from raw encoder logits and one
+  plain causal forward per decoder row over [clean prefix; auxiliaries of its block] (strides below, at and above K).
+- The frozen draws (auxiliaries u, block phase) do not depend on the batch, are shared by both candidates (phase),
+  stay the same in every epoch and are the ones the reference was scored with; the phase puts the first response
+  target inside a decoder block when s > K.
+- At initialisation δ = 0 and the loss is log 2; the reference never gets a gradient (explicit ref model; PEFT:
+  adapter-disabled model); normalisation makes the score length-independent.
+- SFT's loss covers response tokens only; AR DPO is TRL's own sigmoid_norm, whose completion mask holds the
+  terminal end-of-text token.
+- LoRA and 2-process DDP runs (torchrun) of SFT and DPO finish with finite losses and moved weights; the CLI's
+  `sft` / `dpo` write checkpoints that load and generate.
+"""
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from family_contract import build_tiny
+from safetensors.torch import load_file
+
+from hf_latentlm.families import build_model
+from hf_latentlm.training.corpus import load_corpus_documents
+from hf_latentlm.training.post_training import (
+    REF_CHOSEN,
+    REF_REJECTED,
+    LatentDPOTrainer,
+    LatentSFTTrainer,
+    dpo_config,
+    sft_config,
+)
+from hf_latentlm.training.preference import (
+    PLMResponseScorer,
+    ResponseScore,
+    ResponseScorer,
+    scorer_for,
+)
+
+WORKER = Path(__file__).with_name("ddp_post_training_worker.py")
+EOS = "<|endoftext|>"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data and helpers
+# ---------------------------------------------------------------------------------------------------------------------
+
+def verse_lines(count: int) -> list[str]:
+    lines = [line.strip() for line in load_corpus_documents("validation")[0].splitlines()]
+    return [line for line in lines if 25 <= len(line) <= 60][:count]
+
+
+def prompt_for(line: str) -> str:
+    return f"User: Repeat this line exactly:\n{line}\n\nAssistant:"
+
+
+def toy_sft_rows(count: int) -> list[dict]:
+    return [{"prompt": prompt_for(line), "completion": f" {line}{EOS}"} for line in verse_lines(count)]
+
+
+def toy_preference_rows(count: int) -> list[dict]:
+    """Pairs whose rejected answer is another line (a different length in general)."""
+    lines = verse_lines(count + 1)
+    return [{"prompt": prompt_for(a), "chosen": f" {a}{EOS}", "rejected": f" {b}{EOS}"}
+            for a, b in zip(lines[:-1], lines[1:])]
+
+
+def dpo_args(tmp_path, **overrides):
+    values = dict(batch_size=2, max_steps=2, logging_steps=1, warmup_steps=0, learning_rate=1e-2, seed=0)
+    values.update(overrides)
+    return dpo_config(str(tmp_path / "dpo"), **values)
+
+
+def dpo_trainer(tmp_path, tokenizer, model=None, pairs: int = 4, **kwargs):
+    model = model if model is not None else build_tiny("plm", tokenizer)
+    args = kwargs.pop("args", None) or dpo_args(tmp_path)
+    return LatentDPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(toy_preference_rows(pairs)),
+                            processing_class=tokenizer, **kwargs)
+
+
+def greedy_response(model, ids: list[int], length: int, eos: int) -> list[int]:
+    """`length` tokens, each the encoder's most likely non-EOS next token (so every target has a Voronoi cell)."""
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(length):
+            logits = model(input_ids=torch.tensor([out])).logits[0, -1]
+            logits[eos] = -float("inf")
+            out.append(int(logits.argmax()))
+    return out[len(ids):]
+
+
+def right_padded(rows: list[list[int]], pad: int):
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, :len(row)] = torch.tensor(row)
+        mask[b, :len(row)] = 1
+    return ids, mask
+
+
+def snapshot(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (1) PLM's score against a hand computation
+# ---------------------------------------------------------------------------------------------------------------------
+
+def hand_plm_score(model, row: torch.Tensor, first: int, phase: int, grid: torch.Tensor) -> tuple[float, int]:
+    """-(Σ encoder NLL over the response incl. the terminal EOS + Σ decoder NLL over the response body) / #terms for
+    one unpadded row, written out: the encoder term from the logits of a plain forward; each decoder row j of block z
+    (start i_z = 1 + z·s − phase) as ONE causal forward over [x_<max(i_z,1) as tokens; u_max(i_z,1)..u_j as
+    auxiliaries], positions 0..j (a decoder row sits at the rotary position of the token it predicts), its last
+    hidden state through the LM head scoring x_j."""
+    cfg = model.config
+    K, s, T = cfg.block_size, cfg.block_stride, row.numel()
+    with torch.no_grad():
+        logits = model(input_ids=row[None]).logits[0]
+        total, terms = 0.0, 0
+        for t in range(first, T):  # encoder: response targets, terminal EOS included
+            total -= torch.log_softmax(logits[t - 1].double(), -1)[row[t]].item()
+            terms += 1
+        for z in range(T // s + 3):
+            start = 1 + z * s - phase
+            for k in range(K):
+                j = start + k
+                if j < 1 or j >= T or j < first or j == T - 1:  # outside, prompt target, or the terminal EOS
+                    continue
+                begin = max(start, 1)
+                aux = torch.tensor([int(grid[z * K + (p - start)]) for p in range(begin, j + 1)])
+                embeds = torch.cat([model.model.embed_tokens(row[:begin]), model.model.embed_auxiliaries(aux)])
+                hidden = model.model(inputs_embeds=embeds[None]).last_hidden_state[0, -1]
+                total -= torch.log_softmax(model.lm_head(hidden).double(), -1)[row[j]].item()
+                terms += 1
+    return -total / terms, terms
+
+
+@pytest.mark.parametrize("stride", [2, 4, 6])  # s < K (overlapping blocks), s = K, s > K (gaps); tiny K = 4
+def test_plm_score_equals_a_hand_computation(tokenizer, stride):
+    torch.manual_seed(0)
+    model = build_model("plm", "tiny", tokenizer, block_stride=stride).eval()
+    eos = tokenizer.eos_token_id
+    prompt = tokenizer(prompt_for(verse_lines(1)[0]))["input_ids"]
+    rows = [prompt + greedy_response(model, prompt, 11, eos) + [eos], prompt + greedy_response(model, prompt, 6, eos)
+            + [eos]]
+    ids, mask = right_padded(rows, tokenizer.pad_token_id)
+    completion = mask.clone()
+    completion[:, :len(prompt)] = 0
+    scorer = PLMResponseScorer()
+    draws = scorer.draws(model, ids, mask, completion, ["pair"] * 2)
+    assert (draws["aux"] >= 0).any(), "some targets own auxiliaries (a non-trivial u)"
+    score = scorer.score(model, ids, mask, completion, draws)
+    for b, row in enumerate(rows):
+        expected, terms = hand_plm_score(model, torch.tensor(row), len(prompt), int(draws["phase"][b]), draws["aux"][b])
+        assert score.num_terms[b].item() == terms
+        assert score.normalised()[b].item() == pytest.approx(expected, abs=2e-5)
+        # ≈ L^r·(1 + K/s): every response target once for the encoder, K/s times on average for the decoder.
+        response = len(row) - len(prompt)
+        assert abs(terms - response * (1 + 4 / stride)) <= 4 / stride * 4 + 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (2) frozen draws: batch-independent, shared phase, the same in every epoch and for policy and reference
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_phase_puts_the_first_response_target_inside_a_decoder_block(tokenizer):
+    for K, s in ((4, 6), (4, 9), (8, 16), (4, 4), (4, 2)):
+        config = build_model("plm", "tiny", tokenizer, block_size=K, block_stride=s, k_pred=min(4, K)).config
+        for first in range(1, 40, 3):
+            phases = set()
+            for key in range(40):
+                phase = PLMResponseScorer.pair_phase(config, f"key{key}", first)
+                phases.add(phase)
+                assert 0 <= phase < s
+                assert (first - 1 + phase) % s < K, (K, s, first, phase)  # inside block floor((first-1+phase)/s)
+            # Spread over every admissible phase: all s when s <= K, the K that place the target in a block if s > K.
+            assert len(phases) == min(s, K)
+
+
+def test_draws_do_not_depend_on_the_batch(tokenizer):
+    model = build_tiny("plm", tokenizer).eval()
+    scorer = PLMResponseScorer()
+    eos = tokenizer.eos_token_id
+    prompt = tokenizer(prompt_for(verse_lines(1)[0]))["input_ids"]
+    a = prompt + greedy_response(model, prompt, 9, eos) + [eos]
+    b = prompt + greedy_response(model, prompt, 14, eos) + [eos]
+
+    def draws_of(rows, keys):
+        ids, mask = right_padded(rows, tokenizer.pad_token_id)
+        completion = mask.clone()
+        completion[:, :len(prompt)] = 0
+        return scorer.draws(model, ids, mask, completion, keys)
+
+    alone = draws_of([a], ["k"])
+    first = draws_of([a, b], ["k", "other"])
+    second = draws_of([b, a], ["other", "k"])
+    width = alone["aux"].shape[1]
+    assert torch.equal(first["aux"][0, :width], alone["aux"][0]) and (first["aux"][0, width:] == -1).all()
+    assert torch.equal(second["aux"][1, :width], alone["aux"][0])
+    assert first["phase"][0] == second["phase"][1] == alone["phase"][0]
+    # Another pair key, another draw (the seed mixes in the key).
+    assert not torch.equal(draws_of([a], ["k2"])["aux"], alone["aux"])
+
+
+def test_draws_are_the_same_in_every_epoch_and_for_policy_and_reference(tmp_path, tokenizer):
+    model = build_tiny("plm", tokenizer)
+    reference = copy.deepcopy(model).eval()
+    args = dpo_args(tmp_path, max_steps=None, num_train_epochs=2, learning_rate=1e-2)
+    trainer = dpo_trainer(tmp_path, tokenizer, model=model, pairs=3, args=args)
+    data = trainer.train_dataset
+    assert data["chosen_draw_phase"] == data["rejected_draw_phase"], "both candidates share the pair's phase"
+
+    seen = {}  # (row tokens) -> list of (aux, phase) the policy was scored with
+    score = trainer.scorer.score
+
+    def recording_score(model, input_ids, attention_mask, completion_mask, draws):
+        for b in range(input_ids.shape[0]):
+            tokens = tuple(input_ids[b, attention_mask[b].bool()].tolist())
+            seen.setdefault(tokens, []).append((draws["aux"][b].tolist(), int(draws["phase"][b])))
+        return score(model, input_ids, attention_mask, completion_mask, draws)
+
+    trainer.scorer.score = recording_score
+    trainer.train()
+    assert trainer.state.global_step == 4  # 3 pairs, batch 2: 2 steps per epoch
+    stored = {}
+    for example in data:
+        for candidate in ("chosen", "rejected"):
+            tokens = tuple(example["prompt_ids"] + example[f"{candidate}_ids"])
+            stored[tokens] = (example[f"{candidate}_draw_aux"], example[f"{candidate}_draw_phase"])
+    assert set(seen) == set(stored) and all(len(v) == 2 for v in seen.values()), "every row once per epoch"
+    for tokens, uses in seen.items():
+        aux, phase = stored[tokens]
+        for used_aux, used_phase in uses:  # padded to the batch: the stored grid, then -1
+            assert used_phase == phase and used_aux[:len(aux)] == aux and set(used_aux[len(aux):]) <= {-1}
+
+    # The stored reference scores are the initial model's scores under exactly these draws.
+    collate = trainer.data_collator
+    batch = collate([data[i] for i in range(len(data))])
+    draws = {"aux": batch["draw_aux"], "phase": batch["draw_phase"]}
+    again = PLMResponseScorer().score(reference, batch["input_ids"], batch["attention_mask"],
+                                      batch["completion_mask"], draws).normalised()
+    torch.testing.assert_close(again, torch.cat([batch[REF_CHOSEN], batch[REF_REJECTED]]), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (3) initialisation, (4) the reference, (5) length normalisation
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_at_initialisation_delta_is_zero_and_the_loss_is_log_2(tmp_path, tokenizer):
+    trainer = dpo_trainer(tmp_path, tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    scores = trainer.policy_scores(trainer.model, batch)
+    torch.testing.assert_close(scores, torch.cat([batch[REF_CHOSEN], batch[REF_REJECTED]]), atol=1e-5, rtol=0)
+    assert trainer.compute_loss(trainer.model, batch).item() == pytest.approx(math.log(2), abs=1e-5)
+    logged = trainer._metrics["train"]
+    assert logged["rewards/chosen"][-1] == pytest.approx(0, abs=1e-4)
+    assert logged["rewards/margins"][-1] == pytest.approx(0, abs=1e-4)
+
+
+def test_the_reference_never_receives_gradients(tmp_path, tokenizer):
+    model = build_tiny("plm", tokenizer)
+    ref_model = copy.deepcopy(model)
+    before = snapshot(ref_model)
+    trainer = dpo_trainer(tmp_path, tokenizer, model=model, ref_model=ref_model)
+    policy_before = snapshot(model)
+    trainer.train()
+    assert all(p.grad is None for p in ref_model.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in ref_model.named_parameters())
+    assert any(not torch.equal(p, policy_before[n]) for n, p in model.named_parameters())
+    assert all(isinstance(x, float) for x in trainer.train_dataset[REF_CHOSEN])  # stored numbers, no graph
+
+
+def test_lora_dpo_reference_is_the_adapter_disabled_model(tmp_path, tokenizer):
+    from peft import LoraConfig
+
+    from hf_latentlm.families import get_family
+
+    model = build_tiny("plm", tokenizer)
+    base = snapshot(model)
+    trainer = dpo_trainer(tmp_path, tokenizer, model=model,
+                          peft_config=LoraConfig(r=4, target_modules=get_family("plm").lora_target_modules,
+                                                 task_type="CAUSAL_LM"))
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    peft_model = trainer.model
+    lora = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
+    assert any(p.abs().sum() > 0 for n, p in lora.items() if "lora_B" in n), "the adapters trained"
+    for name, param in peft_model.get_base_model().named_parameters():  # the base (= the reference) never moved
+        if "lora_" not in name:
+            assert torch.equal(param, base[name.replace(".base_layer", "")]), name
+            assert param.grad is None
+    # The stored reference scores are those of the adapter-disabled model; the policy's now differ.
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    reference = torch.cat([batch[REF_CHOSEN], batch[REF_REJECTED]])
+    with peft_model.disable_adapter(), torch.no_grad():
+        torch.testing.assert_close(trainer.policy_scores(peft_model, batch), reference, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        assert (trainer.policy_scores(peft_model, batch) - reference).abs().max() > 1e-4
+
+
+def test_length_normalisation(tokenizer):
+    one = ResponseScore(loss_sum=torch.tensor([2.5 * 7, 1.0 * 3]), num_terms=torch.tensor([7, 3]))
+    twice = ResponseScore(loss_sum=torch.tensor([2.5 * 14, 1.0 * 6]), num_terms=torch.tensor([14, 6]))
+    torch.testing.assert_close(one.normalised(), torch.tensor([-2.5, -1.0]))
+    torch.testing.assert_close(twice.normalised(), one.normalised())
+    assert ResponseScore(torch.zeros(1), torch.zeros(1)).normalised().item() == 0  # no term: 0, not NaN
+
+    # PLM: with a zero LM head every term (encoder or decoder) costs log V, so a response and the same response
+    # twice over score the same, although the second has about twice as many terms.
+    model = build_tiny("plm", tokenizer).eval()
+    eos = tokenizer.eos_token_id
+    prompt = tokenizer(prompt_for(verse_lines(1)[0]))["input_ids"]
+    body = greedy_response(model, prompt, 8, eos)
+    ids, mask = right_padded([prompt + body + [eos], prompt + body + body + [eos]], tokenizer.pad_token_id)
+    completion = mask.clone()
+    completion[:, :len(prompt)] = 0
+    scorer = PLMResponseScorer()
+    draws = scorer.draws(model, ids, mask, completion, ["a", "b"])
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    score = scorer.score(model, ids, mask, completion, draws)
+    assert score.num_terms[1] >= 1.8 * score.num_terms[0]
+    torch.testing.assert_close(score.normalised(), torch.full((2,), -math.log(model.config.vocab_size)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (7) SFT: the prompt is context only
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_sft_scores_response_tokens_only(tmp_path, tokenizer):
+    model = build_tiny("plm", tokenizer)
+    rows = toy_sft_rows(2)
+    args = sft_config(str(tmp_path / "sft"), batch_size=2, max_steps=2, logging_steps=1, learning_rate=1e-3)
+    trainer = LatentSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                               processing_class=tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    prompt_lengths = [len(tokenizer(r["prompt"])["input_ids"]) for r in rows]
+    for b, length in enumerate(prompt_lengths):
+        real = int(batch["attention_mask"][b].sum())
+        assert (batch["labels"][b, :length] == -100).all()
+        assert torch.equal(batch["labels"][b, length:real], batch["input_ids"][b, length:real])
+        assert batch["labels"][b, real - 1] == tokenizer.eos_token_id, "the terminal end-of-text is a target"
+
+    recorded = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        recorded.append(kwargs["labels"].clone())
+        return forward(*args, **kwargs)
+
+    model.forward = spy
+    losses = [trainer.compute_loss(model, batch).item()]
+    changed = {k: v.clone() for k, v in batch.items()}
+    changed["input_ids"][:, 3] = (changed["input_ids"][:, 3] + 1) % tokenizer.vocab_size  # a prompt token
+    losses.append(trainer.compute_loss(model, changed).item())
+    model.forward = forward
+    assert all(math.isfinite(x) for x in losses)
+    assert torch.equal(recorded[0] != -100, recorded[1] != -100), "the same terms are scored"
+    assert torch.equal(recorded[0], recorded[1])
+    assert not (recorded[0][:, :min(prompt_lengths)] != -100).any()
+
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logged) == 2 and all(math.isfinite(e["loss"]) for e in logged)
+    assert {"encoder_nll", "decoder_nll", "alignment_loss"} <= set(logged[0]), "the family's loss parts are logged"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (8) AR: TRL's own DPOTrainer with sigmoid_norm
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_ar_dpo_is_stock_sigmoid_norm_and_scores_the_terminal_eos(tmp_path, tokenizer):
+    from trl import DPOTrainer
+
+    model = build_tiny("ar", tokenizer)
+    args = dpo_args(tmp_path, autoregressive=True)
+    assert args.loss_type == ["sigmoid_norm"] and args.beta == 5.0 and args.precompute_ref_log_probs
+    trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(toy_preference_rows(4)),
+                         processing_class=tokenizer)
+    example = trainer.train_dataset[0]
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    eos = tokenizer.eos_token_id
+    for b in range(4):
+        real = int(batch["attention_mask"][b].sum())
+        positions = batch["completion_mask"][b].nonzero().flatten()
+        assert positions[-1] == real - 1 and batch["input_ids"][b, real - 1] == eos
+    assert example["chosen_ids"][-1] == eos and example["chosen_ids"].count(eos) == 1
+    assert batch["completion_mask"][0].sum() == len(example["chosen_ids"])  # the normaliser counts the EOS term
+    # ... and the EOS term is in the summed log-probabilities TRL normalises.
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    with torch.no_grad():
+        out = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels,
+                            fused_lm_head=True)
+    real = int(batch["attention_mask"][0].sum())
+    assert out.log_probs[0, real - 2] < 0, "log p(EOS | response) is scored"
+    assert trainer.compute_loss(trainer.model, {k: v for k, v in batch.items()}).item() == pytest.approx(
+        math.log(2), abs=1e-5)
+    trainer.train()
+    assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Refusals
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_bad_inputs_are_refused_clearly(tmp_path, tokenizer):
+    model = build_tiny("plm", tokenizer)
+    assert isinstance(scorer_for(model), ResponseScorer)
+    with pytest.raises(NotImplementedError, match="sigmoid_norm"):
+        scorer_for(build_tiny("ar", tokenizer))
+    try:
+        import hf_latentlm.training.latent_scores  # noqa: F401
+    except ModuleNotFoundError:
+        calm = type("Config", (), {"model_type": "calm"})
+        with pytest.raises(NotImplementedError, match="calm family"):
+            scorer_for(type("Model", (), {"config": calm})())
+    with pytest.raises(ValueError, match="not a preference dataset"):
+        LatentDPOTrainer(model=model, args=dpo_args(tmp_path), processing_class=tokenizer,
+                         train_dataset=Dataset.from_list(toy_sft_rows(2)))
+    with pytest.raises(ValueError, match="no 'completion'"):
+        LatentSFTTrainer(model=model, args=sft_config(str(tmp_path / "s")), processing_class=tokenizer,
+                         train_dataset=Dataset.from_dict({"prompt": ["a"], "answer": ["b"]}))
+    ids = torch.tensor([[0, 5, 6, 7], [5, 6, 7, 8]])
+    left = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="right-padded"):
+        PLMResponseScorer().draws(model, ids, left, left, ["a", "b"])
+    with pytest.raises(ValueError, match="no response token"):
+        PLMResponseScorer().draws(model, ids, torch.ones_like(ids), torch.zeros_like(ids), ["a", "b"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (6) CLI runs (LoRA SFT, full DPO) and 2-process DDP runs (full SFT, LoRA DPO)
+# ---------------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def plm_folder(tmp_path_factory, tokenizer):
+    from hf_latentlm.training.checkpoint import save_tokenizer
+
+    folder = tmp_path_factory.mktemp("plm") / "model"
+    build_tiny("plm", tokenizer).save_pretrained(folder)
+    save_tokenizer(tokenizer, folder)
+    return folder
+
+
+def weights(folder) -> dict:
+    return load_file(Path(folder) / "model.safetensors")
+
+
+def moved(before: dict, after: dict) -> set:
+    assert set(before) == set(after)
+    return {n for n in before if not torch.equal(before[n], after[n])}
+
+
+def test_cli_sft_with_lora_then_dpo_write_loadable_checkpoints(tmp_path, run_cli, plm_folder):
+    pytest.importorskip("hf_latentlm.training.tasks")
+    from hf_latentlm.loading import load_model_and_tokenizer
+
+    sft, dpo = tmp_path / "sft", tmp_path / "dpo"
+    common = ["--max-steps", "2", "--batch-size", "2", "--train-size", "4", "--learning-rate", "1e-2"]
+    code, out, err = run_cli("sft", "--model", str(plm_folder), "--output-dir", str(sft), "--lora", *common)
+    assert code == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["stage"] == "sft" and summary["family"] == "plm" and summary["steps"] == 2 and summary["finite"]
+    code, out, err = run_cli("dpo", "--model", str(sft), "--output-dir", str(dpo), *common)
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["finite"]
+    # LoRA merged: only the adapted projections moved in SFT; full DPO moved weights too.
+    assert moved(weights(plm_folder), weights(sft)) and all("_proj" in n for n in moved(weights(plm_folder),
+                                                                                        weights(sft)))
+    assert moved(weights(sft), weights(dpo))
+    model, tokenizer = load_model_and_tokenizer(str(dpo))
+    assert type(model).__name__ == "PLMForCausalLM" and not any("lora" in n for n, _ in model.named_parameters())
+    code, out, err = run_cli("generate", "--model", str(dpo), "--prompt", "User: hi", "--max-new-tokens", "4")
+    assert code == 0, err
+
+    code, _, err = run_cli("dpo", "--model", str(sft), "--output-dir", str(tmp_path / "x"), "--max-steps", "0")
+    assert code == 2 and "--max-steps must be at least 1" in err
+
+
+def test_two_process_ddp_sft_then_lora_dpo(tmp_path, plm_folder):
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps({"sft": toy_sft_rows(8), "dpo": toy_preference_rows(8)}))
+    out = tmp_path / "ddp"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
+           str(plm_folder), str(out), str(data)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for stage in ("sft", "dpo"):
+        views = [json.loads((out / f"{stage}-rank{r}.json").read_text()) for r in range(2)]
+        assert all(v["world_size"] == 2 for v in views)
+        for view in views:
+            assert len(view["losses"]) == 3 and all(math.isfinite(x) for x in view["losses"])
+        ranks = [load_file(out / f"{stage}-rank{r}.safetensors") for r in range(2)]
+        assert ranks[0] and all(torch.equal(ranks[0][n], ranks[1][n]) for n in ranks[0]), "DDP kept ranks in sync"
+    # DPO: each rank drew half of the pairs; after the exchange both hold all of them, identical.
+    dpo_views = [json.loads((out / f"dpo-rank{r}.json").read_text()) for r in range(2)]
+    for name in ("pair_key", REF_CHOSEN, REF_REJECTED, "chosen_draw_aux", "chosen_draw_phase"):
+        assert dpo_views[0][name] == dpo_views[1][name] and len(dpo_views[0][name]) == 8
+    assert dpo_views[0]["chosen_draw_phase"] == dpo_views[0]["rejected_draw_phase"]
+    # Weights moved in both stages (SFT: full fine-tuning; DPO: LoRA, merged into the saved checkpoint).
+    assert moved(weights(plm_folder), weights(out / "sft"))
+    assert moved(weights(out / "sft"), weights(out / "dpo"))
+    lora = load_file(out / "dpo-rank0.safetensors")
+    assert lora and all("lora_" in n for n in lora)
