@@ -153,6 +153,10 @@ class LatentSFTTrainer(SFTTrainer):
         check_sft_dataset(train_dataset, getattr(args, "dataset_text_field", "text"))
         if eval_dataset is not None and not isinstance(eval_dataset, dict):
             check_sft_dataset(eval_dataset, getattr(args, "dataset_text_field", "text"), "eval")
+        # A family that reads whole chunks (CALM: config.chunk_size) needs batch lengths in multiples of the chunk.
+        chunk = getattr(getattr(core_model(model), "config", None), "chunk_size", None)
+        if args is not None and chunk and args.pad_to_multiple_of is None:
+            args.pad_to_multiple_of = chunk
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
 
     @staticmethod
@@ -242,9 +246,6 @@ class LatentDPOTrainer(DPOTrainer):
             logger.warning("LatentDPOTrainer precomputes the reference scores and frozen draws; setting "
                            "precompute_ref_log_probs=True")
             args.precompute_ref_log_probs = True
-        if args.max_length is not None and args.truncation_mode != "keep_start":
-            raise ValueError("LatentDPOTrainer needs truncation_mode='keep_start' (the draws are laid out on the "
-                             "sequence from its start)")
         self.scorer = scorer
         self._draw_keys: list[str] | None = None
         super().__init__(model=model, ref_model=ref_model, args=args, train_dataset=train_dataset,

@@ -32,6 +32,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from ..modeling.auxiliaries import draw_auxiliary_in_cell
+
 #: Seed of the frozen auxiliary draws (paper App. 16.2: "its auxiliaries are sampled once with seed 5678").
 DRAW_SEED = 5678
 
@@ -269,8 +271,6 @@ class PLMResponseScorer:
             owners, _ = core.auxiliary_owners(logits[0, :-1])  # [length - 1, N_aux]: owner token per auxiliary
             if owners is not None and inside.any():
                 cell_pos = pos[inside].to(ids.device)
-                from ..modeling.auxiliaries import draw_auxiliary_in_cell
-
                 drawn = draw_auxiliary_in_cell(owners[cell_pos - 1], ids[cell_pos],
                                                uniform=uniforms[inside].to(owners.device))
                 grid[inside] = drawn.cpu()

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from datasets import Dataset
 from family_contract import build_tiny
 from safetensors.torch import load_file
@@ -271,9 +270,12 @@ def test_the_reference_never_receives_gradients(tmp_path, tokenizer):
     model = build_tiny("plm", tokenizer)
     ref_model = copy.deepcopy(model)
     before = snapshot(ref_model)
-    trainer = dpo_trainer(tmp_path, tokenizer, model=model, ref_model=ref_model)
+    eval_pairs = Dataset.from_list(toy_preference_rows(6)[4:])
+    trainer = dpo_trainer(tmp_path, tokenizer, model=model, ref_model=ref_model, eval_dataset=eval_pairs)
+    assert REF_CHOSEN in trainer.eval_dataset.column_names  # the eval set is scored by the reference at init too
     policy_before = snapshot(model)
     trainer.train()
+    assert math.isfinite(trainer.evaluate()["eval_loss"])
     assert all(p.grad is None for p in ref_model.parameters())
     assert all(torch.equal(p, before[n]) for n, p in ref_model.named_parameters())
     assert any(not torch.equal(p, policy_before[n]) for n, p in model.named_parameters())
@@ -414,17 +416,19 @@ def test_ar_dpo_is_stock_sigmoid_norm_and_scores_the_terminal_eos(tmp_path, toke
 # Refusals
 # ---------------------------------------------------------------------------------------------------------------------
 
-def test_bad_inputs_are_refused_clearly(tmp_path, tokenizer):
+def test_bad_inputs_are_refused_clearly(tmp_path, tokenizer, monkeypatch):
+    from hf_latentlm.training import preference
+
     model = build_tiny("plm", tokenizer)
     assert isinstance(scorer_for(model), ResponseScorer)
     with pytest.raises(NotImplementedError, match="sigmoid_norm"):
         scorer_for(build_tiny("ar", tokenizer))
-    try:
-        import hf_latentlm.training.latent_scores  # noqa: F401
-    except ModuleNotFoundError:
-        calm = type("Config", (), {"model_type": "calm"})
-        with pytest.raises(NotImplementedError, match="calm family"):
-            scorer_for(type("Model", (), {"config": calm})())
+    # A latent family whose scorer module is not there (yet) is named.
+    monkeypatch.setattr(preference, "LATENT_SCORES_MODULE", "hf_latentlm.training.no_such_scores")
+    calm = type("Config", (), {"model_type": "calm"})
+    with pytest.raises(NotImplementedError, match="calm family"):
+        scorer_for(type("Model", (), {"config": calm})())
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="not a preference dataset"):
         LatentDPOTrainer(model=model, args=dpo_args(tmp_path), processing_class=tokenizer,
                          train_dataset=Dataset.from_list(toy_sft_rows(2)))
@@ -479,7 +483,7 @@ def test_cli_sft_with_lora_then_dpo_write_loadable_checkpoints(tmp_path, run_cli
     assert moved(weights(plm_folder), weights(sft)) and all("_proj" in n for n in moved(weights(plm_folder),
                                                                                         weights(sft)))
     assert moved(weights(sft), weights(dpo))
-    model, tokenizer = load_model_and_tokenizer(str(dpo))
+    model, _ = load_model_and_tokenizer(str(dpo))
     assert type(model).__name__ == "PLMForCausalLM" and not any("lora" in n for n, _ in model.named_parameters())
     code, out, err = run_cli("generate", "--model", str(dpo), "--prompt", "User: hi", "--max-new-tokens", "4")
     assert code == 0, err
@@ -514,3 +518,29 @@ def test_two_process_ddp_sft_then_lora_dpo(tmp_path, plm_folder):
     assert moved(weights(out / "sft"), weights(out / "dpo"))
     lora = load_file(out / "dpo-rank0.safetensors")
     assert lora and all("lora_" in n for n in lora)
+
+
+@pytest.mark.parametrize("family", ["calm", "cola", "aurora"])
+def test_latent_families_train_with_the_same_sft_and_dpo_trainers(tmp_path, tokenizer, tiny_rows, family):
+    """The other families plug their scorer (`latent_scores.py`) into the same DPO trainer: their draws are stored and
+    collated like PLM's (multi-dimensional, padded along the term axis), δ = 0 at initialisation, a step trains; SFT
+    trains their own loss."""
+    pytest.importorskip("hf_latentlm.training.latent_scores")
+    model = build_tiny(family, tokenizer)
+    if hasattr(model, "prepare_training"):  # AURORA's latent statistics, as the training loop sets them
+        model.prepare_training(tiny_rows[8:24, :32])
+    trainer = dpo_trainer(tmp_path, tokenizer, model=model, pairs=2, args=dpo_args(tmp_path, max_steps=1))
+    assert type(trainer.scorer).__name__ == type(scorer_for(model)).__name__ != "PLMResponseScorer"
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    assert {k for k in batch if k.startswith("draw_")} == {f"draw_{k}" for k in trainer._draw_keys}
+    assert trainer.compute_loss(trainer.model, batch).item() == pytest.approx(math.log(2), abs=1e-4)
+    before = snapshot(model)
+    trainer.train()
+    assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
+
+    args = sft_config(str(tmp_path / "sft"), batch_size=2, max_steps=1, logging_steps=1, learning_rate=1e-3)
+    sft = LatentSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(toy_sft_rows(2)),
+                           processing_class=tokenizer)
+    sft.train()
+    assert all(math.isfinite(e["loss"]) for e in sft.state.log_history if "loss" in e)
