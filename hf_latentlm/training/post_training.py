@@ -89,10 +89,12 @@ def dpo_config(output_dir, *, autoregressive: bool = False, beta: float = DPO_BE
                seed: int = 0, **overrides) -> DPOConfig:
     """TRL's `DPOConfig` with the paper's DPO optimisation (β = γ = 5, 10% warmup) and CPU-safe defaults;
     `overrides` win. The reference is precomputed (`precompute_ref_log_probs=True`): it is the frozen starting
-    model, never reloaded from disk. `autoregressive=True` selects TRL's length-normalised `sigmoid_norm` loss (the
-    AR baseline with the stock `DPOTrainer`); otherwise `LatentDPOTrainer` computes the loss itself."""
+    model, never reloaded from disk. The loss is TRL's length-normalised `sigmoid_norm` for every family (the stock
+    `DPOTrainer` computes it for AR, `LatentDPOTrainer` with the family's score); `loss_type=["sigmoid"]` is the
+    unnormalised ablation (summed log-ratios / summed response terms). `autoregressive` is kept for callers that
+    name the family kind; both kinds get the same loss type."""
     return DPOConfig(**{**_common_args(output_dir, learning_rate, batch_size, max_steps, seed, DPO_WARMUP),
-                        "beta": beta, "loss_type": ["sigmoid_norm" if autoregressive else "sigmoid"],
+                        "beta": beta, "loss_type": ["sigmoid_norm"],
                         "precompute_ref_log_probs": True, **overrides})
 
 
@@ -218,7 +220,8 @@ class ScoredPreferenceCollator:
 class LatentDPOTrainer(DPOTrainer):
     """TRL's `DPOTrainer` with a family's response score (`ResponseScorer`) in place of summed log-probabilities.
 
-    loss = mean over pairs of −log σ(β·(δ+ − δ−)), δ = s_θ(x, u) − s_ref(x, u), s = `ResponseScore.normalised()`.
+    loss = mean over pairs of −log σ(β·(δ+ − δ−)), δ = s_θ(x, u) − s_ref(x, u), s = `ResponseScore.normalised()`
+    (loss_type `sigmoid_norm`, the default) or the summed score −loss_sum (`sigmoid`, the unnormalised ablation).
 
     At construction (TRL's `precompute_ref_log_probs` step, always on here) every pair of the train (and eval)
     dataset gets, from the reference (`ref_model`; under PEFT the adapter-disabled model; else the model itself,
@@ -239,6 +242,9 @@ class LatentDPOTrainer(DPOTrainer):
             check_preference_dataset(eval_dataset, "eval")
         if args is None:
             args = dpo_config("latent-dpo")
+        if list(args.loss_type) not in (["sigmoid_norm"], ["sigmoid"]):
+            raise ValueError(f"LatentDPOTrainer supports loss_type ['sigmoid_norm'] (the length-normalised score) or "
+                             f"['sigmoid'] (the summed score), got {args.loss_type}")
         if args.sync_ref_model:
             raise ValueError("LatentDPOTrainer keeps a frozen reference (its scores are precomputed): "
                              "sync_ref_model is not supported")
@@ -312,7 +318,7 @@ class LatentDPOTrainer(DPOTrainer):
                 ids, mask, completion = (batch[k].to(device) for k in ("input_ids", "attention_mask", "completion_mask"))
                 keys = [pair_key(e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]) for e in examples]
                 draws = self.scorer.draws(reference, ids, mask, completion, keys + keys)
-                scores = self.scorer.score(reference, ids, mask, completion, draws).normalised().float().cpu()
+                scores = self.sequence_score(self.scorer.score(reference, ids, mask, completion, draws)).float().cpu()
                 n = len(indices)
                 for j, index in enumerate(indices):
                     record = {PAIR_KEY: keys[j], REF_CHOSEN: float(scores[j]), REF_REJECTED: float(scores[n + j])}
@@ -338,6 +344,10 @@ class LatentDPOTrainer(DPOTrainer):
 
     # -- loss -----------------------------------------------------------------------------------------------------
 
+    def sequence_score(self, score) -> torch.Tensor:
+        """s of each row: the length-normalised score (`sigmoid_norm`, the paper's) or the summed one (`sigmoid`)."""
+        return score.normalised() if "sigmoid_norm" in self.args.loss_type else -score.loss_sum
+
     def policy_scores(self, model, inputs) -> torch.Tensor:
         """[2B] s_θ of the stacked [chosen; rejected] rows of `inputs` under their stored draws."""
         draws = {k.removeprefix("draw_"): v for k, v in inputs.items() if k.startswith("draw_")}
@@ -345,7 +355,7 @@ class LatentDPOTrainer(DPOTrainer):
             raise ValueError("the batch lacks the precomputed draws / reference scores (use the trainer's collator)")
         score = self.scorer.score(model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"],
                                   draws)
-        return score.normalised()
+        return self.sequence_score(score)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"

@@ -255,11 +255,20 @@ def test_draws_are_the_same_in_every_epoch_and_for_policy_and_reference(tmp_path
 # (3) initialisation, (4) the reference, (5) length normalisation
 # ---------------------------------------------------------------------------------------------------------------------
 
-def test_at_initialisation_delta_is_zero_and_the_loss_is_log_2(tmp_path, tokenizer):
-    trainer = dpo_trainer(tmp_path, tokenizer)
+@pytest.mark.parametrize("loss_type", ["sigmoid_norm", "sigmoid"])
+def test_at_initialisation_delta_is_zero_and_the_loss_is_log_2(tmp_path, tokenizer, loss_type):
+    """Also: `sigmoid_norm` (the default) scores −loss_sum / num_terms, `sigmoid` (the unnormalised ablation)
+    −loss_sum, for policy and reference alike."""
+    trainer = dpo_trainer(tmp_path, tokenizer, args=dpo_args(tmp_path, loss_type=[loss_type]))
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     scores = trainer.policy_scores(trainer.model, batch)
     torch.testing.assert_close(scores, torch.cat([batch[REF_CHOSEN], batch[REF_REJECTED]]), atol=1e-5, rtol=0)
+    draws = {k.removeprefix("draw_"): v for k, v in batch.items() if k.startswith("draw_")}
+    raw = trainer.scorer.score(trainer.model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"],
+                               draws)
+    expected = -raw.loss_sum / raw.num_terms if loss_type == "sigmoid_norm" else -raw.loss_sum
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)
+    assert (raw.num_terms > 1).all()  # so the two loss types really differ
     assert trainer.compute_loss(trainer.model, batch).item() == pytest.approx(math.log(2), abs=1e-5)
     logged = trainer._metrics["train"]
     assert logged["rewards/chosen"][-1] == pytest.approx(0, abs=1e-4)
@@ -544,3 +553,8 @@ def test_latent_families_train_with_the_same_sft_and_dpo_trainers(tmp_path, toke
                            processing_class=tokenizer)
     sft.train()
     assert all(math.isfinite(e["loss"]) for e in sft.state.log_history if "loss" in e)
+
+
+def test_latent_dpo_refuses_a_loss_type_it_does_not_compute(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="loss_type"):
+        dpo_trainer(tmp_path, tokenizer, args=dpo_args(tmp_path, loss_type=["hinge"]))
