@@ -1,0 +1,125 @@
+"""Post-training benchmark (issue 13): SFT then DPO of every given model on one task, AR included, in ONE run.
+
+    python scripts/bench_post_training.py --model ar=runs/ar-small-120 --model plm=runs/plm-small \
+        --out runs/post --sft-steps 300 --dpo-steps 60 --dpo-pairs 400 --test-size 100 \
+        --output docs/post_training.json
+
+For each model: exact-match accuracy on the task's held-out split, mean answer length, batch-1 tokens per call and
+tokens/s (`hf_latentlm.eval.task.evaluate_task`) before SFT, after SFT (`run_sft`, full fine-tune), after DPO
+(`run_dpo`, length-normalised: TRL's `sigmoid_norm` for AR, the family's normalised score otherwise) and after the
+unnormalised DPO ablation (`loss_type=["sigmoid"]`, from the same SFT model). The DPO reward-margin curve is read
+from the trainer's log. A family's `speed_variants` (PLM: nucleus acceptance) are evaluated after every stage too.
+Speed ratios are to the model labelled `ar`, measured in this process on the same prompts. Writes JSON and prints
+Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from hf_latentlm.eval.task import evaluate_task
+from hf_latentlm.families import family_of_model_type
+from hf_latentlm.loading import load_model_and_tokenizer
+from hf_latentlm.training.post_training import run_dpo, run_sft
+from hf_latentlm.training.tasks import DEFAULT_TASK, load_task
+
+
+def evaluate_folder(folder: str, test, args) -> dict:
+    """Every decoding variant of the model in `folder` on the test split."""
+    model, tokenizer = load_model_and_tokenizer(folder)
+    spec = family_of_model_type(model.config.model_type)
+    variants = {"default": {}, **(dict(spec.speed_variants) if spec is not None else {})}
+    report = {}
+    for label, options in variants.items():
+        result = evaluate_task(model, tokenizer, test, batch_size=args.batch_size, seed=args.seed,
+                               speed_prompts=args.speed_prompts, generate_kwargs=dict(options))
+        report[label] = result
+        print(f"  {folder} [{label}]: accuracy {result['accuracy']:.3f}, answer {result['mean_answer_tokens']:.1f} "
+              f"tokens, {result['tokens_per_call_batch_1']:.2f} tokens/call, "
+              f"{result['tokens_per_s_batch_1']:.1f} tokens/s (b1)", flush=True)
+    return report
+
+
+def margin_curve(folder: str) -> list[dict]:
+    log = json.loads((Path(folder) / "post_training_log.json").read_text())
+    keys = ("step", "loss", "rewards/margins", "rewards/accuracies", "rewards/chosen", "rewards/rejected")
+    return [{k: entry[k] for k in keys if k in entry} for entry in log if "rewards/margins" in entry]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", action="append", required=True, help="LABEL=DIR (the AR baseline as ar=DIR)")
+    parser.add_argument("--out", required=True, help="folder for the SFT / DPO checkpoints")
+    parser.add_argument("--task", default=DEFAULT_TASK)
+    parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--dpo-steps", type=int, default=60)
+    parser.add_argument("--sft-examples", type=int, default=2000)
+    parser.add_argument("--dpo-pairs", type=int, default=400)
+    parser.add_argument("--test-size", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--speed-prompts", type=int, default=8)
+    parser.add_argument("--sft-learning-rate", type=float, default=None)
+    parser.add_argument("--dpo-learning-rate", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default="docs/post_training.json")
+    args = parser.parse_args()
+    models = dict(m.split("=", 1) for m in args.model)
+    started = time.perf_counter()
+    test = load_task(args.task, split_sizes={"train": 1, "test": args.test_size}, seed=args.seed)["test"]
+    results = {"settings": vars(args), "models": {}}
+    for label, folder in models.items():
+        out = Path(args.out) / label
+        stage = {"base": folder, "sft": str(out / "sft"), "dpo": str(out / "dpo"),
+                 "dpo_unnormalised": str(out / "dpo-unnormalised")}
+        record = {"folders": stage, "evaluation": {}, "training": {}}
+        print(f"== {label}: before post-training", flush=True)
+        record["evaluation"]["base"] = evaluate_folder(folder, test, args)
+        t = time.perf_counter()
+        record["training"]["sft"] = run_sft(folder, stage["sft"], args.task, args.sft_steps, seed=args.seed,
+                                            train_size=args.sft_examples, learning_rate=args.sft_learning_rate,
+                                            batch_size=args.batch_size)
+        record["training"]["sft"]["seconds"] = time.perf_counter() - t
+        print(f"== {label}: after SFT ({args.sft_steps} steps)", flush=True)
+        record["evaluation"]["sft"] = evaluate_folder(stage["sft"], test, args)
+        for name, loss_type in (("dpo", "sigmoid_norm"), ("dpo_unnormalised", "sigmoid")):
+            t = time.perf_counter()
+            record["training"][name] = run_dpo(stage["sft"], stage[name], args.task, args.dpo_steps, seed=args.seed,
+                                               train_size=args.dpo_pairs, learning_rate=args.dpo_learning_rate,
+                                               batch_size=args.batch_size, loss_type=[loss_type], logging_steps=5)
+            record["training"][name]["seconds"] = time.perf_counter() - t
+            record["training"][name]["margin_curve"] = margin_curve(stage[name])
+            print(f"== {label}: after {name} ({args.dpo_steps} steps)", flush=True)
+            record["evaluation"][name] = evaluate_folder(stage[name], test, args)
+        results["models"][label] = record
+    results["seconds"] = time.perf_counter() - started
+    Path(args.output).write_text(json.dumps(results, indent=1) + "\n")
+    print(markdown(results))
+
+
+def markdown(results: dict) -> str:
+    baseline = results["models"].get("ar")
+    lines = ["| model | decoding | stage | accuracy | answer tokens | tokens/call b1 | tokens/s b1 | ×AR tokens/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, record in results["models"].items():
+        for stage, variants in record["evaluation"].items():
+            for variant, r in variants.items():
+                ratio = "—"
+                if baseline is not None and stage in baseline["evaluation"]:
+                    ar = baseline["evaluation"][stage]["default"]["tokens_per_s_batch_1"]
+                    ratio = f"{r['tokens_per_s_batch_1'] / ar:.2f}"
+                lines.append(f"| {label} | {variant} | {stage} | {r['accuracy']:.3f} | {r['mean_answer_tokens']:.1f} | "
+                             f"{r['tokens_per_call_batch_1']:.2f} | {r['tokens_per_s_batch_1']:.1f} | {ratio} |")
+    lines += ["", "| model | DPO | step | loss | margin | reward accuracy |", "|---|---|---|---|---|---|"]
+    for label, record in results["models"].items():
+        for name in ("dpo", "dpo_unnormalised"):
+            for point in record["training"][name]["margin_curve"]:
+                lines.append(f"| {label} | {name} | {point.get('step')} | {point.get('loss', float('nan')):.4f} | "
+                             f"{point['rewards/margins']:.4f} | {point.get('rewards/accuracies', float('nan')):.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
