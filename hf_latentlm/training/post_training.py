@@ -7,7 +7,10 @@
 * A multi-token family trains with `LatentSFTTrainer` / `LatentDPOTrainer`, subclasses that change only the loss:
   - SFT: the family's own objective, `model(input_ids, attention_mask, labels)`, with the prompt's labels -100
     (TRL's prompt/completion preparation; the response's terminal end-of-text token is a target). TRL's fused LM
-    head would otherwise replace it with next-token cross-entropy.
+    head would otherwise replace it with next-token cross-entropy. CALM (a config with `chunk_size` K) trains whole
+    chunks only, so its rows are first re-laid out as its `generate()` reads them (`chunk_aligned_sft_batch`): the
+    response starts on a chunk boundary and its last chunk is filled with EOS, so every response token and the
+    terminal EOS is a target.
   - DPO: the response score of the family's `ResponseScorer` (`preference.py`), reference-relative and
     length-normalised: δ = s_θ − s_ref, loss −log σ(β·(δ(x+,u+) − δ(x−,u−))), β = `DPOConfig.beta` (γ = 5 in the
     paper). The frozen draws u (PLM: auxiliaries and block phase) and the reference scores are computed ONCE, when
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 from datasets import Dataset, IterableDataset, concatenate_datasets
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
+from .latent_scores import fill_token_id, split_rows
 from .preference import ResponseScorer, core_model, pair_key, scorer_for
 
 logger = logging.getLogger(__name__)
@@ -138,14 +142,73 @@ def check_preference_dataset(dataset, label: str = "train") -> None:
 # SFT
 # ---------------------------------------------------------------------------------------------------------------------
 
+def chunk_aligned_sft_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor,
+                            chunk_size: int, eos_id: int) -> dict[str, torch.Tensor]:
+    """CALM's SFT rows, laid out as `CALMForCausalLM.generate()` reads a prompt and writes a response.
+
+    CALM's objective trains the latent of chunk i+1 from the hidden state of chunk i, and only chunks whose K labels
+    are all set and whose K tokens are all attended. A TRL row [prompt][response + EOS][padding] would lose the
+    response tokens in the chunk that straddles the prompt/response boundary and the final partial chunk (which
+    holds the terminal EOS). Each row becomes, in chunks of K = `chunk_size`:
+
+        [EOS left-fill][prompt] [response + terminal EOS][EOS right-fill] [padding chunks]
+         attention 0   1         1                       1                 0
+         label -100    -100      the token               EOS               -100
+
+    * The left-fill, (−P) mod K EOS tokens with attention 0, is exactly `generate()`'s (`_start_decoding`), so the
+      last prompt chunk's hidden state is the one `generate()` draws the first response chunk from, and the
+      response starts on a chunk boundary.
+    * The right-fill, (−R) mod K EOS tokens (R: response + terminal EOS), makes the last response chunk whole; it is
+      labelled and attended so that chunk is trained, its target the EOS-filled chunk, as `CALMResponseScorer` (the
+      DPO score) takes it. The fill is never an input to a trained step (it is the row's last real chunk), so
+      attending it changes no hidden state. `generate()` stops at the EOS inside that chunk.
+    * Rows are right-padded with whole chunks (attention 0, labels -100), so a row gives the same hidden states, the
+      same trained chunks and the same loss terms alone or in any batch.
+
+    The trained run (labels != -100 on attended tokens; TRL's response, terminal EOS included) must be the last
+    part of each row's real tokens (ValueError otherwise, e.g. for several assistant turns); its targets are the
+    row's own ids. A row with no trained token (a completion truncated away) stays context only; a row with no
+    prompt (plain-text SFT) starts its response at chunk 0, whose first chunk, as in pretraining, is not a target.
+    Returns `input_ids`, `attention_mask`, `labels` [B, C·K], C ≥ 2 (the objective needs two chunks).
+    """
+    K = chunk_size
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    trained = (labels != -100) & attention_mask.bool()
+    rows = []
+    for b in range(input_ids.shape[0]):
+        if trained[b].any():
+            row = split_rows(input_ids[b:b + 1], attention_mask[b:b + 1], trained[b:b + 1].long())[0]
+            prompt, response = row.prompt, row.response
+        else:
+            prompt, response = input_ids[b][attention_mask[b].bool()], input_ids.new_empty(0)
+        left, right = (-prompt.numel()) % K, (-response.numel()) % K
+        ids = torch.cat([prompt.new_full((left,), eos_id), prompt, response, prompt.new_full((right,), eos_id)])
+        mask = torch.ones_like(ids)
+        mask[:left] = 0
+        target = torch.full_like(ids, -100)
+        target[left + prompt.numel():] = ids[left + prompt.numel():]
+        rows.append((ids, mask, target))
+    width = max(2 * K, max(ids.numel() for ids, _, _ in rows))
+    out = {"input_ids": input_ids.new_full((len(rows), width), eos_id),
+           "attention_mask": attention_mask.new_zeros((len(rows), width)),
+           "labels": labels.new_full((len(rows), width), -100)}
+    for b, row in enumerate(rows):
+        for name, value in zip(("input_ids", "attention_mask", "labels"), row):
+            out[name][b, :value.numel()] = value
+    return out
+
+
 class LatentSFTTrainer(SFTTrainer):
     """TRL's `SFTTrainer` whose loss is the family's own objective, `model(input_ids, attention_mask, labels)`.
 
     Labels are TRL's (the prompt, and padding, at -100 for prompt/completion data), so the objective covers the
     response only (PLM: encoder + decoder + alignment terms of the response targets, the terminal end-of-text
-    included; a fresh block phase per step, as in pretraining). The loss is a per-micro-batch mean
-    (`loss_is_scaled_for_ga = False`: the Trainer divides it by the accumulation steps). Every other scalar of the
-    model's output (PLM: encoder_nll, decoder_nll, alignment_loss, ...) is logged.
+    included; a fresh block phase per step, as in pretraining). A family that trains whole chunks (CALM: its config
+    has `chunk_size`) gets its rows re-laid out first (`chunk_aligned_sft_batch`: the response on a chunk boundary
+    as `generate()` puts it, the last chunk EOS-filled), so every response token and the terminal EOS is trained.
+    The loss is a per-micro-batch mean (`loss_is_scaled_for_ga = False`: the Trainer divides it by the accumulation
+    steps). Every other scalar of the model's output (PLM: encoder_nll, decoder_nll, alignment_loss, ...) is logged.
     """
 
     loss_is_scaled_for_ga = False
@@ -155,11 +218,11 @@ class LatentSFTTrainer(SFTTrainer):
         check_sft_dataset(train_dataset, getattr(args, "dataset_text_field", "text"))
         if eval_dataset is not None and not isinstance(eval_dataset, dict):
             check_sft_dataset(eval_dataset, getattr(args, "dataset_text_field", "text"), "eval")
-        # A family that reads whole chunks (CALM: config.chunk_size) needs batch lengths in multiples of the chunk.
-        chunk = getattr(getattr(core_model(model), "config", None), "chunk_size", None)
-        if args is not None and chunk and args.pad_to_multiple_of is None:
-            args.pad_to_multiple_of = chunk
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
+        config = core_model(self.model).config
+        #: K of a family that trains whole chunks (CALM), else None; its rows are chunk-aligned in `model_inputs`.
+        self.chunk_size: int | None = getattr(config, "chunk_size", None)
+        self.fill_token_id = fill_token_id(config)
 
     @staticmethod
     def response_labels(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -172,10 +235,17 @@ class LatentSFTTrainer(SFTTrainer):
             labels = labels.masked_fill(inputs["completion_mask"] == 0, -100)
         return labels
 
+    def model_inputs(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`input_ids`, `attention_mask`, `labels` the model's objective reads: TRL's batch with `response_labels`;
+        for a chunked family (CALM), chunk-aligned by `chunk_aligned_sft_batch`."""
+        ids, mask, labels = inputs["input_ids"], inputs.get("attention_mask"), self.response_labels(inputs)
+        if self.chunk_size:
+            return chunk_aligned_sft_batch(ids, mask, labels, self.chunk_size, self.fill_token_id)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
-        out = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
-                    labels=self.response_labels(inputs))
+        out = model(**self.model_inputs(inputs))
         for name, value in out.items():
             if name != "loss" and isinstance(value, torch.Tensor) and value.dim() == 0:
                 self._metrics[mode][name].append(self.accelerator.gather_for_metrics(value.detach()).mean().item())

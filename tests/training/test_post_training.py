@@ -558,3 +558,174 @@ def test_latent_families_train_with_the_same_sft_and_dpo_trainers(tmp_path, toke
 def test_latent_dpo_refuses_a_loss_type_it_does_not_compute(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="loss_type"):
         dpo_trainer(tmp_path, tokenizer, args=dpo_args(tmp_path, loss_type=["hinge"]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (9) CALM SFT: chunk-aligned as generate() reads the prompt, every response token and the terminal EOS trained
+# ---------------------------------------------------------------------------------------------------------------------
+
+CALM_PROMPT_LENGTHS = (5, 6, 7, 8)  # ≡ 1, 2, 3, 0 (mod K = 4)
+CALM_RESPONSE_LENGTHS = (6, 3, 4, 5)  # R + 1 (terminal EOS) ≡ 3, 0, 1, 2 (mod 4)
+
+
+def calm_sft_trainer(tmp_path, tokenizer):
+    model = build_tiny("calm", tokenizer).eval()
+    assert model.config.chunk_size == 4
+    args = sft_config(str(tmp_path / "sft"), batch_size=2, max_steps=1, logging_steps=1, learning_rate=1e-3)
+    trainer = LatentSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(toy_sft_rows(2)),
+                               processing_class=tokenizer)
+    return model, trainer
+
+
+def calm_rows(tokenizer, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """(prompt, response) id lists, neither holding EOS or pad; the terminal EOS is added by `trl_batch`."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(n: int) -> list[int]:
+        return torch.randint(2, tokenizer.vocab_size, (n,), generator=g).tolist()
+
+    assert {tokenizer.eos_token_id, tokenizer.pad_token_id} <= {0, 1}
+    return [(draw(p), draw(r)) for p, r in zip(CALM_PROMPT_LENGTHS, CALM_RESPONSE_LENGTHS)]
+
+
+def trl_batch(rows, tokenizer) -> dict:
+    """What TRL's SFT collator hands the trainer: [prompt][response][EOS] right-padded, labels -100 on the prompt and
+    the padding."""
+    eos = tokenizer.eos_token_id
+    ids, mask = right_padded([p + r + [eos] for p, r in rows], tokenizer.pad_token_id)
+    labels = ids.masked_fill(mask == 0, -100)
+    for b, (prompt, _) in enumerate(rows):
+        labels[b, :len(prompt)] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def record_calm_objective(model, monkeypatch) -> list[dict]:
+    """Records every call of CALM's objective: its inputs (input_ids, attention_mask, labels) and, from the masked
+    energy loss, the hidden states, target chunks, scored steps and per-step losses. The loss's draws are made to
+    depend on the step index only (the same for every row and every batch), so losses compare across batches."""
+    calls, forward = [], model.forward
+
+    def spy(*args, **kwargs):
+        if kwargs.get("labels") is not None:  # the objective, not an inference forward (generate)
+            calls.append({k: kwargs[k].clone() for k in ("input_ids", "attention_mask", "labels")})
+        return forward(*args, **kwargs)
+
+    def masked_energy_loss(hidden, targets, scored, target_noise, model_noise):
+        def step_draws(like, draw):
+            return torch.stack([draw(like.shape[2:], generator=torch.Generator().manual_seed(step))
+                                for step in range(like.shape[1])]).expand_as(like).to(like)
+        loss, fidelity, diversity = model.energy_terms(hidden, targets, step_draws(target_noise, torch.randn),
+                                                       step_draws(model_noise, torch.rand) - 0.5)
+        calls[-1].update(hidden=hidden.detach(), targets=targets, scored=scored, step_loss=loss.detach())
+        steps = scored.sum().clamp(min=1)
+        return tuple(torch.where(scored, part, 0.0).sum() / steps for part in (loss, fidelity, diversity))
+
+    monkeypatch.setattr(model, "forward", spy)
+    monkeypatch.setattr(model, "masked_energy_loss", masked_energy_loss)
+    return calls
+
+
+def generate_first_hidden(model, prompt: list[int], monkeypatch) -> torch.Tensor:
+    """[d] the hidden state CALM's generate() draws the first chunk after `prompt` from."""
+    seen = []
+
+    def sample_latents(hidden, noise):
+        seen.append(hidden)
+        return type(model).sample_latents(model, hidden, noise)
+
+    with monkeypatch.context() as patch, torch.no_grad():
+        patch.setattr(model, "sample_latents", sample_latents)
+        model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                       max_new_tokens=1, eos_token_id=None, noise_seeds=[0])
+    return seen[0][0]
+
+
+def test_calm_sft_layout_by_hand(tmp_path, tokenizer):
+    """The re-laid-out rows of a K = 4 batch, written out: EOS left-fill (attention 0, as generate()), the response
+    from a chunk boundary, the last chunk EOS-filled (attended, labelled), whole padding chunks on the right."""
+    from hf_latentlm.training.post_training import chunk_aligned_sft_batch
+
+    E, P = 0, 1  # EOS, pad
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, E, P, P],
+                        [5, 6, 7, 8, 10, E, P, P, P, P]])
+    mask = (ids != P).long()
+    labels = torch.tensor([[-100] * 5 + [10, 11, E] + [-100] * 2,
+                           [-100] * 4 + [10, E] + [-100] * 4])
+    out = chunk_aligned_sft_batch(ids, mask, labels, 4, E)
+    x = -100
+    assert out["input_ids"].tolist() == [[E, E, E, 5, 6, 7, 8, 9, 10, 11, E, E],
+                                         [5, 6, 7, 8, 10, E, E, E, E, E, E, E]]
+    assert out["attention_mask"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+                                              [1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0]]
+    assert out["labels"].tolist() == [[x, x, x, x, x, x, x, x, 10, 11, E, E],
+                                      [x, x, x, x, 10, E, E, E, x, x, x, x]]
+
+
+def test_calm_sft_trains_every_response_token_and_the_terminal_eos(tmp_path, tokenizer, monkeypatch):
+    """For prompts of every length mod K: the trained chunks are exactly the response + terminal EOS (+ EOS fill),
+    ⌈(R + 1) / K⌉ of them, consecutive; what precedes them is the EOS-left-filled prompt with generate()'s attention,
+    and the hidden state that predicts the first response chunk is the one generate() draws it from."""
+    model, trainer = calm_sft_trainer(tmp_path, tokenizer)
+    K, eos = model.config.chunk_size, tokenizer.eos_token_id
+    rows = calm_rows(tokenizer)
+    calls = record_calm_objective(model, monkeypatch)
+    loss = trainer.compute_loss(model, trl_batch(rows, tokenizer))
+    assert math.isfinite(loss.item())
+    (call,) = calls
+    for b, (prompt, response) in enumerate(rows):
+        P, R = len(prompt), len(response)
+        chunks = -(-(R + 1) // K)  # by hand: response + terminal EOS in whole chunks
+        scored = call["scored"][b].nonzero().flatten().tolist()
+        assert len(scored) == chunks
+        first = scored[0]
+        assert scored == list(range(first, first + chunks)), "the response's chunks are consecutive"
+        trained = call["targets"][b, scored].flatten().tolist()
+        assert trained == response + [eos] + [eos] * (chunks * K - R - 1)
+        # Context of the first response chunk: chunks 0..first, the prompt left-filled with EOS (attention 0).
+        fill = (-P) % K
+        assert (first + 1) * K == fill + P, "the response starts on a chunk boundary, right after the prompt"
+        assert call["input_ids"][b, :(first + 1) * K].tolist() == [eos] * fill + prompt
+        assert call["attention_mask"][b, :(first + 1) * K].tolist() == [0] * fill + [1] * P
+        assert not (call["labels"][b, :(first + 1) * K] != -100).any(), "no prompt token is a target"
+
+        torch.testing.assert_close(call["hidden"][b, first], generate_first_hidden(model, prompt, monkeypatch),
+                                   atol=1e-5, rtol=1e-4)
+
+
+def test_calm_sft_row_loss_is_the_same_alone_and_in_a_batch(tmp_path, tokenizer, monkeypatch):
+    """With the loss's draws fixed per step, each row's mean energy loss in the batch equals the loss of the row
+    alone, and the batch loss is the mean over all trained chunks of the batch."""
+    model, trainer = calm_sft_trainer(tmp_path, tokenizer)
+    rows = calm_rows(tokenizer, seed=1)
+    calls = record_calm_objective(model, monkeypatch)
+    with torch.no_grad():
+        batch_loss = trainer.compute_loss(model, trl_batch(rows, tokenizer))
+        alone = [trainer.compute_loss(model, trl_batch([row], tokenizer)) for row in rows]
+    scored, step_loss = calls[0]["scored"], calls[0]["step_loss"]
+    in_batch = torch.where(scored, step_loss, 0.0).sum(1) / scored.sum(1)
+    torch.testing.assert_close(in_batch, torch.stack(alone), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(batch_loss, (in_batch * scored.sum(1)).sum() / scored.sum(), atol=1e-6, rtol=1e-5)
+
+
+def test_calm_sft_scored_chunks_do_not_depend_on_the_prompt_tokens(tmp_path, tokenizer, monkeypatch):
+    """TRL's own collated prompt/completion batch: ⌈R / K⌉ trained chunks per row (R: TRL's labelled tokens, the
+    terminal EOS included), unchanged, with the same targets, when a prompt token changes; one training step is
+    finite."""
+    model, trainer = calm_sft_trainer(tmp_path, tokenizer)
+    K = model.config.chunk_size
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    responses = (batch["labels"] != -100).sum(1)
+    calls = record_calm_objective(model, monkeypatch)
+    changed = {k: v.clone() for k, v in batch.items()}
+    changed["input_ids"][:, 3] = (changed["input_ids"][:, 3] + 1) % tokenizer.vocab_size  # a prompt token
+    assert (batch["labels"][:, 3] == -100).all()
+    with torch.no_grad():
+        trainer.compute_loss(model, batch)
+        trainer.compute_loss(model, changed)
+    assert calls[0]["scored"].sum(1).tolist() == [-(-int(r) // K) for r in responses]
+    assert torch.equal(calls[0]["scored"], calls[1]["scored"])
+    assert torch.equal(calls[0]["labels"], calls[1]["labels"])
+    assert not torch.equal(calls[0]["input_ids"], calls[1]["input_ids"])
+    monkeypatch.undo()
+    trainer.train()
+    assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
