@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--batch-size", type=int, default=8, help="pairs (dpo) or examples (sft) per device")
         p.add_argument("--train-size", type=int, help="training examples drawn from the task (default: the task's)")
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--save-every", type=int, default=100,
+                       help="optimizer steps between resumable checkpoints (output-dir/checkpoint-<step>, the newest "
+                            "2 kept; also saved at the last step)")
+        p.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint in --output-dir (give the interrupted run's options)")
     return parser
 
 
@@ -252,7 +257,7 @@ def cmd_post_train(args) -> int:
     """`sft` and `dpo`: TRL's stock trainers for the AR baseline, the hf_latentlm subclasses for the other families."""
     from .training.post_training import run_dpo, run_sft
 
-    for option in ("max_steps", "batch_size", "train_size"):
+    for option in ("max_steps", "batch_size", "train_size", "save_every"):
         value = getattr(args, option)
         if value is not None and value < 1:
             raise ValueError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
@@ -262,7 +267,7 @@ def cmd_post_train(args) -> int:
     try:
         summary = run(args.model, args.output_dir, task=args.task, max_steps=args.max_steps, lora=args.lora,
                       learning_rate=args.learning_rate, batch_size=args.batch_size, train_size=args.train_size,
-                      seed=args.seed)
+                      seed=args.seed, save_every=args.save_every, resume=args.resume)
     except NotImplementedError as err:  # a family without a response scorer yet
         raise ValueError(str(err)) from err
     if int(os.environ.get("RANK", "0")) == 0:

@@ -76,26 +76,28 @@ def evaluate_task(model, tokenizer, dataset, batch_size: int = 8, max_new_tokens
     if max_new_tokens is None:  # room for the longest reference and its end-of-text token, plus a margin
         max_new_tokens = max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in references) + 8
     was_training = model.training
-    model.eval()
-    answers, calls = [], 0
-    for start in range(0, len(prompts), batch_size):
-        batch_answers, batch_calls = generate_answers(model, tokenizer, prompts[start:start + batch_size],
-                                                      max_new_tokens, seed + start, generate_kwargs)
-        answers += batch_answers
-        calls += batch_calls
-    texts = [tokenizer.decode(a, skip_special_tokens=False) for a in answers]
-    correct = [exact_match(text, reference) for text, reference in zip(texts, references)]
+    try:
+        model.eval()
+        answers, calls = [], 0
+        for start in range(0, len(prompts), batch_size):
+            batch_answers, batch_calls = generate_answers(model, tokenizer, prompts[start:start + batch_size],
+                                                          max_new_tokens, seed + start, generate_kwargs)
+            answers += batch_answers
+            calls += batch_calls
+        texts = [tokenizer.decode(a, skip_special_tokens=False) for a in answers]
+        correct = [exact_match(text, reference) for text, reference in zip(texts, references)]
 
-    # Batch 1: each prompt alone, every token until EOS counted (the EOS too: the model had to produce it).
-    timed_tokens, timed_calls, elapsed = 0, 0, 0.0
-    generate_answers(model, tokenizer, prompts[:1], max_new_tokens, seed, generate_kwargs)  # warm-up
-    for i, prompt in enumerate(prompts[:speed_prompts]):
-        begin = time.perf_counter()
-        (answer,), used = generate_answers(model, tokenizer, [prompt], max_new_tokens, seed + i, generate_kwargs)
-        elapsed += time.perf_counter() - begin
-        timed_tokens += min(len(answer) + 1, max_new_tokens)
-        timed_calls += used
-    model.train(was_training)
+        # Batch 1: each prompt alone, every token until EOS counted (the EOS too: the model had to produce it).
+        timed_tokens, timed_calls, elapsed = 0, 0, 0.0
+        generate_answers(model, tokenizer, prompts[:1], max_new_tokens, seed, generate_kwargs)  # warm-up
+        for i, prompt in enumerate(prompts[:speed_prompts]):
+            begin = time.perf_counter()
+            (answer,), used = generate_answers(model, tokenizer, [prompt], max_new_tokens, seed + i, generate_kwargs)
+            elapsed += time.perf_counter() - begin
+            timed_tokens += min(len(answer) + 1, max_new_tokens)
+            timed_calls += used
+    finally:
+        model.train(was_training)
     return {
         "accuracy": sum(correct) / len(correct),
         "num_examples": len(correct),

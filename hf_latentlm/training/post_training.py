@@ -22,6 +22,18 @@
   defaults (no bf16, no gradient checkpointing).
 * `run_sft` / `run_dpo`: load a model folder, train on a task of `tasks.py`, and save a normal checkpoint (a LoRA
   run is merged first) that `hf-latentlm generate/eval` and the Auto classes load. The CLI's `sft` / `dpo`.
+* Checkpoints: the Trainer saves `output_dir/checkpoint-<step>/` (weights — the adapter under LoRA —, optimizer,
+  scheduler, RNG states, `trainer_state.json`) every `save_every` steps and at the last step, keeping the newest
+  `SAVE_TOTAL_LIMIT`; `resume=True` (CLI `--resume`) continues from the newest complete one, with the same data
+  order, schedule and RNG, so 2 steps + resume to 4 ends where 4 straight steps do. The final model is written at
+  the top of `output_dir` as before; the checkpoint folders sit beside it (`find_checkpoint` / the loaders never
+  confuse the two: the top-level `config.json` is the final model's). A fresh run refuses an `output_dir` that
+  holds checkpoints (rotation would delete them): resume it or pick another folder.
+  Atomicity: transformers 5.24's `Trainer._save_checkpoint` is NOT atomic — it writes straight into
+  `checkpoint-<step>/` (model, then optimizer/scheduler/RNG, then `trainer_state.json` with a plain `open("w")`)
+  and only then rotates older checkpoints away. A crash mid-save therefore leaves a partial newest folder, but the
+  previous complete checkpoint is still there (rotation runs after the new one is written); `resume` skips a
+  folder without a readable `trainer_state.json` (written after everything else) for the newest complete one.
 
 Multi-process: under `torchrun --nproc_per_node N` (or `accelerate launch --multi_gpu`) with `use_cpu=True` on CPU,
 each rank computes the draws and reference scores of every N-th pair and the ranks exchange them
@@ -59,6 +71,13 @@ SFT_LEARNING_RATE = 1e-4
 DPO_LEARNING_RATE = 5e-6
 LORA_LEARNING_RATE_FACTOR = 10.0
 
+#: Steps between post-training checkpoints (CLI `--save-every`), and how many checkpoints are kept.
+SAVE_EVERY = 100
+SAVE_TOTAL_LIMIT = 2
+#: Written into a Trainer checkpoint after the weights, optimizer, scheduler and RNG state: a checkpoint folder
+#: without a readable one is incomplete.
+TRAINER_STATE = "trainer_state.json"
+
 REF_CHOSEN, REF_REJECTED = "ref_chosen_score", "ref_rejected_score"
 PAIR_KEY = "pair_key"
 CANDIDATES = ("chosen", "rejected")
@@ -76,14 +95,16 @@ def _common_args(output_dir, learning_rate: float, batch_size: int, max_steps: i
         seed=seed, warmup_steps=warmup, **OPTIMISATION,
         # CPU-safe: TRL defaults to bf16 and gradient checkpointing.
         bf16=False, fp16=False, use_cpu=not torch.cuda.is_available(), activation_checkpointing=False,
-        report_to=[], save_strategy="no", logging_steps=10, disable_tqdm=True, dataloader_num_workers=0,
+        report_to=[], logging_steps=10, disable_tqdm=True, dataloader_num_workers=0,
+        # Resumable checkpoints (module docstring): every SAVE_EVERY steps and at the last step, the newest 2 kept.
+        save_strategy="steps", save_steps=SAVE_EVERY, save_total_limit=SAVE_TOTAL_LIMIT,
     )
 
 
 def sft_config(output_dir, *, learning_rate: float = SFT_LEARNING_RATE, batch_size: int = 8,
                max_steps: int | None = None, seed: int = 0, **overrides) -> SFTConfig:
     """TRL's `SFTConfig` with the paper's SFT optimisation (3% warmup) and CPU-safe defaults; `overrides` win.
-    `max_steps=None` trains one epoch."""
+    `max_steps=None` trains one epoch. Checkpoints every `SAVE_EVERY` steps (`save_steps=` to change)."""
     return SFTConfig(**{**_common_args(output_dir, learning_rate, batch_size, max_steps, seed, SFT_WARMUP),
                         **overrides})
 
@@ -215,6 +236,11 @@ class LatentSFTTrainer(SFTTrainer):
     _tag_names = ["trl", "sft", "hf-latentlm"]
 
     def __init__(self, model, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None, **kwargs):
+        for option in ("packing", "padding_free"):
+            if getattr(args, option, False):
+                raise ValueError(f"LatentSFTTrainer does not support {option}=True: the family's objective reads "
+                                 f"one sequence per row (input_ids, attention_mask, labels) and gets no position ids "
+                                 f"or sequence lengths, so packed rows would attend across examples")
         check_sft_dataset(train_dataset, getattr(args, "dataset_text_field", "text"))
         if eval_dataset is not None and not isinstance(eval_dataset, dict):
             check_sft_dataset(eval_dataset, getattr(args, "dataset_text_field", "text"), "eval")
@@ -287,6 +313,13 @@ class ScoredPreferenceCollator:
         return batch
 
 
+#: TRL `DPOConfig` options the latent loss does not implement, with the default that is allowed (refused otherwise;
+#: an option a TRL version lacks, e.g. `rpo_alpha` in TRL 1.16, is skipped; `loss_weights=[1.0]` is the default's
+#: equivalent and accepted).
+UNSUPPORTED_DPO_OPTIONS = {"label_smoothing": 0.0, "ld_alpha": None, "rpo_alpha": None, "loss_weights": None,
+                           "use_weighting": False}
+
+
 class LatentDPOTrainer(DPOTrainer):
     """TRL's `DPOTrainer` with a family's response score (`ResponseScorer`) in place of summed log-probabilities.
 
@@ -301,6 +334,16 @@ class LatentDPOTrainer(DPOTrainer):
     `compute_loss`, which scores the policy on the stacked [chosen; rejected] batch under the same draws. Logged as
     in TRL: rewards/chosen, rewards/rejected (β·δ), rewards/margins, rewards/accuracies; plus scores/chosen,
     scores/rejected (the policy's s_θ).
+
+    Both the precomputation and the policy scores run under `accelerator.autocast()` (as TRL's own
+    `compute_ref_log_probs`), so mixed precision treats policy and reference alike and δ = 0 at initialisation.
+    TRL options this loss does not implement (`label_smoothing`, `ld_alpha`, `rpo_alpha`, `loss_weights`,
+    `use_weighting`, `truncation_mode="keep_end"`) are refused rather than ignored.
+
+    Resume (`train(resume_from_checkpoint=...)`): the draws and reference scores are computed here, in `__init__`,
+    from the model as passed (the frozen start, `run_dpo` loads it from `model_dir`) at global step 0; the
+    checkpoint's weights, optimizer and step are loaded later, inside `train()`, so a resumed run keeps the
+    reference of the uninterrupted one.
     """
 
     _tag_names = ["trl", "dpo", "hf-latentlm"]
@@ -318,6 +361,16 @@ class LatentDPOTrainer(DPOTrainer):
         if args.sync_ref_model:
             raise ValueError("LatentDPOTrainer keeps a frozen reference (its scores are precomputed): "
                              "sync_ref_model is not supported")
+        for option, default in UNSUPPORTED_DPO_OPTIONS.items():
+            value = getattr(args, option, default)
+            if value != default and not (option == "loss_weights" and list(value) == [1.0]):
+                raise ValueError(f"LatentDPOTrainer does not support {option}={value!r} (its loss is "
+                                 f"−log σ(β·(δ+ − δ−)) over the family's response score; TRL's {option} would be "
+                                 f"silently ignored): leave it at {default!r}")
+        if getattr(args, "truncation_mode", "keep_start") != "keep_start":
+            raise ValueError(f"LatentDPOTrainer does not support truncation_mode={args.truncation_mode!r}: cutting "
+                             f"rows from the left would cut the chosen and rejected prompts differently, while a "
+                             f"pair's draws and scores assume one shared prompt; use truncation_mode='keep_start'")
         if not args.precompute_ref_log_probs:
             logger.warning("LatentDPOTrainer precomputes the reference scores and frozen draws; setting "
                            "precompute_ref_log_probs=True")
@@ -380,7 +433,7 @@ class LatentDPOTrainer(DPOTrainer):
         mine = list(range(rank, len(dataset), world))
         device = self.accelerator.device
         records = {}
-        with self.reference_model() as reference:
+        with self.reference_model() as reference, self.accelerator.autocast():
             for start in range(0, len(mine), batch_size):
                 indices = mine[start:start + batch_size]
                 examples = [dataset[i] for i in indices]
@@ -423,8 +476,9 @@ class LatentDPOTrainer(DPOTrainer):
         draws = {k.removeprefix("draw_"): v for k, v in inputs.items() if k.startswith("draw_")}
         if not draws or REF_CHOSEN not in inputs:
             raise ValueError("the batch lacks the precomputed draws / reference scores (use the trainer's collator)")
-        score = self.scorer.score(model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"],
-                                  draws)
+        with self.accelerator.autocast():  # as the reference scores were computed
+            score = self.scorer.score(model, inputs["input_ids"], inputs["attention_mask"],
+                                      inputs["completion_mask"], draws)
         return self.sequence_score(score)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -500,6 +554,41 @@ def save_post_trained(trainer, output_dir, tokenizer) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
+def find_checkpoint(output_dir) -> str | None:
+    """The newest COMPLETE Trainer checkpoint (`checkpoint-<step>/` with a readable `trainer_state.json`, which
+    `_save_checkpoint` writes after the rest) in `output_dir`, or None. `transformers.trainer_utils.get_last_checkpoint`
+    picks the newest folder whatever its state; since the Trainer's save is not atomic, a folder left half-written
+    by a crash is skipped here (with a warning) for the previous one."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+    folder = Path(output_dir)
+    if not folder.is_dir() or get_last_checkpoint(str(folder)) is None:
+        return None
+    candidates = sorted((p for p in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir()
+                         and p.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-").isdigit()),
+                        key=lambda p: int(p.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")), reverse=True)
+    for candidate in candidates:
+        try:
+            json.loads((candidate / TRAINER_STATE).read_text())
+        except (OSError, ValueError):
+            logger.warning("skipping the incomplete checkpoint %s (no readable %s)", candidate, TRAINER_STATE)
+            continue
+        return str(candidate)
+    return None
+
+
+def _resume_from(output_dir, resume: bool) -> str | None:
+    """The checkpoint to resume from (`resume`), else None; ValueError when `resume` finds none, or when a fresh run
+    would write into a folder holding another run's checkpoints (the Trainer's rotation would delete them)."""
+    checkpoint = find_checkpoint(output_dir)
+    if resume and checkpoint is None:
+        raise ValueError(f"--resume: no complete checkpoint-<step> folder in {output_dir} to resume from")
+    if not resume and checkpoint is not None:
+        raise ValueError(f"{output_dir} already holds the checkpoint {Path(checkpoint).name} of an earlier run: "
+                         f"continue it with --resume, or choose another --output-dir")
+    return checkpoint
+
+
 def _summary(kind: str, trainer, result, output_dir, family: str) -> dict:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {"stage": kind, "family": family, "output_dir": str(output_dir), "steps": trainer.state.global_step,
@@ -516,14 +605,18 @@ def _family_name(model) -> str:
 
 def run_sft(model_dir, output_dir, task: str | None = None, max_steps: int | None = None, lora: bool = False, *,
             learning_rate: float | None = None, batch_size: int = 8, seed: int = 0, train_size: int | None = None,
-            dataset: Dataset | None = None, callbacks: Sequence | None = None, **config_overrides) -> dict:
+            dataset: Dataset | None = None, callbacks: Sequence | None = None, save_every: int = SAVE_EVERY,
+            resume: bool = False, **config_overrides) -> dict:
     """SFT of the model in `model_dir` on `task` (`tasks.load_task`; or `dataset`, prompt/completion rows) and a
     normal checkpoint in `output_dir`. AR: stock `SFTTrainer`; other families: `LatentSFTTrainer`. `lora`: train a
-    LoRA adapter, then save the merged model. `callbacks`: extra `TrainerCallback`s. Returns a summary (steps,
-    losses)."""
+    LoRA adapter, then save the merged model. `callbacks`: extra `TrainerCallback`s. Checkpoints every `save_every`
+    steps into `output_dir/checkpoint-<step>/`; `resume` continues from the newest (ValueError if there is none; a
+    fresh run refuses a folder that holds checkpoints). Call with the same arguments as the interrupted run.
+    Returns a summary (steps, losses)."""
     from ..loading import load_model_and_tokenizer
     from . import tasks
 
+    checkpoint = _resume_from(output_dir, resume)
     model, tokenizer = load_model_and_tokenizer(str(model_dir))
     if dataset is None:
         dataset = tasks.load_task(task or tasks.DEFAULT_TASK, tokenizer=tokenizer, seed=seed,
@@ -531,11 +624,11 @@ def run_sft(model_dir, output_dir, task: str | None = None, max_steps: int | Non
     if learning_rate is None:
         learning_rate = SFT_LEARNING_RATE * (LORA_LEARNING_RATE_FACTOR if lora else 1.0)
     args = sft_config(output_dir, learning_rate=learning_rate, batch_size=batch_size, max_steps=max_steps, seed=seed,
-                      **{"max_length": _max_length(model), **config_overrides})
+                      **{"max_length": _max_length(model), "save_steps": save_every, **config_overrides})
     trainer_class = SFTTrainer if is_autoregressive(model) else LatentSFTTrainer
     trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                             peft_config=lora_config(model) if lora else None, callbacks=list(callbacks or []))
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=checkpoint)
     save_post_trained(trainer, output_dir, tokenizer)
     return _summary("sft", trainer, result, output_dir, _family_name(model))
 
@@ -543,15 +636,18 @@ def run_sft(model_dir, output_dir, task: str | None = None, max_steps: int | Non
 def run_dpo(model_dir, output_dir, task: str | None = None, max_steps: int | None = None, lora: bool = False, *,
             learning_rate: float | None = None, batch_size: int = 8, seed: int = 0, train_size: int | None = None,
             beta: float = DPO_BETA, dataset: Dataset | None = None, callbacks: Sequence | None = None,
-            **config_overrides) -> dict:
+            save_every: int = SAVE_EVERY, resume: bool = False, **config_overrides) -> dict:
     """DPO of the (SFT) model in `model_dir` on `task` (`tasks.load_preference_task`; or `dataset`, prompt / chosen /
     rejected rows), the model itself being the frozen reference, and a normal checkpoint in `output_dir`. AR: stock
     `DPOTrainer` with `sigmoid_norm`; other families: `LatentDPOTrainer`. `lora`: train a LoRA adapter (the reference
-    is then the adapter-disabled model), then save the merged model. `callbacks`: extra `TrainerCallback`s. Returns
-    a summary (steps, losses)."""
+    is then the adapter-disabled model), then save the merged model. `callbacks`: extra `TrainerCallback`s.
+    Checkpoints and `resume` as `run_sft`; a resumed run rebuilds the draws and reference scores from `model_dir`
+    (the frozen start) before the checkpoint's weights are loaded, so its reference is the uninterrupted run's.
+    Returns a summary (steps, losses)."""
     from ..loading import load_model_and_tokenizer
     from . import tasks
 
+    checkpoint = _resume_from(output_dir, resume)
     model, tokenizer = load_model_and_tokenizer(str(model_dir))
     if dataset is None:
         dataset = tasks.load_preference_task(task or tasks.DEFAULT_TASK, tokenizer=tokenizer, seed=seed,
@@ -562,10 +658,10 @@ def run_dpo(model_dir, output_dir, task: str | None = None, max_steps: int | Non
     autoregressive = is_autoregressive(model)
     args = dpo_config(output_dir, autoregressive=autoregressive, beta=beta, learning_rate=learning_rate,
                       batch_size=batch_size, max_steps=max_steps, seed=seed,
-                      **{"max_length": _max_length(model), **config_overrides})
+                      **{"max_length": _max_length(model), "save_steps": save_every, **config_overrides})
     trainer_class = DPOTrainer if autoregressive else LatentDPOTrainer
     trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                             peft_config=lora_config(model) if lora else None, callbacks=list(callbacks or []))
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=checkpoint)
     save_post_trained(trainer, output_dir, tokenizer)
     return _summary("dpo", trainer, result, output_dir, _family_name(model))

@@ -401,7 +401,11 @@ def _rejected_for(example: _Example, rejected_kind: str, rng: random.Random, tok
         if not exact_match(wrong, example.response) and (tokens < chosen_tokens if want_shorter
                                                          else tokens > chosen_tokens):
             return wrong
-    raise RuntimeError(f"no {rejected_kind!r} rejection of {example.response!r} changes its token length as required")
+    # Input-driven (the caller's tokenizer measures the lengths, `seed` picks the wrong words): a ValueError, as for
+    # the other bad requests the CLI reports.
+    raise ValueError(f"no {rejected_kind!r} rejection of {example.response!r} found in {_MAX_ATTEMPTS_PER_EXAMPLE} "
+                     f"attempts whose token count is strictly {'below' if want_shorter else 'above'} the chosen "
+                     f"answer's ({chosen_tokens} tokens) under this tokenizer; try another seed or tokenizer")
 
 
 def load_preference_task(
@@ -420,7 +424,8 @@ def load_preference_task(
     merely tracks length is right on one half and wrong on the other.
 
     Raises:
-        ValueError: as :func:`load_task`.
+        ValueError: as :func:`load_task`; also when, under ``tokenizer``, no rejection of an example's kind is
+            strictly shorter (or longer) in tokens than its chosen answer.
     """
     sizes = _check_request(name, split_sizes)
     tokenizer = load_default_tokenizer() if tokenizer is None else tokenizer

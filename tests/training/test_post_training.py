@@ -729,3 +729,195 @@ def test_calm_sft_scored_chunks_do_not_depend_on_the_prompt_tokens(tmp_path, tok
     monkeypatch.undo()
     trainer.train()
     assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoints and resume; autocast; refused TRL options; independent checks of the stored draws and pair keys
+# ---------------------------------------------------------------------------------------------------------------------
+
+def step_recorder(stop_at: int | None = None):
+    """A `TrainerCallback` that records the global step after every optimizer step it sees (`.steps`) and, with
+    `stop_at`, ends training after that step (as a crash right after a checkpoint)."""
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+            if stop_at is not None and state.global_step >= stop_at:
+                control.should_training_stop = True
+
+    recorder = Recorder()
+    recorder.steps = []
+    return recorder
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_two_steps_then_resume_ends_where_four_straight_steps_do(tmp_path, plm_folder, stage):
+    from hf_latentlm.training.post_training import run_dpo, run_sft
+
+    run = run_sft if stage == "sft" else run_dpo
+    rows = toy_sft_rows(8) if stage == "sft" else toy_preference_rows(8)
+    common = {"max_steps": 4, "batch_size": 2, "learning_rate": 1e-2, "seed": 0, "save_every": 2, "logging_steps": 1}
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    run(plm_folder, straight, dataset=Dataset.from_list(rows), **common)
+    stopped = step_recorder(stop_at=2)
+    first = run(plm_folder, interrupted, dataset=Dataset.from_list(rows), callbacks=[stopped], **common)
+    assert stopped.steps == [1, 2] and first["steps"] == 2
+    assert (interrupted / "checkpoint-2" / "trainer_state.json").is_file()
+    halfway = weights(interrupted)
+    # A fresh run into a folder holding checkpoints is refused (rotation would delete them) ...
+    with pytest.raises(ValueError, match="--resume"):
+        run(plm_folder, interrupted, dataset=Dataset.from_list(rows), **common)
+    # ... a half-written newest checkpoint (the Trainer's save is not atomic) is skipped for the complete one ...
+    (interrupted / "checkpoint-3").mkdir()
+    continued = step_recorder()
+    resumed = run(plm_folder, interrupted, dataset=Dataset.from_list(rows), resume=True, callbacks=[continued],
+                  **common)
+    assert continued.steps == [3, 4] and resumed["steps"] == 4, "steps 3 and 4 only, from checkpoint-2"
+    # ... and resuming reaches the uninterrupted run's weights (same data order, schedule, RNG and, for DPO, the
+    # same frozen reference rebuilt from the starting folder).
+    final, expected = weights(interrupted), weights(straight)
+    assert moved(halfway, final), "the resumed run trained"
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name], atol=1e-6, rtol=1e-5, msg=name)
+    # The final model stays at the top of output_dir, beside the checkpoints (the newest 2 kept).
+    assert (straight / "config.json").is_file() and (straight / "post_training_log.json").is_file()
+    assert sorted(p.name for p in straight.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        run(plm_folder, tmp_path / "empty", dataset=Dataset.from_list(rows), resume=True, **common)
+
+
+def test_reference_and_policy_scores_run_under_the_same_autocast(tmp_path, tokenizer):
+    """bf16 mixed precision (CPU autocast): the precomputed draws and reference scores and the policy scores are all
+    computed inside `accelerator.autocast()`, so δ = 0 at initialisation holds under mixed precision too."""
+    seen = []
+
+    class Recording(PLMResponseScorer):
+        def draws(self, *args, **kwargs):
+            seen.append(("draws", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            return super().draws(*args, **kwargs)
+
+        def score(self, *args, **kwargs):
+            seen.append(("score", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            return super().score(*args, **kwargs)
+
+    trainer = dpo_trainer(tmp_path, tokenizer, scorer=Recording(), args=dpo_args(tmp_path, bf16=True, use_cpu=True))
+    assert {kind for kind, _, _ in seen} == {"draws", "score"}
+    assert all(on and dtype == torch.bfloat16 for _, on, dtype in seen), seen
+    seen.clear()
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    with torch.no_grad():
+        scores = trainer.policy_scores(trainer.model, batch)
+    assert seen == [("score", True, torch.bfloat16)]
+    torch.testing.assert_close(scores, torch.cat([batch[REF_CHOSEN], batch[REF_REJECTED]]), atol=1e-5, rtol=0)
+    with torch.no_grad():
+        assert trainer.compute_loss(trainer.model, batch).item() == pytest.approx(math.log(2), abs=1e-5)
+
+
+@pytest.mark.parametrize(("option", "value"), [("label_smoothing", 0.1), ("ld_alpha", 0.5), ("loss_weights", [2.0]),
+                                               ("use_weighting", True), ("truncation_mode", "keep_end"),
+                                               ("rpo_alpha", 1.0)])
+def test_latent_dpo_refuses_trl_options_it_would_ignore(tmp_path, tokenizer, option, value):
+    args = dpo_args(tmp_path)
+    setattr(args, option, value)  # rpo_alpha is gone from TRL 1.16's DPOConfig; still refused where it is set
+    with pytest.raises(ValueError, match=rf"does not support {option}="):
+        dpo_trainer(tmp_path, tokenizer, args=args)
+
+
+def test_latent_dpo_accepts_the_defaults_of_those_options(tmp_path, tokenizer):
+    args = dpo_args(tmp_path, loss_weights=[1.0], label_smoothing=0.0, use_weighting=False, ld_alpha=None,
+                    truncation_mode="keep_start")
+    assert dpo_trainer(tmp_path, tokenizer, args=args, pairs=2).args.loss_weights == [1.0]
+
+
+@pytest.mark.parametrize("option", ["packing", "padding_free"])
+def test_latent_sft_refuses_packing_and_padding_free(tmp_path, tokenizer, option):
+    args = sft_config(str(tmp_path / "sft"), batch_size=2, max_steps=1, **{option: True})
+    with pytest.raises(ValueError, match=rf"does not support {option}=True"):
+        LatentSFTTrainer(model=build_tiny("plm", tokenizer), args=args,
+                         train_dataset=Dataset.from_list(toy_sft_rows(2)), processing_class=tokenizer)
+
+
+def test_every_stored_auxiliary_lies_in_the_cell_of_its_observed_target(tmp_path, tokenizer):
+    """Independently of `PLMResponseScorer.draws`: for every stored row, cell (z, k) of the grid is target position
+    1 + z·s − phase + k; where the stored auxiliary is >= 0 it is owned (Voronoi cell under the reference encoder's
+    distribution at that position, from the model's public `auxiliary_owners`) by the row's observed token there; it
+    is -1 outside the sequence and where that token owns no auxiliary. Also: each stored `pair_key` is the sha256 key
+    of the row's own prompt / chosen / rejected ids."""
+    from hf_latentlm.training.preference import pair_key
+
+    model = build_tiny("plm", tokenizer)
+    reference = copy.deepcopy(model).eval()
+    trainer = dpo_trainer(tmp_path, tokenizer, model=model, pairs=4)
+    cfg = reference.config
+    K, s = cfg.block_size, cfg.block_stride
+    drawn = 0
+    for example in trainer.train_dataset:
+        assert example["pair_key"] == pair_key(example["prompt_ids"], example["chosen_ids"], example["rejected_ids"])
+        for candidate in ("chosen", "rejected"):
+            tokens = torch.tensor(example["prompt_ids"] + example[f"{candidate}_ids"])
+            grid, phase = example[f"{candidate}_draw_aux"], example[f"{candidate}_draw_phase"]
+            assert len(grid) % K == 0
+            with torch.no_grad():
+                logits = reference(input_ids=tokens[None]).logits[0]
+            owners, _ = reference.auxiliary_owners(logits[:-1])  # row t-1 predicts target t
+            covered = set()
+            for cell, aux in enumerate(grid):
+                z, k = divmod(cell, K)
+                target = 1 + z * s - phase + k
+                covered.add(target)
+                if not 1 <= target < tokens.numel():
+                    assert aux == -1, (cell, target)
+                    continue
+                owns = owners[target - 1] == tokens[target]
+                if aux >= 0:
+                    assert owns[aux], (candidate, cell, target, aux)
+                    drawn += 1
+                else:
+                    assert not owns.any(), (candidate, cell, target)
+            # Every response target that lies in a decoder block (offset (t − 1 + phase) mod s < K) has a cell.
+            response = range(len(example["prompt_ids"]), tokens.numel())
+            assert {t for t in response if (t - 1 + phase) % s < K} <= covered
+    assert drawn > 0, "some auxiliaries were drawn"
+
+
+def test_cli_sft_and_dpo_pass_save_every_and_resume(tmp_path, run_cli, monkeypatch):
+    from hf_latentlm.training import post_training
+
+    calls = []
+
+    def fake(kind):
+        def run(model_dir, output_dir, **kwargs):
+            calls.append((kind, kwargs))
+            return {"stage": kind, "steps": 0}
+        return run
+
+    monkeypatch.setattr(post_training, "run_sft", fake("sft"))
+    monkeypatch.setattr(post_training, "run_dpo", fake("dpo"))
+    base = ["--model", str(tmp_path), "--output-dir", str(tmp_path / "out")]
+    assert run_cli("sft", *base)[0] == 0
+    assert run_cli("dpo", *base, "--save-every", "7", "--resume")[0] == 0
+    assert [(k, kw["save_every"], kw["resume"]) for k, kw in calls] == [("sft", 100, False), ("dpo", 7, True)]
+    code, _, err = run_cli("sft", *base, "--save-every", "0")
+    assert code == 2 and "--save-every must be at least 1" in err
+
+
+def test_evaluate_task_restores_the_training_mode_on_error(tokenizer, monkeypatch):
+    from hf_latentlm.eval import task
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(task, "generate_answers", broken)
+    model = build_tiny("plm", tokenizer).train()
+    with pytest.raises(KeyboardInterrupt):
+        task.evaluate_task(model, tokenizer, Dataset.from_list(toy_sft_rows(2)), max_new_tokens=4)
+    assert model.training
+
+
+def test_a_rejection_that_cannot_be_made_is_a_value_error(tokenizer, monkeypatch):
+    from hf_latentlm.training import tasks
+
+    monkeypatch.setattr(tasks, "_wrong_response", lambda example, kind, rng: example.response)  # never wrong
+    with pytest.raises(ValueError, match="rejection of .* found in 50 attempts"):
+        tasks.load_preference_task(split_sizes={"train": 1}, tokenizer=tokenizer)
