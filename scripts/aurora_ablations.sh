@@ -12,3 +12,4 @@ hf-latentlm train "${common[@]}" --output-dir "$out-base"
 hf-latentlm train "${common[@]}" --output-dir "$out-no-stc" --config consistency_weight=0
 hf-latentlm train "${common[@]}" --output-dir "$out-velocity" --config loss_space=velocity
 hf-latentlm train "${common[@]}" --output-dir "$out-full-rank" --config noisy_input_rank=null
+hf-latentlm train "${common[@]}" --output-dir "$out-rank16" --config noisy_input_rank=16
