@@ -11,6 +11,11 @@ model, its clean history visible, a zero self-conditioning draft), then
   the ceiling, reported as `autoencoder`).
 A measure of the trained field that does not go through sampling, so ablations of short runs can be compared even
 while their samples are not yet text. Models must share one autoencoder.
+
+With `--generate-steps 4,8,16,32`, also few-step sampling: each model continues `--rows` validation prefixes of 64
+tokens by one block through `generate()` (fixed noise seeds per row, shared by every model and step count; the
+config's guidance; argmax read-out) at each step count, and the report gives the share of generated tokens equal to
+the true continuation (`match_truth`) and to the model's own output at the most steps (`match_most_steps`).
 """
 
 from __future__ import annotations
@@ -45,6 +50,19 @@ def probe(model, rows: torch.Tensor, sigmas: list[float], seed: int) -> dict:
     return report
 
 
+@torch.no_grad()
+def few_step_sampling(model, rows: torch.Tensor, step_counts: list[int], prefix: int = 64) -> dict:
+    block = model.config.block_size
+    prompts, truth = rows[:, :prefix], rows[:, prefix:prefix + block]
+    seeds = list(range(len(rows)))
+    outputs = {s: model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=block,
+                                 num_inference_steps=s, noise_seeds=seeds, eos_token_id=None)[:, prefix:]
+               for s in step_counts}
+    most = outputs[max(step_counts)]
+    return {str(s): {"match_truth": (out == truth).float().mean().item(),
+                     "match_most_steps": (out == most).float().mean().item()} for s, out in outputs.items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", required=True, help="LABEL=DIR")
@@ -52,6 +70,7 @@ def main():
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--sigmas", default="0.1,0.3,0.5,0.7,0.9")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--generate-steps", default="", help="e.g. 4,8,16,32: few-step sampling as well")
     parser.add_argument("--output", default="docs/aurora_denoising_probe.json")
     args = parser.parse_args()
     sigmas = [float(s) for s in args.sigmas.split(",")]
@@ -64,6 +83,9 @@ def main():
             stream = token_stream(load_corpus_documents("validation"), tokenizer)
             rows = stream[: args.rows * args.seq_len].view(args.rows, args.seq_len)
         results["models"][label] = probe(model, rows, sigmas, args.seed)
+        if args.generate_steps:
+            steps = [int(s) for s in args.generate_steps.split(",")]
+            results["models"][label]["sampling"] = few_step_sampling(model, rows, steps)
     Path(args.output).write_text(json.dumps(results, indent=1) + "\n")
     mse_columns = " | ".join(f"x0 MSE σ={s}" for s in sigmas)
     accuracy_columns = " | ".join(f"tokens σ={s}" for s in sigmas)
@@ -73,6 +95,12 @@ def main():
         mse = " | ".join(f"{r[f'sigma={s}']['x0_mse']:.3f}" for s in sigmas)
         acc = " | ".join(f"{100 * r[f'sigma={s}']['token_accuracy']:.1f}%" for s in sigmas)
         print(f"| {label} | {100 * r['autoencoder']:.1f}% | {mse} | {acc} |")
+    if args.generate_steps:
+        print("\n| model | steps | tokens equal to the true continuation | tokens equal to the most-steps output |")
+        print("|---|---|---|---|")
+        for label, r in results["models"].items():
+            for steps, m in r["sampling"].items():
+                print(f"| {label} | {steps} | {100 * m['match_truth']:.1f}% | {100 * m['match_most_steps']:.1f}% |")
 
 
 if __name__ == "__main__":
