@@ -1,4 +1,4 @@
-"""`hf-latentlm` command line: train, generate, eval, bench, sft, dpo.
+"""`hf-latentlm` command line: train, generate, eval, bench, sft, dpo, push.
 
 Every user mistake (bad argument, missing folder, empty prompt, unknown preset or family)
 ends with ONE line on stderr and exit status 2.
@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "2 kept; also saved at the last step)")
         p.add_argument("--resume", action="store_true",
                        help="continue from the newest checkpoint in --output-dir (give the interrupted run's options)")
+
+    h = sub.add_parser("push", help="upload a model folder (weights, config, remote code, tokenizer) with a model "
+                                    "card to the Hugging Face Hub")
+    h.add_argument("--model", required=True, help="model folder written by train / sft / dpo")
+    h.add_argument("--repo-id", required=True, metavar="OWNER/NAME")
+    h.add_argument("--private", action="store_true", help="create the repository as private")
+    h.add_argument("--revision", help="branch to push to (created if missing; default: main)")
+    h.add_argument("--license", default="apache-2.0", help="license in the model card (default: apache-2.0)")
     return parser
 
 
@@ -275,8 +283,15 @@ def cmd_post_train(args) -> int:
     return 0
 
 
+def cmd_push(args) -> int:
+    from .hub import push_model
+
+    print(push_model(args.model, args.repo_id, private=args.private, revision=args.revision, license=args.license))
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench,
-            "sft": cmd_post_train, "dpo": cmd_post_train}
+            "sft": cmd_post_train, "dpo": cmd_post_train, "push": cmd_push}
 
 
 def main(argv: list[str] | None = None) -> int:
