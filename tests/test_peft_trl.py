@@ -88,7 +88,10 @@ def test_lora_targets_the_backbone_projections_and_no_frozen_component(family, t
 
     # The bare names also match SwiGLU MLPs outside the backbone: none in PLM; in CALM the energy head's and those of
     # the frozen autoencoder.
-    plain = get_peft_model(build_tiny(family, tokenizer), LoraConfig(target_modules=PROJECTION_NAMES, r=4))
+    plain_base = build_tiny(family, tokenizer)
+    if hasattr(plain_base, "prepare_training"):  # AURORA: the base's latent statistics, as the training loop sets them
+        plain_base.prepare_training(tiny_rows[8:24, :32])
+    plain = get_peft_model(plain_base, LoraConfig(target_modules=PROJECTION_NAMES, r=4))
     assert backbone <= lora_wrapped(plain)
     in_frozen = lora_wrapped(plain) & frozen
     assert bool(in_frozen) == bool(frozen)
