@@ -23,18 +23,13 @@ PLAIN_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.
 
 
 def left_padded(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, T] ids and attention mask of the prompts, left-padded with the tokenizer's pad token."""
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    if not ids or any(len(row) == 0 for row in ids):
+    """[B, T] ids and attention mask of the prompts, left-padded (the tokenizer's own padding, pad = EOS if unset)."""
+    if not prompts or any(not p for p in prompts):
         raise ValueError("every prompt must be non-empty, and there must be at least one")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(len(row) for row in ids)
-    input_ids = torch.full((len(ids), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for b, row in enumerate(ids):
-        input_ids[b, width - len(row):] = torch.tensor(row)
-        mask[b, width - len(row):] = 1
-    return input_ids, mask
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    batch = tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+    return batch["input_ids"], batch["attention_mask"]
 
 
 def answer_tokens(new_tokens: torch.Tensor, eos_token_id: int) -> list[list[int]]:
