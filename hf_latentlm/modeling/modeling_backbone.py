@@ -79,12 +79,17 @@ def refuse_vocab_resize(model, size: int, owner: str, component: str, rebuild: s
             f"vocabulary belongs to {owner}. Resize and retrain {component}, then build a new model with {rebuild}")
 
 
+def is_right_padded(attention_mask: torch.Tensor) -> bool:
+    """True when every row is real tokens followed by padding (no 0 -> 1 step along a row)."""
+    return not bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any())
+
+
 def check_block_training_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, family: str) -> None:
     """What a block-latent training objective (Cola DLM, AURORA-LM) refuses: input_ids that are not [batch, length],
     and left padding (its blocks are counted from column 0)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-    if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+    if attention_mask is not None and not is_right_padded(attention_mask):
         raise ValueError(f"the {family} training objective needs right padding (blocks are counted from column 0)")
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..modeling.auxiliaries import draw_auxiliary_in_cell
+from ..modeling.modeling_backbone import is_right_padded
 
 #: Seed of the frozen auxiliary draws (paper App. 16.2: "its auxiliaries are sampled once with seed 5678").
 DRAW_SEED = 5678
@@ -137,8 +138,7 @@ def call_as_forward(model, fn: Callable, **inputs):
 
 def check_right_padded(attention_mask: torch.Tensor) -> None:
     """ValueError unless every row is real tokens followed by padding (TRL's preference collator pads right)."""
-    mask = attention_mask.bool()
-    if (mask[:, 1:] & ~mask[:, :-1]).any():
+    if not is_right_padded(attention_mask.long()):
         raise ValueError("response scoring needs right-padded rows (attention_mask 1...1 0...0), as TRL's "
                          "DataCollatorForPreference builds them")
 
