@@ -9,30 +9,42 @@ model loading, the training loop and the evaluation code read this registry and 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
-
-from .modeling import (
-    AuroraAutoencoder,
-    AuroraAutoencoderConfig,
-    AuroraConfig,
-    AuroraForCausalLM,
-    CALMAutoencoder,
-    CALMAutoencoderConfig,
-    CALMConfig,
-    CALMForCausalLM,
-    ColaConfig,
-    ColaForCausalLM,
-    ColaTextVAE,
-    ColaVAEConfig,
-    PLMConfig,
-    PLMForCausalLM,
-    register_auto_classes,
-)
 from .presets import Preset, get_preset
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedModel
+
+    from .modeling import (AuroraAutoencoder, AuroraForCausalLM, CALMAutoencoder, CALMForCausalLM, ColaForCausalLM,
+                           ColaTextVAE, PLMForCausalLM)
+
+# Reading this registry (names, components, presets: `hf-latentlm --help`, argument errors) must not import torch,
+# which takes seconds: the built-in families name their classes as "module:attribute" and each builder imports its
+# classes when called. Importing `hf_latentlm.modeling` registers them with the Auto classes.
+MODELING = "hf_latentlm.modeling"
+
+
+class ImportedOnRead:
+    """A `FamilySpec` field given as a class or as a "module:attribute" string, imported when first read."""
+
+    def __set_name__(self, owner, name):
+        self.slot = f"_{name}"
+
+    def __get__(self, spec, owner=None):
+        if spec is None:
+            return None  # the dataclass default
+        value = spec.__dict__[self.slot]
+        if isinstance(value, str):
+            module, _, attribute = value.partition(":")
+            value = spec.__dict__[self.slot] = getattr(importlib.import_module(module), attribute)
+        return value
+
+    def __set__(self, spec, value):
+        spec.__dict__[self.slot] = value
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,8 @@ class FamilySpec:
     build: `build(preset, tokenizer, **kwargs) -> PreTrainedModel`; kwargs are config overrides plus one trained
         model per entry of `components` (already loaded and type-checked by `build_model`).
     config_class / model_class: the transformers classes; registered with the Auto classes on `register_family`
-        (None for classes transformers already knows, such as Llama).
+        (None for classes transformers already knows, such as Llama). A "module:attribute" string is imported when
+        first read; that module registers its classes itself, as `hf_latentlm.modeling` does for the built-in ones.
     language_model: True if the family generates text; False for components (autoencoders, VAEs).
     components: argument name -> family that produces it; each becomes a `--<name> DIR` option of `train`.
     preset_overrides: preset name -> config overrides that depend on scale.
@@ -56,8 +69,8 @@ class FamilySpec:
 
     name: str
     build: Callable[..., PreTrainedModel]
-    config_class: type | None = None
-    model_class: type | None = None
+    config_class: type | str | None = ImportedOnRead()
+    model_class: type | str | None = ImportedOnRead()
     language_model: bool = True
     components: Mapping[str, str] = field(default_factory=dict)
     preset_overrides: Mapping[str, Mapping] = field(default_factory=dict)
@@ -93,7 +106,9 @@ def register_family(spec: FamilySpec) -> FamilySpec:
     for component, family in spec.components.items():
         if family not in FAMILIES:
             raise ValueError(f"family {spec.name!r}: component {component!r} names unregistered family {family!r}")
-    if spec.config_class is not None and spec.model_class is not None:
+    if isinstance(spec._config_class, type) and isinstance(spec._model_class, type):
+        from .modeling import register_auto_classes
+
         register_auto_classes(spec.config_class, spec.model_class, language_model=spec.language_model)
     FAMILIES[spec.name] = spec
     return spec
@@ -190,27 +205,37 @@ def special_token_kwargs(tokenizer) -> dict:
 def build_ar_baseline(preset: Preset, tokenizer, **overrides) -> LlamaForCausalLM:
     """The matched autoregressive baseline: transformers' own `LlamaForCausalLM` with the
     preset's dimensions (RMSNorm, SwiGLU, RoPE, GQA — the same core as our families)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     return LlamaForCausalLM(LlamaConfig(**{**backbone_config_kwargs(preset, tokenizer), **overrides}))
 
 
 def build_plm(preset: Preset, tokenizer, **overrides) -> PLMForCausalLM:
     """Parallel Language Model on the same backbone dimensions as the AR baseline."""
+    from .modeling import PLMConfig, PLMForCausalLM
+
     return PLMForCausalLM(PLMConfig(**{**backbone_config_kwargs(preset, tokenizer), **overrides}))
 
 
 def build_calm_autoencoder(preset: Preset, tokenizer, **overrides) -> CALMAutoencoder:
     """CALM's chunk autoencoder (K tokens <-> one latent); its size comes from the family's preset overrides."""
+    from .modeling import CALMAutoencoder, CALMAutoencoderConfig
+
     return CALMAutoencoder(CALMAutoencoderConfig(vocab_size=len(tokenizer), **special_token_kwargs(tokenizer),
                                                  **overrides))
 
 
 def build_calm(preset: Preset, tokenizer, autoencoder: CALMAutoencoder, **overrides) -> CALMForCausalLM:
     """CALM on the preset's backbone around a trained autoencoder, which is frozen and copied into the model."""
+    from .modeling import CALMForCausalLM
+
     return CALMForCausalLM.from_autoencoder(autoencoder, **{**backbone_config_kwargs(preset, tokenizer), **overrides})
 
 
 def build_cola_vae(preset: Preset, tokenizer, **overrides) -> ColaTextVAE:
     """Cola DLM's causal text VAE; its size comes from the family's preset overrides."""
+    from .modeling import ColaTextVAE, ColaVAEConfig
+
     return ColaTextVAE(ColaVAEConfig(vocab_size=len(tokenizer), **special_token_kwargs(tokenizer),
                                      max_position_embeddings=preset.max_position_embeddings, rope_theta=preset.rope_theta,
                                      **overrides))
@@ -218,11 +243,15 @@ def build_cola_vae(preset: Preset, tokenizer, **overrides) -> ColaTextVAE:
 
 def build_cola(preset: Preset, tokenizer, vae: ColaTextVAE, **overrides) -> ColaForCausalLM:
     """Cola DLM: a DiT on the preset's backbone around a trained VAE, which is copied in (and trained jointly)."""
+    from .modeling import ColaForCausalLM
+
     return ColaForCausalLM.from_vae(vae, **{**backbone_config_kwargs(preset, tokenizer), **overrides})
 
 
 def build_aurora_autoencoder(preset: Preset, tokenizer, **overrides) -> AuroraAutoencoder:
     """AURORA-LM's query autoencoder; its size comes from the family's preset overrides."""
+    from .modeling import AuroraAutoencoder, AuroraAutoencoderConfig
+
     return AuroraAutoencoder(AuroraAutoencoderConfig(
         vocab_size=len(tokenizer), **special_token_kwargs(tokenizer), max_position_embeddings=preset.max_position_embeddings,
         rope_theta=preset.rope_theta, **overrides))
@@ -230,6 +259,8 @@ def build_aurora_autoencoder(preset: Preset, tokenizer, **overrides) -> AuroraAu
 
 def build_aurora(preset: Preset, tokenizer, autoencoder: AuroraAutoencoder, **overrides) -> AuroraForCausalLM:
     """AURORA-LM: a denoiser on the preset's backbone around a trained autoencoder, which is frozen and copied in."""
+    from .modeling import AuroraForCausalLM
+
     return AuroraForCausalLM.from_autoencoder(autoencoder, **{**backbone_config_kwargs(preset, tokenizer), **overrides})
 
 
@@ -254,7 +285,7 @@ def _calm_autoencoder_report(folder: str) -> str:
 register_family(FamilySpec(name="ar", build=build_ar_baseline))
 
 register_family(FamilySpec(
-    name="plm", build=build_plm, config_class=PLMConfig, model_class=PLMForCausalLM,
+    name="plm", build=build_plm, config_class=f"{MODELING}:PLMConfig", model_class=f"{MODELING}:PLMForCausalLM",
     lora_target_modules=BACKBONE_LORA_TARGETS, speed_variants={"nucleus acceptance": {"acceptance": "nucleus"}},
     # The paper's N_aux = 512 / M = 128 are the config defaults (used by `base`). On 2 CPU cores fitting them at
     # every position of a `small` step (4080 positions) still costs about three AR steps, against ~0.5 of one
@@ -267,7 +298,8 @@ register_family(FamilySpec(
 ))
 
 register_family(FamilySpec(
-    name="calm-ae", build=build_calm_autoencoder, config_class=CALMAutoencoderConfig, model_class=CALMAutoencoder,
+    name="calm-ae", build=build_calm_autoencoder, config_class=f"{MODELING}:CALMAutoencoderConfig",
+    model_class=f"{MODELING}:CALMAutoencoder",
     language_model=False, training_report=_calm_autoencoder_report,
     # `base` is the supplement's reference (hidden 512, intermediate 1280); `small` halves the width so an epoch of
     # the embedded corpus takes minutes on 2 CPU cores. K = 4 and l = 128 throughout.
@@ -280,12 +312,13 @@ register_family(FamilySpec(
 ))
 
 register_family(FamilySpec(
-    name="calm", build=build_calm, config_class=CALMConfig, model_class=CALMForCausalLM,
+    name="calm", build=build_calm, config_class=f"{MODELING}:CALMConfig", model_class=f"{MODELING}:CALMForCausalLM",
     components={"autoencoder": "calm-ae"}, lora_target_modules=BACKBONE_LORA_TARGETS,
 ))
 
 register_family(FamilySpec(
-    name="cola-vae", build=build_cola_vae, config_class=ColaVAEConfig, model_class=ColaTextVAE,
+    name="cola-vae", build=build_cola_vae, config_class=f"{MODELING}:ColaVAEConfig",
+    model_class=f"{MODELING}:ColaTextVAE",
     language_model=False, training_report=_cola_vae_report,
     # The paper's VAE has 4 + 4 blocks of width 1536 and d_z = 16; `small` keeps d_z = 16 and the code's VAE block of
     # 4 at the width of the `small` backbone, with 2 + 2 blocks, so that a VAE epoch takes minutes on 2 CPU cores.
@@ -300,14 +333,14 @@ register_family(FamilySpec(
 ))
 
 register_family(FamilySpec(
-    name="cola", build=build_cola, config_class=ColaConfig, model_class=ColaForCausalLM,
+    name="cola", build=build_cola, config_class=f"{MODELING}:ColaConfig", model_class=f"{MODELING}:ColaForCausalLM",
     components={"vae": "cola-vae"}, lora_target_modules=BACKBONE_LORA_TARGETS,
     preset_overrides={"tiny": {"block_size": 4}, "small": {"block_size": 16}, "base": {"block_size": 16}},
 ))
 
 register_family(FamilySpec(
-    name="aurora-ae", build=build_aurora_autoencoder, config_class=AuroraAutoencoderConfig,
-    model_class=AuroraAutoencoder, language_model=False, training_report=_aurora_autoencoder_report,
+    name="aurora-ae", build=build_aurora_autoencoder, config_class=f"{MODELING}:AuroraAutoencoderConfig",
+    model_class=f"{MODELING}:AuroraAutoencoder", language_model=False, training_report=_aurora_autoencoder_report,
     # The paper's S autoencoder has 6 + 6 blocks of width D = 768; `small` keeps the query design at D = 128 with
     # 2 + 2 blocks, so that an autoencoder run takes minutes on 2 CPU cores. At that budget the paper's dropouts
     # (0.3 / 0.6) learn slowly: after 300 steps on 64-token rows, 31.1% reconstruction of 64-token validation rows
@@ -324,7 +357,8 @@ register_family(FamilySpec(
 ))
 
 register_family(FamilySpec(
-    name="aurora", build=build_aurora, config_class=AuroraConfig, model_class=AuroraForCausalLM,
+    name="aurora", build=build_aurora, config_class=f"{MODELING}:AuroraConfig",
+    model_class=f"{MODELING}:AuroraForCausalLM",
     components={"autoencoder": "aurora-ae"},
     lora_target_modules=r"model\.denoiser\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
     # D_b scales with the latent width (paper: 128 of 768); λ_ct ramps over the first half of a `small` run (paper:

@@ -85,13 +85,14 @@ def check_tokenizer_files(folder: Path, label: str) -> None:
 def load_model_and_tokenizer(path: str, device: str | None = None, language_model: bool = True):
     """`AutoModelForCausalLM` + `AutoTokenizer` from a local folder, offline-friendly.
 
-    Our own families register their Auto classes when `hf_latentlm.families` is imported, so the
+    Our own families register their Auto classes when `hf_latentlm.modeling` is imported, so the
     installed classes are used; `trust_remote_code=True` lets a folder's own modeling files load
     where the package is not installed. `language_model=False` also accepts components (families
     registered with `language_model=False`, loaded with `AutoModel`).
     """
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+    from . import modeling  # noqa: F401  (registers our classes before AutoConfig reads the folder)
     from .families import FAMILIES, family_of_model_type
 
     folder = Path(path)

@@ -212,3 +212,59 @@ def test_refused_train_inputs_leave_no_output_folder(tmp_path, run_cli, plm_fold
     assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
     assert needle in err, err
     assert not out.exists() and not out.parent.exists()
+
+
+# A fresh interpreter parses `argv`, then reports what the parse printed and which heavy modules it imported.
+PARSE_ONLY = """
+import contextlib, io, json, sys
+from hf_latentlm.cli import main
+out, err = io.StringIO(), io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+        main(sys.argv[1:])
+        code = None
+    except SystemExit as exit:
+        code = exit.code
+print(json.dumps({"code": code, "out": out.getvalue(), "err": err.getvalue(),
+                  "heavy": sorted(m for m in ("torch", "transformers", "datasets") if m in sys.modules)}))
+"""
+
+
+@pytest.mark.parametrize("argv,code", [
+    (["--help"], 0),
+    (["train", "--help"], 0),
+    (["generate", "--help"], 0),
+    (["train", "--bogus", "--output-dir", "x"], 2),
+    (["train", "--max-steps", "many", "--output-dir", "x"], 2),
+    (["no-such-command"], 2),
+    ([], 2),
+])
+def test_help_and_argument_errors_do_not_import_torch_or_transformers(argv, code):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", PARSE_ONLY, *argv], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["code"] == code
+    assert result["heavy"] == [], f"parsing {argv} imported {result['heavy']}"
+    if code == 2:
+        assert len(result["err"].strip().splitlines()) == 1 and result["out"] == ""
+
+
+def test_train_help_lists_every_registered_family_preset_and_component():
+    import subprocess
+    import sys
+
+    from hf_latentlm.families import FAMILIES, component_names
+    from hf_latentlm.presets import PRESETS
+
+    run = subprocess.run([sys.executable, "-c", PARSE_ONLY, "train", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    text = " ".join(json.loads(run.stdout)["out"].split())  # argparse wraps help lines
+    assert f"model family: {', '.join(sorted(FAMILIES))}" in text
+    assert f"model size: {', '.join(PRESETS)}" in text
+    assert {"calm", "cola", "aurora"} <= set(FAMILIES) and component_names() == ["autoencoder", "vae"]
+    for name in component_names():
+        assert f"--{name} {name.upper()}" in text
+    assert "--family calm: folder of a trained autoencoder (from --family calm-ae)" in text
