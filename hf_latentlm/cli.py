@@ -105,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--resume", action="store_true",
                        help="continue from the newest checkpoint in --output-dir (give the interrupted run's options)")
 
+    r = sub.add_parser("report", help="every model and decoding setting against the AR baseline in one run: "
+                                      "Markdown table, JSON and a speed-versus-quality plot")
+    r.add_argument("--model", action="append", required=True, metavar="NAME=DIR",
+                   help="a model to report (repeatable); one must be ar=DIR, the baseline")
+    r.add_argument("--output", default="docs/report", help="folder for report.md, report.json, speed_quality.png")
+    r.add_argument("--num-positions", type=int, default=2000, help="BrierLM-2 positions per entry")
+    r.add_argument("--context-len", type=int, default=128)
+    r.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per timed generate()")
+    r.add_argument("--repeats", type=int, default=3, help="timed runs per speed (median)")
+    r.add_argument("--mauve-samples", type=int, default=400, help="continuations per entry for MAUVE")
+    r.add_argument("--no-mauve", action="store_true", help="skip MAUVE")
+    r.add_argument("--seed", type=int, default=0)
+
     h = sub.add_parser("push", help="upload a model folder (weights, config, remote code, tokenizer) with a model "
                                     "card to the Hugging Face Hub")
     h.add_argument("--model", required=True, help="model folder written by train / sft / dpo")
@@ -243,21 +256,40 @@ def cmd_eval(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .eval.bench import benchmark_models, write_report
+    from .eval.bench import benchmark_models, named_models, write_report
 
-    models = {}
-    for item in args.model:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--model expects NAME=DIR, got {item!r}")
-        if name in models:
-            raise ValueError(f"model name {name!r} given twice")
-        models[name] = path
+    models = named_models(args.model)
     baseline = args.baseline or next(iter(models))
     report = benchmark_models(models, baseline, args.num_positions, args.context_len,
                               max_new_tokens=args.max_new_tokens, repeats=args.repeats, mauve=args.mauve,
                               seed=args.seed)
     print(write_report(report, args.output, args.markdown))
+    return 0
+
+
+def cmd_report(args) -> int:
+    import shlex
+
+    from .eval.bench import named_models
+    from .eval.report import build_report, write_report
+
+    models = named_models(args.model)
+    for option in ("num_positions", "max_new_tokens", "repeats", "context_len"):
+        if getattr(args, option) < 1:
+            raise ValueError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
+    if not args.no_mauve and args.mauve_samples < 10:
+        raise ValueError(f"--mauve-samples must be at least 10 (MAUVE's minimum), got {args.mauve_samples}")
+    # The command as run, every option spelled out, so that report.md says exactly how to rerun it.
+    options = [*(("--model", m) for m in args.model), ("--output", args.output),
+               ("--num-positions", args.num_positions), ("--context-len", args.context_len),
+               ("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats),
+               ("--no-mauve",) if args.no_mauve else ("--mauve-samples", args.mauve_samples), ("--seed", args.seed)]
+    command = shlex.join(["hf-latentlm", "report", *(str(part) for option in options for part in option)])
+    report = build_report(models, args.num_positions, args.context_len, args.max_new_tokens, args.repeats,
+                          mauve=not args.no_mauve, mauve_samples=args.mauve_samples, seed=args.seed, command=command)
+    paths = write_report(report, args.output)
+    print(paths["markdown"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
 
@@ -291,7 +323,7 @@ def cmd_push(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench,
-            "sft": cmd_post_train, "dpo": cmd_post_train, "push": cmd_push}
+            "sft": cmd_post_train, "dpo": cmd_post_train, "push": cmd_push, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

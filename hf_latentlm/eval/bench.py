@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..loading import load_model_and_tokenizer
 from .harness import evaluate_model, split_stream
@@ -23,10 +24,24 @@ from .sampling import evaluation_windows
 from .speed import speed_versus_baseline
 
 
+def named_models(items: list[str]) -> dict[str, str]:
+    """`--model NAME=DIR` items -> {name: folder}, refused with one line when malformed or a name repeats."""
+    models = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--model expects NAME=DIR, got {item!r}")
+        if name in models:
+            raise ValueError(f"model name {name!r} given twice")
+        models[name] = path
+    return models
+
+
 def benchmark_models(models: dict[str, str], baseline: str, num_positions: int = 20000, context_len: int = 128,
                      speed_prompt_len: int = 64, max_new_tokens: int = 64, repeats: int = 3,
                      batch_sizes: tuple[int, ...] = (1, 8), mauve: bool = False, seed: int = 0,
-                     progress: bool = True, generate_kwargs: dict[str, dict] | None = None) -> dict:
+                     progress: bool = True, generate_kwargs: dict[str, dict] | None = None,
+                     mauve_samples: int = 400, nll: bool = True) -> dict:
     """Speed (`speed_versus_baseline`) and quality (`evaluate_model`) of each model, name -> folder.
 
     All models must share the baseline's tokenizer: speed and quality are compared on the same token ids.
@@ -44,7 +59,7 @@ def benchmark_models(models: dict[str, str], baseline: str, num_positions: int =
     base_model, base_tokenizer = load_model_and_tokenizer(models[baseline])
     prompts, _ = evaluation_windows(split_stream(base_tokenizer, "validation"), max(batch_sizes), speed_prompt_len, 1)
     rows = {}
-    for name, path in models.items():
+    for name, path in tqdm(models.items(), desc="models", disable=not progress, dynamic_ncols=True):
         model, tokenizer = (base_model, base_tokenizer) if name == baseline else load_model_and_tokenizer(path)
         if tokenizer.get_vocab() != base_tokenizer.get_vocab():
             raise ValueError(f"model {name!r} has another tokenizer than the baseline {baseline!r}; the benchmark "
@@ -52,7 +67,8 @@ def benchmark_models(models: dict[str, str], baseline: str, num_positions: int =
         speed = speed_versus_baseline(model, base_model, prompts, batch_sizes, max_new_tokens, repeats, seed,
                                       generate_kwargs.get(name), generate_kwargs.get(baseline))
         quality = evaluate_model(model, tokenizer, "validation", num_positions, context_len, seed=seed, mauve=mauve,
-                                 progress=progress, generate_kwargs=generate_kwargs.get(name))
+                                 mauve_samples=mauve_samples, progress=progress,
+                                 generate_kwargs=generate_kwargs.get(name), nll=nll)
         rows[name] = {"path": str(path), "num_parameters": speed["num_parameters"]["model"],
                       "model_type": model.config.model_type, "speed": speed["model"],
                       "baseline_speed": speed["baseline"], **quality,
@@ -70,6 +86,7 @@ def benchmark_models(models: dict[str, str], baseline: str, num_positions: int =
         "baseline": baseline,
         "settings": {"num_positions": num_positions, "context_len": context_len, "speed_prompt_len": speed_prompt_len,
                      "max_new_tokens": max_new_tokens, "repeats": repeats, "seed": seed,
+                     **({"mauve_samples": mauve_samples} if mauve else {}),
                      **({"generate_kwargs": generate_kwargs} if generate_kwargs else {})},
         "models": rows,
     }

@@ -28,12 +28,16 @@ def nll_rows(stream: torch.Tensor, seq_len: int = 256) -> torch.Tensor:
 
 def generate_mauve_texts(model, tokenizer, stream: torch.Tensor, num_samples: int = 400, prompt_len: int = 64,
                          continuation_len: int = 128, batch_size: int = 16, seed: int = 0,
-                         generate_kwargs: dict | None = None) -> tuple[list[str], list[str]]:
+                         generate_kwargs: dict | None = None, progress: bool = False) -> tuple[list[str], list[str]]:
     """Model continuations of held-out prompts and the human continuations of the same prompts.
     `generate_kwargs`: extra `generate()` options, merged over the unbiased-sampling defaults."""
     prompts, human = evaluation_windows(stream, num_samples, prompt_len, continuation_len)
     model_texts = []
-    for i, start in enumerate(range(0, len(prompts), batch_size)):
+    batches = range(0, len(prompts), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+        batches = tqdm(batches, desc="mauve samples", dynamic_ncols=True)
+    for i, start in enumerate(batches):
         draws = sample_continuations(model, prompts[start:start + batch_size], continuation_len, seed=seed * 7919 + i,
                                      generate_kwargs=generate_kwargs)
         model_texts += tokenizer.batch_decode(draws, skip_special_tokens=True)
@@ -42,18 +46,18 @@ def generate_mauve_texts(model, tokenizer, stream: torch.Tensor, num_samples: in
 
 def evaluate_model(model, tokenizer, split: str = "validation", num_positions: int = 20000, context_len: int = 128,
                    batch_size: int = 64, seed: int = 0, mauve: bool = False, mauve_samples: int = 400,
-                   progress: bool = False, generate_kwargs: dict | None = None) -> dict:
+                   progress: bool = False, generate_kwargs: dict | None = None, nll: bool = True) -> dict:
     """Brier-1..4, BrierLM, BrierLM-2 (with intervals); NLL/perplexity when the model has a
-    likelihood; MAUVE when asked (needs the `eval` extra). `generate_kwargs`: extra `generate()` options for the
-    Brier and MAUVE samples, merged over the unbiased-sampling defaults (NLL does not sample)."""
+    likelihood (and `nll`); MAUVE when asked (needs the `eval` extra). `generate_kwargs`: extra `generate()` options
+    for the Brier and MAUVE samples, merged over the unbiased-sampling defaults (NLL does not sample)."""
     stream = split_stream(tokenizer, split)
     result = {"split": split, "brier": evaluate_brier(model, stream, num_positions, context_len, batch_size, seed,
                                                       progress=progress, generate_kwargs=generate_kwargs)}
-    if has_likelihood(model):
+    if nll and has_likelihood(model):
         result["nll"] = evaluate_nll(model, nll_rows(stream), batch_size=16)
     if mauve:
         from .mauve import mauve_score
         model_texts, human_texts = generate_mauve_texts(model, tokenizer, stream, num_samples=mauve_samples, seed=seed,
-                                                        generate_kwargs=generate_kwargs)
+                                                        generate_kwargs=generate_kwargs, progress=progress)
         result["mauve"] = mauve_score(model_texts, human_texts, seed=seed)
     return result

@@ -1,0 +1,201 @@
+"""`hf-latentlm report`: one run over tiny models, then its table, JSON and plot checked against each other and
+against arithmetic done here."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import re
+import shlex
+import struct
+
+import pytest
+import torch
+
+from hf_latentlm.eval.report import relative_to_baseline, speed_quality_figure
+from hf_latentlm.families import build_model
+from hf_latentlm.training.loop import TrainConfig, train
+
+pytest.importorskip("matplotlib")
+
+AR_STEPS, AR_BATCH, AR_SEQ = 3, 2, 32
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tokenizer, tiny_rows):
+    """A tiny AR trained 3 steps by the training loop (checkpoint and metrics.jsonl: a training record) and an
+    untrained tiny PLM saved with save_pretrained (no record)."""
+    root = tmp_path_factory.mktemp("report")
+    train(TrainConfig(family="ar", preset="tiny", output_dir=str(root / "ar"), max_steps=AR_STEPS,
+                      batch_size=AR_BATCH, seq_len=AR_SEQ, eval_every=0, save_every=AR_STEPS, log_every=1,
+                      progress_bar=False), tokenizer=tokenizer, train_rows=tiny_rows[:64, :AR_SEQ])
+    torch.manual_seed(0)
+    build_model("plm", "tiny", tokenizer).save_pretrained(root / "plm")
+    tokenizer.save_pretrained(root / "plm")
+    return root
+
+
+@pytest.fixture(scope="module")
+def report_run(folders):
+    """`hf-latentlm report` once, in this process; returns (exit status, stdout, output folder, argv)."""
+    from hf_latentlm.cli import main
+
+    out = folders / "out"
+    argv = ["report", "--model", f"ar={folders / 'ar'}", "--model", f"plm={folders / 'plm'}", "--output", str(out),
+            "--num-positions", "24", "--context-len", "16", "--max-new-tokens", "4", "--repeats", "1",
+            "--mauve-samples", "10"]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(argv)
+    return code, stdout.getvalue(), out, argv
+
+
+def table_rows(markdown: str) -> dict[str, list[str]]:
+    """Entry name -> its cells, from the report's one table."""
+    lines = [line for line in markdown.splitlines() if line.startswith("| ")]
+    header, rows = lines[0], lines[1:]
+    assert header.startswith("| model | decoding |")
+    return {cells[0]: cells for cells in ([c.strip() for c in row.strip("|").split("|")] for row in rows)}
+
+
+def test_report_writes_a_table_that_matches_its_json(report_run):
+    code, stdout, out, argv = report_run
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    markdown = (out / "report.md").read_text()
+    assert markdown in stdout
+    # The command at the top reruns the same report: every option the run was given, with its value.
+    command = re.search(r"```bash\n(.*)\n```", markdown).group(1)
+    assert command == report["command"] and command.startswith("hf-latentlm report ")
+    for option, value in zip(argv[1::2], argv[2::2]):
+        assert f" {option} {shlex.quote(value)}" in command
+    # PLM runs at its default decoding and at each registry speed variant; AR at its default only.
+    assert list(report["models"]) == ["ar", "plm", "plm (nucleus acceptance)"]
+    assert report["models"]["plm (nucleus acceptance)"]["generate_kwargs"] == {"acceptance": "nucleus"}
+    assert report["families_not_reported"] == ["aurora", "calm", "cola"]
+    assert "Not in this report (no model given): aurora, calm, cola." in markdown
+    rows = table_rows(markdown)
+    assert list(rows) == list(report["models"])
+    for name, cells in rows.items():
+        row = report["models"][name]
+        b2, rel = row["brier"]["brierlm_2"], row["relative_to_ar"]
+        assert cells[1] == row["decoding"]
+        assert cells[2] == f"{row['num_parameters'] / 1e6:.2f}M"
+        assert float(cells[4]) == pytest.approx(row["speed"]["batch_1"]["tokens_per_s"], abs=0.5)
+        assert float(cells[5]) == pytest.approx(row["speed"]["batch_8"]["tokens_per_s"], abs=0.5)
+        assert float(cells[6]) == pytest.approx(row["speed"]["batch_1"]["model_calls_per_token"], abs=0.005)
+        assert float(cells[7]) == pytest.approx(rel["tokens_per_s_batch_1"], abs=0.005)
+        assert float(cells[8]) == pytest.approx(rel["tokens_per_s_batch_8"], abs=0.005)
+        assert cells[9].startswith(f"{b2['value']:.2f} [{b2['ci_low']:.2f}, {b2['ci_high']:.2f}]")
+        assert float(cells[11]) == pytest.approx(row["mauve"]["mauve"], abs=5e-4)
+        assert row["mauve"]["num_model"] == 10 and row["brier"]["num_positions"] == 24
+    assert rows["ar"][0:2] == ["ar", "default"] and rows["plm (nucleus acceptance)"][1] == "nucleus acceptance"
+    # An untrained tiny AR has BrierLM-2 0, where "×AR" is undefined: the table says so instead of dividing by 0.
+    if report["models"]["ar"]["brier"]["brierlm_2"]["value"] == 0:
+        assert all(cells[10] == "—" for cells in rows.values())
+
+
+def test_speed_ratios_divide_by_the_ar_baseline_timed_next_to_each_entry(report_run):
+    report = json.loads((report_run[2] / "report.json").read_text())
+    ar = report["models"]["ar"]
+    for name, row in report["models"].items():
+        for b in (1, 8):
+            expected = row["speed"][f"batch_{b}"]["tokens_per_s"] / row["baseline_speed"][f"batch_{b}"]["tokens_per_s"]
+            assert row["relative_to_ar"][f"tokens_per_s_batch_{b}"] == pytest.approx(expected, rel=1e-12)
+            # The baseline next to each entry is the AR model, at its own decoding, on the same prompts.
+            assert row["baseline_speed"][f"batch_{b}"]["batch_size"] == b
+            assert row["baseline_speed"][f"batch_{b}"]["model_calls_per_token"] == pytest.approx(1.0)
+    assert ar["relative_to_ar"]["tokens_per_s_batch_1"] == pytest.approx(1.0)
+
+
+def test_training_record_comes_from_the_checkpoint_and_metrics(report_run):
+    report = json.loads((report_run[2] / "report.json").read_text())
+    assert report["models"]["ar"]["training"] == {"steps": AR_STEPS, "tokens": AR_STEPS * AR_BATCH * AR_SEQ}
+    # A folder written by save_pretrained alone holds no record: none is invented.
+    assert report["models"]["plm"]["training"] == {"steps": None, "tokens": None}
+    rows = table_rows((report_run[2] / "report.md").read_text())
+    assert rows["ar"][3] == f"{AR_STEPS * AR_BATCH * AR_SEQ} ({AR_STEPS} steps)" and rows["plm"][3] == "—"
+
+
+def test_png_is_written_with_one_point_per_entry_and_interval(report_run):
+    out = report_run[2]
+    data = (out / "speed_quality.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 500 and height > 300
+
+
+def with_brierlm_2(report: dict, values: dict[str, tuple[float, float, float]]) -> dict:
+    """A copy of `report` whose entries have the given BrierLM-2 (value, low, high): the tiny models' own are 0."""
+    report = copy.deepcopy(report)
+    for name, (value, low, high) in values.items():
+        report["models"][name]["brier"]["brierlm_2"].update(value=value, ci_low=low, ci_high=high)
+    relative_to_baseline(report["models"])
+    return report
+
+
+def test_relative_brierlm_2_and_plotted_points(report_run):
+    import matplotlib.pyplot as plt
+
+    measured = json.loads((report_run[2] / "report.json").read_text())
+    values = {"ar": (4.0, 2.0, 5.0), "plm": (1.0, 0.5, 3.0), "plm (nucleus acceptance)": (0.0, 0.0, 0.8)}
+    report = with_brierlm_2(measured, values)
+    for name, (value, low, high) in values.items():
+        rel = report["models"][name]["relative_to_ar"]
+        assert (rel["brierlm_2"], rel["brierlm_2_ci_low"], rel["brierlm_2_ci_high"]) == pytest.approx(
+            (value / 4.0, low / 4.0, high / 4.0))
+    fig = speed_quality_figure(report)
+    try:
+        assert len(fig.axes) == 2
+        for ax, b in zip(fig.axes, (1, 8)):
+            assert len(ax.containers) == len(values)  # one errorbar per entry
+            for container, name in zip(ax.containers, values):
+                row, (value, low, high) = report["models"][name], values[name]
+                x = row["speed"][f"batch_{b}"]["tokens_per_s"] / row["baseline_speed"][f"batch_{b}"]["tokens_per_s"]
+                assert container.get_label() == name
+                assert container.lines[0].get_xydata().tolist()[0] == pytest.approx([x, value / 4.0])
+                segment = container.lines[2][0].get_segments()[0]  # the vertical interval bar
+                assert segment[:, 1].tolist() == pytest.approx([low / 4.0, high / 4.0])
+                assert segment[:, 0].tolist() == pytest.approx([x, x])
+    finally:
+        plt.close(fig)
+
+
+def test_undefined_relative_brierlm_2_is_not_plotted(report_run):
+    import matplotlib.pyplot as plt
+
+    measured = json.loads((report_run[2] / "report.json").read_text())
+    report = with_brierlm_2(measured, {"ar": (0.0, 0.0, 1.0), "plm": (2.0, 1.0, 3.0)})
+    assert all(row["relative_to_ar"]["brierlm_2"] is None for row in report["models"].values())
+    fig = speed_quality_figure(report)
+    try:
+        assert all(len(ax.containers) == 0 and "not plotted" in ax.get_title() for ax in fig.axes)
+    finally:
+        plt.close(fig)
+
+
+def test_a_report_without_ar_is_refused(folders, run_cli, tmp_path):
+    code, _, err = run_cli("report", "--model", f"plm={folders / 'plm'}", "--output", str(tmp_path / "r"))
+    assert code == 2 and "--model ar=DIR" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_missing_folder_is_refused_before_anything_runs(folders, run_cli, tmp_path):
+    missing = tmp_path / "no-such-model"
+    code, _, err = run_cli("report", "--model", f"ar={folders / 'ar'}", "--model", f"plm={missing}",
+                           "--output", str(tmp_path / "r"))
+    assert code == 2 and str(missing) in err and "does not exist" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "ar"], "NAME=DIR"),
+    (["--model", "ar=x", "--model", "ar=y"], "given twice"),
+    (["--model", "ar=x", "--num-positions", "0"], "--num-positions must be at least 1"),
+    (["--model", "ar=x", "--mauve-samples", "5"], "--mauve-samples must be at least 10"),
+])
+def test_bad_arguments_are_named(run_cli, argv, message):
+    code, _, err = run_cli("report", *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
