@@ -125,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--private", action="store_true", help="create the repository as private")
     h.add_argument("--revision", help="branch to push to (created if missing; default: main)")
     h.add_argument("--license", default="apache-2.0", help="license in the model card (default: apache-2.0)")
+    h.add_argument("--eval-results", metavar="FILE",
+                   help="the model's `hf-latentlm eval` JSON, for the card's results and model-index (default: "
+                        "eval_results.json in the model folder, if there is one)")
+    h.add_argument("--baseline-eval", metavar="FILE",
+                   help="the AR baseline's `hf-latentlm eval` JSON, measured the same way: the card compares them")
+    h.add_argument("--base-model", metavar="OWNER/NAME",
+                   help="Hub repository of the model an sft/dpo output was trained from (default: its record, "
+                        "post_training.json, when that names a Hub repository)")
+    h.add_argument("--dataset", action="append", metavar="ID", help="a Hub dataset trained on (repeatable)")
     return parser
 
 
@@ -318,7 +327,9 @@ def cmd_post_train(args) -> int:
 def cmd_push(args) -> int:
     from .hub import push_model
 
-    print(push_model(args.model, args.repo_id, private=args.private, revision=args.revision, license=args.license))
+    print(push_model(args.model, args.repo_id, private=args.private, revision=args.revision, license=args.license,
+                     eval_file=args.eval_results, baseline_file=args.baseline_eval, base_model=args.base_model,
+                     datasets=args.dataset))
     return 0
 
 

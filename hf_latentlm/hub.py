@@ -4,33 +4,193 @@ Only what loading needs travels: weights (safetensors), config (with its `auto_m
 files, tokenizer files, the generation config and a generated README.md. Optimizer / scheduler / RNG state,
 `checkpoint-*` folders, `metrics.jsonl` and pickles never do. The token comes from huggingface_hub's usual places
 (`HF_TOKEN`, `hf auth login`) and is never printed.
+
+The card (`build_model_card`) is rendered with `huggingface_hub.ModelCard.from_template` from `CARD_TEMPLATE` and
+the family's entry of `FAMILY_CARDS`; model_cards/README.md describes what goes into it and from where.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
-from .families import FAMILIES
+from .families import BASELINE_FAMILY, FAMILIES, family_of_model_type
+from .loading import check_model_folder, check_tokenizer_files, read_json_file, weight_files
 
 UPLOAD_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json", "*.py",
                    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
-NEVER_UPLOAD = ("optimizer*", "scheduler*", "rng_state*", "trainer_state.json", "training_args*", "metrics.jsonl",
-                "*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "README.md")
+NEVER_UPLOAD = ("optimizer*", "scheduler*", "rng_state*", "rng_rank*", "trainer_state.json", "training_args*",
+                "metrics.jsonl", "*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "README.md")
+#: The checkpoint's own `hf-latentlm eval` JSON, read when `push` gets no `--eval-results`
+#: (`hf-latentlm eval --model DIR > DIR/eval_results.json`).
+EVAL_RESULTS_FILE = "eval_results.json"
+#: Written by `hf-latentlm sft` / `dpo` (training/post_training.py): {"stage", "base_model", "lora", "task"}.
+POST_TRAINING_RECORD = "post_training.json"
+#: What the models are trained and evaluated on unless `--train-file` says otherwise (docs/corpus.md).
+EMBEDDED_CORPUS = "the Project Gutenberg Shakespeare corpus embedded in hf-latentlm (42 works, public domain)"
 
-# One sentence per family, as the README introduces it.
-FAMILY_SUMMARIES = {
-    "ar": "a plain autoregressive Llama baseline (one token per model call).",
-    "plm": "PLM (Parallel Language Model): a causal encoder that proposes several future tokens per call and "
-           "verifies them (quadratic decoding).",
-    "calm": "CALM (Continuous Autoregressive LM): a backbone predicts one continuous latent per chunk of K tokens "
-            "with an energy head, decoded by a frozen autoencoder.",
-    "cola": "Cola DLM (Continuous Latent Diffusion LM): a block-causal DiT prior denoises text-VAE latents one "
-            "block at a time.",
-    "aurora": "AURORA-LM: a block-causal x0 denoiser over the latents of a frozen query autoencoder.",
+CPU_SCALE = ("A research model at CPU scale ({parameters} parameters) trained on a small corpus: it writes "
+             "Shakespeare-like pastiche, not facts, and is meant for studying decoding speed against quality next to "
+             "the matched autoregressive baseline, not for any application.")
+
+
+@dataclass(frozen=True)
+class FamilyCard:
+    """The family-specific parts of a model card."""
+
+    title: str
+    about: str        # the family in two sentences
+    generate: str     # the snippet's generate() call and what it prints, with the family's own options
+    limitations: str  # beyond CPU_SCALE
+    citation: str     # BibTeX of the family's paper ("" when there is none)
+
+
+FAMILY_CARDS = {
+    "ar": FamilyCard(
+        title="autoregressive baseline",
+        about="The matched autoregressive baseline of hf-latentlm: transformers' `LlamaForCausalLM` built from the "
+              "same preset table as the latent families, emitting one token per model call. Every speed and quality "
+              "number of the other families is measured against it.",
+        generate='out = model.generate(**ids, max_new_tokens=32, do_sample=True, top_p=0.95,\n'
+                 '                     pad_token_id=tok.pad_token_id)\n'
+                 'for row in out:\n'
+                 '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))',
+        limitations="One network call per generated token: it is the speed reference, not a fast model.",
+        citation=""),
+    "plm": FamilyCard(
+        title="PLM (Parallel Language Model)",
+        about="PLM is one weight-shared transformer with two modes: a causal encoder (an ordinary next-token LM) and "
+              "a parallel decoder that reads auxiliary variables drawn from each target's Voronoi cell and predicts "
+              "a block of K tokens in one call. Its `generate()` is quadratic decoding: every call verifies the "
+              "proposed tokens against the encoder and proposes the next block, so several tokens can be accepted "
+              "per call.",
+        generate='out = model.generate(**ids, max_new_tokens=32, k_pred=4, acceptance="exact",  '
+                 '# or "epsilon" / "nucleus"\n'
+                 '                     auxiliary_seeds=[1, 2], return_dict_in_generate=True)\n'
+                 'for row in out.sequences:\n'
+                 '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))\n'
+                 'print(out.model_calls.tolist())  # model calls per row, prompt prefill included',
+        limitations='`acceptance="exact"` emits exactly the tokens of one-token-per-call Voronoi sampling, but that '
+                    "sampler is itself a truncation of the encoder's softmax: only the top-M candidates, with masses "
+                    "in units of 1/N_aux, can be drawn, so rare tokens are never sampled and the distribution differs "
+                    'from plain softmax sampling. `"epsilon"` and `"nucleus"` acceptance give more tokens per call '
+                    "and are not lossless.",
+        citation="@article{plm,\n  title  = {Parallel Language Models via Variational Decoding},\n"
+                 "  note   = {see the paper for its authors}\n}"),
+    "calm": FamilyCard(
+        title="CALM (Continuous Autoregressive Language Model)",
+        about="CALM compresses every chunk of K tokens into one continuous vector with an autoencoder, and a "
+              "transformer predicts the next vector with a single-pass energy head trained with the energy score, "
+              "so one backbone call yields K tokens. The autoencoder is frozen and its weights are stored inside "
+              "this checkpoint.",
+        generate='out = model.generate(**ids, max_new_tokens=32, temperature=0.5,  # T = 1 (default): one draw\n'
+                 '                     temperature_sampler="pool",              # or "exact" (T = 1/n only)\n'
+                 '                     noise_seeds=[1, 2], return_dict_in_generate=True)\n'
+                 'for row in out.sequences:\n'
+                 '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))\n'
+                 'print(out.model_calls.tolist())  # one backbone call per K tokens, prompt prefill included',
+        limitations="Every chunk comes back through the autoencoder, whose reconstruction is not exact: a latent "
+                    "decodes to a wrong chunk with the autoencoder's error rate even when the prediction is right. "
+                    "There is no token likelihood (no NLL or perplexity; it is scored with Brier-n from samples). "
+                    'Temperature is obtained by rejection from head draws: `"exact"` (T = 1/n) retries until n draws '
+                    'decode to the same chunk and gives up after `exact_max_rounds`; `"pool"` decodes 200 draws per '
+                    "step; both cost many more draws and decodes than T = 1.",
+        citation="@article{calm,\n  title  = {Continuous Autoregressive Language Models},\n"
+                 "  author = {Shao and others},\n  year   = {2025}\n}"),
+    "cola": FamilyCard(
+        title="Cola DLM (Continuous Latent Diffusion Language Model)",
+        about="Cola DLM encodes text with a causal text VAE (one latent per token) and generates with a "
+              "block-causal DiT prior that denoises one block of latents at a time by flow matching, conditioned on "
+              "the clean blocks before it; the VAE decoder reads a finished block out in one pass. The VAE is "
+              "trained jointly with the prior and stored inside this checkpoint.",
+        generate='out = model.generate(**ids, max_new_tokens=32, num_inference_steps=16,  # ODE steps per block\n'
+                 '                     ode_solver="heun", guidance_scale=7.0, temperature=0.7,\n'
+                 '                     noise_seeds=[1, 2], return_dict_in_generate=True)\n'
+                 'for row in out.sequences:\n'
+                 '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))\n'
+                 'print({name: calls.tolist() for name, calls in out.calls_by_network.items()})',
+        limitations="At the `small` preset the samples are not yet text: in the package's benchmark (docs/"
+                    "benchmarks.md, `python scripts/bench_cola.py ...`) BrierLM-2 was 0.00 against AR's 7.14 at "
+                    "equal training tokens. Each block costs `num_inference_steps` DiT evaluations, twice that with "
+                    "classifier-free guidance, so the default settings are slower than AR on a CPU. There is no "
+                    "token likelihood.",
+        citation="@article{cola,\n  title  = {Cola DLM: Continuous Latent Diffusion Language Model},\n"
+                 "  journal = {arXiv preprint arXiv:2605.06548}\n}"),
+    "aurora": FamilyCard(
+        title="AURORA-LM",
+        about="AURORA-LM maps text to a full-width latent sequence with a frozen query-based autoencoder and "
+              "generates it block by block with a block-causal denoiser that predicts clean latents (x0), with "
+              "self-conditioning and self-trajectory consistency. The autoencoder is frozen and stored inside this "
+              "checkpoint.",
+        generate='out = model.generate(**ids, max_new_tokens=32, num_inference_steps=16,  # Euler steps per block\n'
+                 '                     self_condition_guidance=4.0, guidance_scale=2.0,\n'
+                 '                     noise_seeds=[1, 2], return_dict_in_generate=True)\n'
+                 'for row in out.sequences:\n'
+                 '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))\n'
+                 'print({name: calls.tolist() for name, calls in out.calls_by_network.items()})',
+        limitations="At the `small` preset the samples are not yet text: in the package's benchmark (docs/"
+                    "benchmarks.md, `python scripts/bench_aurora.py ...`) BrierLM-2 was 0.00 against AR's 5.32, "
+                    "with an autoencoder that reconstructs only 41-63% of tokens. Each block costs one or two "
+                    "denoiser evaluations per Euler step, so the default settings are slower than AR on a CPU. "
+                    "There is no token likelihood.",
+        citation="@article{aurora,\n  title  = {AURORA-LM: Autoencoding Unified Representation for Continuous-Latent "
+                 "Diffusion Language Modeling},\n  author = {Jiajun Liang and Yucheng Liao and Yukang Cao and Jiazhe "
+                 "Wei and Ken Li and Wende Tan and Jiankun Zhang and ZY Cui and Jingkang Yang and Liucheng Guo and "
+                 "Shiqi Yang and B. Yang and Caifeng Shan and Ziwei Liu and Chenyang Si}\n}"),
 }
+
+CARD_TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ model_name }}
+
+{{ about }}
+
+- **Family:** {{ family_title }} (`{{ family }}`), trained with the `hf-latentlm` package
+- **Parameters:** {{ parameters }} (`model.safetensors`, frozen components included)
+- **Training:** {{ training }}
+{%- if base_model %}
+- **Post-trained from:** [{{ base_model }}](https://huggingface.co/{{ base_model }}) ({{ post_training }})
+{%- endif %}
+
+## Use
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{{ repo_id }}"{{ revision_arg }}, trust_remote_code=True)
+tok = AutoTokenizer.from_pretrained("{{ repo_id }}"{{ revision_arg }}, trust_remote_code=True)
+ids = tok(["ROMEO.\\n", "HAMLET.\\nTo be"], return_tensors="pt", padding=True, padding_side="left")
+{{ generate }}
+```
+
+`trust_remote_code=True` runs the modeling files stored in this repository; `hf_latentlm` need not be installed.
+
+## Results
+{% if results %}
+{{ results }}
+{% else %}
+No evaluation was given to `hf-latentlm push` (`--eval-results`, `--baseline-eval`).
+{% endif %}
+## Intended use and limitations
+
+{{ cpu_scale }}
+
+{{ limitations }}
+{%- if citation %}
+
+## Citation
+
+```bibtex
+{{ citation }}
+```
+{%- endif %}
+"""
 
 
 def files_to_upload(folder: Path) -> list[str]:
@@ -47,71 +207,238 @@ def files_to_upload(folder: Path) -> list[str]:
 
 
 def family_of(config: dict) -> str:
-    model_type = config.get("model_type")
-    for name, spec in FAMILIES.items():
-        if spec.model_type is not None and spec.model_type == model_type:
-            return name
-    return "ar" if model_type == "llama" else str(model_type)
+    """The registry name of a saved model's family (the AR baseline for transformers' own models)."""
+    spec = family_of_model_type(config["model_type"])
+    return spec.name if spec is not None else BASELINE_FAMILY
 
 
-def build_model_card(folder: Path, repo_id: str, license: str = "apache-2.0"):
+def check_folder(folder: Path) -> dict:
+    """The folder's config, after refusing what `from_pretrained` could not load as a language model: missing or
+    damaged config / weights / tokenizer, a remote-code file its `auto_map` names but the folder lacks, a component
+    (autoencoder, VAE), or a model type no card is written for."""
+    label = f"--model {str(folder)!r}"
+    config = check_model_folder(folder, label)
+    check_tokenizer_files(folder, label)
+    spec = family_of_model_type(config["model_type"])
+    if spec is not None and not spec.language_model:
+        users = sorted(s.name for s in FAMILIES.values() if spec.name in s.components.values())
+        raise ValueError(f"{label} holds a {config['model_type']} (a component, not a language model): push the "
+                         f"{'/'.join(users)} model, which carries it in its own weights")
+    if spec is None and config["model_type"] != "llama":
+        raise ValueError(f"{label} holds a {config['model_type']!r} model, which is not an hf-latentlm family")
+    missing = sorted({f"{ref.split('--')[-1].split('.')[0]}.py" for ref in (config.get("auto_map") or {}).values()}
+                     - {p.name for p in folder.glob("*.py")})
+    if missing:
+        raise ValueError(f"{label}: config.json's auto_map names {', '.join(missing)}, which the folder lacks; save "
+                         f"the model again with save_pretrained")
+    return config
+
+
+def count_parameters(folder: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for path in weight_files(folder, str(folder)):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                total += math.prod(shape)
+    return total
+
+
+def training_summary(folder: Path, family: str, datasets: list[str] | None = None) -> str:
+    """How the folder was trained, from its newest `checkpoint-*/trainer_state.json` (`hf-latentlm train`); the
+    data are `datasets` (`--dataset`) when given."""
+    states = sorted(folder.glob("checkpoint-*/trainer_state.json"))
+    config = read_json_file(states[-1], str(folder)).get("config", {}) if states else {}
+    if datasets:
+        data = ", ".join(datasets)
+    elif config.get("train_files"):
+        data = f"{len(config['train_files'])} text file(s)"
+    else:
+        data = EMBEDDED_CORPUS
+    if not config.get("preset"):
+        return f"{data} (no `hf-latentlm train` record in the folder)"
+    return (f"`hf-latentlm train --family {config.get('family', family)} --preset {config['preset']}` for "
+            f"{config.get('max_steps')} steps on {data}")
+
+
+def read_eval(path: Path, option: str) -> dict:
+    """An `hf-latentlm eval` JSON; ValueError naming `option` when the file is not one."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{option} {str(path)!r} does not exist")
+    result = read_json_file(path, f"{option} {str(path)!r}")
+    try:
+        float(result["brier"]["brierlm_2"]["value"])
+    except (TypeError, KeyError, ValueError) as err:
+        raise ValueError(f"{option} {str(path)!r} is not the JSON written by `hf-latentlm eval` (no "
+                         f"brier.brierlm_2.value)") from err
+    return result
+
+
+def eval_command(result: dict) -> str:
+    """The `hf-latentlm eval` command line that the settings recorded in `result` correspond to."""
+    brier = result["brier"]
+    command = f"hf-latentlm eval --model {result.get('model', 'DIR')} --split {result.get('split', 'validation')}"
+    if "num_positions" in brier:
+        command += f" --num-positions {brier['num_positions']}"
+    if "context_len" in brier:
+        command += f" --context-len {brier['context_len']}"
+    return command + (" --mauve" if "mauve" in result else "")
+
+
+def metrics_of(result: dict) -> dict[str, tuple[str, float, dict | None]]:
+    """metric key -> (display name, value, the Brier entry with its interval or None), for what `result` holds."""
+    brier = result["brier"]
+    metrics = {key: (name, float(brier[key]["value"]), brier[key])
+               for key, name in (("brierlm_2", "BrierLM-2"), ("brier_1", "Brier-1"), ("brier_2", "Brier-2"))
+               if key in brier}
+    if "nll" in result:
+        metrics["nll"] = ("NLL (nats/token)", float(result["nll"]["nll"]), None)
+        metrics["perplexity"] = ("perplexity", float(result["nll"]["perplexity"]), None)
+    if "mauve" in result:
+        metrics["mauve"] = ("MAUVE", float(result["mauve"]["mauve"]), None)
+    return metrics
+
+
+def eval_results(result: dict):
+    """The `model-index` entries (`EvalResult`s) of an `hf-latentlm eval` JSON."""
+    from huggingface_hub import EvalResult
+
+    return [EvalResult(task_type="text-generation", dataset_type="hf-latentlm-shakespeare",
+                       dataset_name="Shakespeare (hf-latentlm embedded corpus)",
+                       dataset_split=result.get("split", "validation"), metric_type=key, metric_name=name,
+                       metric_value=round(value, 4))
+            for key, (name, value, _) in metrics_of(result).items()]
+
+
+def results_section(result: dict | None, baseline: dict | None) -> str:
+    """A Markdown table of the model's metrics next to the AR baseline's (when given), with the commands."""
+    if result is None and baseline is None:
+        return ""
+    if result is None:
+        raise ValueError("--baseline-eval needs the model's own evaluation too (--eval-results, or "
+                         f"{EVAL_RESULTS_FILE} in the model folder)")
+
+    from .eval.bench import _fmt_ci
+
+    def cell(value, entry):
+        return f"{value:.4f}" if entry is None else _fmt_ci(entry, 4)
+
+    ours = metrics_of(result)
+    intervals = "95% bootstrap intervals in brackets, ≈0: the interval contains 0"
+    lines = []
+    if baseline is None:
+        lines += ["| metric | this model |", "|---|---|"]
+        lines += [f"| {name} | {cell(value, entry)} |" for name, value, entry in ours.values()]
+        lines += ["", f"Measured with `{eval_command(result)}` ({intervals})."]
+        return "\n".join(lines)
+    settings = ("split", "num_positions", "context_len")
+    ours_settings = [result.get("split")] + [result["brier"].get(k) for k in settings[1:]]
+    base_settings = [baseline.get("split")] + [baseline["brier"].get(k) for k in settings[1:]]
+    if ours_settings != base_settings:
+        raise ValueError(f"--baseline-eval was measured with other settings ({dict(zip(settings, base_settings))}) "
+                         f"than the model's evaluation ({dict(zip(settings, ours_settings))}): evaluate both the same "
+                         f"way")
+    theirs = metrics_of(baseline)
+    lines += ["| metric | this model | AR baseline | ratio |", "|---|---|---|---|"]
+    for key, (name, value, entry) in ours.items():
+        if key not in theirs:
+            continue
+        base_value, base_entry = theirs[key][1], theirs[key][2]
+        ratio = f"{value / base_value:.2f}" if base_value else "—"
+        lines.append(f"| {name} | {cell(value, entry)} | {cell(base_value, base_entry)} | {ratio} |")
+    lines += ["", f"Measured with ({intervals}):", "",
+              f"- this model: `{eval_command(result)}`", f"- AR baseline: `{eval_command(baseline)}`"]
+    return "\n".join(lines)
+
+
+def post_training_origin(folder: Path, base_model: str | None) -> tuple[str | None, str]:
+    """(the Hub repo id of the model `folder` was post-trained from, a description of the post-training), or
+    (None, "") for a model that was not post-trained. `base_model` (`--base-model`) overrides the record."""
+    record_path = folder / POST_TRAINING_RECORD
+    record = read_json_file(record_path, f"--model {str(folder)!r}") if record_path.is_file() else None
+    if record is None and base_model is None:
+        return None, ""
+    stage = "post-trained"
+    if record is not None:
+        lora = " with LoRA, merged" if record.get("lora") else ""
+        task = f"the `{record['task']}` task" if record.get("task") else "a dataset of its own"
+        stage = f"{record['stage'].upper()}{lora} on {task}"
+    source = base_model or str(record["base_model"])
+    if not is_hub_repo_id(source):
+        if base_model is not None:
+            raise ValueError(f"--base-model {base_model!r} is not a Hub repo id OWNER/NAME")
+        raise ValueError(f"--model {str(folder)!r} was post-trained from the local folder {source!r}: pass "
+                         f"--base-model OWNER/NAME, the Hub repository of that model (push it first)")
+    return source, stage
+
+
+def build_model_card(folder: Path, repo_id: str, license: str = "apache-2.0", revision: str | None = None,
+                     eval_file: Path | None = None, baseline_file: Path | None = None,
+                     base_model: str | None = None, datasets: list[str] | None = None):
+    """The model card of the model in `folder` as `repo_id` (see model_cards/README.md)."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    config = json.loads((folder / "config.json").read_text())
+    folder = Path(folder)
+    config = check_folder(folder)
     family = family_of(config)
-    summary = FAMILY_SUMMARIES.get(family, f"a `{family}` model of hf-latentlm.")
-    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", license=license,
-                         tags=[family, "custom_code", "hf-latentlm"])
-    remote = "trust_remote_code=True" if config.get("auto_map") else ""
-    body = f"""# {repo_id.split('/')[-1]}
-
-A `{family}` model trained with [`hf-latentlm`](https://pypi.org/project/hf-latentlm/) — {summary}
-
-## Use
-
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-model = AutoModelForCausalLM.from_pretrained("{repo_id}"{', ' + remote if remote else ''})
-tokenizer = AutoTokenizer.from_pretrained("{repo_id}")
-ids = tokenizer("ROMEO.\\n", return_tensors="pt").input_ids
-print(tokenizer.decode(model.generate(ids, do_sample=True, max_new_tokens=64)[0]))
-```
-"""
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
-
-
-def check_folder(folder: Path) -> None:
-    if not folder.is_dir():
-        raise ValueError(f"{folder} is not a folder")
-    missing = [name for name in ("config.json", "model.safetensors") if not (folder / name).is_file()]
-    if (folder / "model.safetensors.index.json").is_file() and "model.safetensors" in missing:
-        missing.remove("model.safetensors")  # sharded weights
-    if missing:
-        raise ValueError(f"{folder} is not a loadable model folder (no {' / '.join(missing)}); give a folder "
-                         f"written by `hf-latentlm train` or `save_pretrained`")
+    card = FAMILY_CARDS[family]
+    if eval_file is None and (folder / EVAL_RESULTS_FILE).is_file():
+        eval_file = folder / EVAL_RESULTS_FILE
+    result = read_eval(Path(eval_file), "--eval-results") if eval_file is not None else None
+    baseline = read_eval(Path(baseline_file), "--baseline-eval") if baseline_file is not None else None
+    results = results_section(result, baseline)
+    parameters = f"{count_parameters(folder) / 1e6:.2f}M"
+    base, post_training = post_training_origin(folder, base_model)
+    data = ModelCardData(
+        library_name="transformers", pipeline_tag="text-generation", license=license,
+        tags=[family, "custom_code", "hf-latentlm"] if config.get("auto_map") else [family, "hf-latentlm"],
+        datasets=datasets or None, base_model=base,
+        eval_results=eval_results(result) if result is not None else None,
+        model_name=repo_id.split("/")[-1], **({"base_model_relation": "finetune"} if base else {}))
+    return ModelCard.from_template(
+        data, template_str=CARD_TEMPLATE, model_name=repo_id.split("/")[-1], repo_id=repo_id, family=family,
+        family_title=card.title, about=card.about, generate=card.generate, limitations=card.limitations,
+        citation=card.citation, results=results, base_model=base, post_training=post_training,
+        revision_arg=f", revision={json.dumps(revision)}" if revision else "",
+        parameters=parameters, training=training_summary(folder, family, datasets),
+        cpu_scale=CPU_SCALE.format(parameters=parameters))
 
 
-def push_model(folder: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
-               license: str = "apache-2.0", commit_message: str | None = None) -> str:
-    """Create `repo_id` if needed and upload the model folder plus a model card in one commit; returns the commit URL."""
-    from huggingface_hub import CommitOperationAdd, HfApi
+def repo_id_problem(repo_id: str) -> str | None:
+    """Why `repo_id` is not a Hub model repository id OWNER/NAME, or None when it is one."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    folder = Path(folder)
     try:
         validate_repo_id(repo_id)
     except HFValidationError as err:
-        raise ValueError(f"bad --repo-id {repo_id!r}: {err}") from err
-    if repo_id.count("/") != 1:
-        raise ValueError(f"bad --repo-id {repo_id!r}: expected OWNER/NAME")
-    check_folder(folder)
-    card = build_model_card(folder, repo_id, license)
+        return " ".join(str(err).split())
+    return None if repo_id.count("/") == 1 else "expected OWNER/NAME"
+
+
+def is_hub_repo_id(name: str) -> bool:
+    """True for OWNER/NAME that is not also a local path (a post-training record holds whichever was loaded)."""
+    return repo_id_problem(name) is None and not Path(name).exists()
+
+
+def push_model(folder: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
+               license: str = "apache-2.0", commit_message: str | None = None, eval_file: str | Path | None = None,
+               baseline_file: str | Path | None = None, base_model: str | None = None,
+               datasets: list[str] | None = None) -> str:
+    """Create `repo_id` (and branch `revision`) if needed and upload the model folder plus a model card in one
+    commit; returns the commit URL. Everything that can be refused is refused before the first network call."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
+
+    folder = Path(folder)
+    problem = repo_id_problem(repo_id)
+    if problem is not None:
+        raise ValueError(f"bad --repo-id {repo_id!r}: {problem}")
+    card = build_model_card(folder, repo_id, license, revision, eval_file, baseline_file, base_model, datasets)
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name))
                   for name in files_to_upload(folder)]
     operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(card).encode()))
-    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
-
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)

@@ -1,29 +1,45 @@
-"""`hf-latentlm push` against a loopback Hub: a stdlib HTTP server that answers the calls huggingface_hub makes
-(create repo, validate-yaml, preupload -> regular, NDJSON commit) and keeps every committed file."""
+"""`hf-latentlm push` and its model cards.
+
+The upload runs for real against a loopback Hub: a stdlib HTTP server that answers the calls huggingface_hub makes
+(create repo, create branch, validate-yaml, preupload -> regular, NDJSON commit) and serves what it stored per
+branch (resolve, model info, tree). Every family is pushed by the CLI and downloaded back with
+`AutoModelForCausalLM.from_pretrained(repo_id, revision=..., trust_remote_code=True)` in a `python -S` process where
+`hf_latentlm` cannot be imported (tests/modeling/without_package.py), which must generate the local model's tokens
+and run the card's own snippet."""
 
 import base64
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
+import sysconfig
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
-from family_contract import build_tiny, multi_token_families
-from huggingface_hub import ModelCard
+import torch
+import yaml
+from family_contract import build_tiny, seeded
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-REPO = "someone/tiny-plm"
-COMMIT = "a" * 40
-EXPECTED_PLM = {"auxiliaries.py", "config.json", "configuration_backbone.py", "configuration_plm.py", "generation.py",
-                "generation_config.json", "layers.py", "model.safetensors", "modeling_backbone.py", "modeling_plm.py",
-                "tokenizer.json", "tokenizer_config.json", "README.md"}
+from hf_latentlm.hub import EVAL_RESULTS_FILE, FAMILY_CARDS, POST_TRAINING_RECORD, build_model_card
+from hf_latentlm.training.checkpoint import save_tokenizer
+
+FAMILIES = ("ar", "plm", "calm", "cola", "aurora")
+PROMPT = [[5, 60, 700, 42, 9, 31, 17, 8]]
+LEFTOVERS = ("optimizer.pt", "optimizer.safetensors", "scheduler.pt", "rng_state.pth", "rng_rank0.safetensors",
+             "trainer_state.json", "training_args.bin", "metrics.jsonl", "x.pkl")
+MODELING_DIR = Path(__file__).parent / "modeling"
 
 
 class FakeHub(BaseHTTPRequestHandler):
-    files: dict = {}
+    """Repositories as {repo_id: {branch: {path: bytes}}}; one commit id per branch state."""
+
+    repos: dict = {}
     requests: list = []
 
     def log_message(self, *args):
@@ -39,80 +55,119 @@ class FakeHub(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def body(self):
-        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+    @classmethod
+    def commit_of(cls, repo, branch):
+        files = cls.repos[repo][branch]
+        state = "".join(f"{n}:{hashlib.sha1(d).hexdigest()}" for n, d in sorted(files.items()))
+        return hashlib.sha1(f"{repo}@{branch}:{state}".encode()).hexdigest()
 
-    def stored(self):
-        """The stored file a `/<repo>/resolve/<rev>/<file>` path names, or None."""
-        prefix = f"/{REPO}/resolve/"
-        if not self.path.startswith(prefix):
-            return None, None
-        name = self.path[len(prefix):].split("?")[0].split("/", 1)[-1]
-        return name, self.files.get(name)
+    def not_found(self, code="EntryNotFound"):
+        self.reply(404, {"error": code}, {"X-Error-Code": code})
 
-    def send_file(self, data, with_body):
-        self.send_response(200)
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
-        self.send_header("X-Repo-Commit", COMMIT)
-        self.end_headers()
-        if with_body:
-            self.wfile.write(data)
+    def files_of(self, repo, revision):
+        """The files of a branch, or of a branch's current commit id (huggingface_hub resolves a branch to its commit
+        first), or None after answering 404 as the Hub does."""
+        if repo not in self.repos:
+            self.not_found("RepoNotFound")
+            return None
+        branches = self.repos[repo]
+        branch = revision if revision in branches else next(
+            (b for b in branches if self.commit_of(repo, b) == revision), None)
+        if branch is None:
+            self.not_found("RevisionNotFound")
+            return None
+        return branches[branch]
+
+    def route(self, method):
+        self.requests.append((method, self.path))
+        path = self.path.split("?")[0]
+        if match := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
+            repo, revision, name = match[1], unquote(match[2]), unquote(match[3])
+            files = self.files_of(repo, revision)
+            if files is None:
+                return
+            commit = next(self.commit_of(repo, b) for b, f in self.repos[repo].items() if f is files)
+            if name not in files:
+                self.reply(404, headers={"X-Error-Code": "EntryNotFound", "X-Repo-Commit": commit})
+                return
+            data = files[name]
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+            self.send_header("X-Repo-Commit", commit)
+            self.end_headers()
+            if method == "GET":
+                self.wfile.write(data)
+            return
+        if match := re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+)(/.*)?)?", path):
+            repo, kind, revision = match[1], match[2], unquote(match[3] or "main")
+            files = self.files_of(repo, revision)
+            if files is None:
+                return
+            commit = next(self.commit_of(repo, b) for b, f in self.repos[repo].items() if f is files)
+            if kind == "tree":
+                self.reply(200, [{"type": "file", "path": n, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
+                                 for n, d in sorted(files.items())])
+            else:
+                self.reply(200, {"id": repo, "modelId": repo, "sha": commit, "private": False,
+                                 "siblings": [{"rfilename": n} for n in sorted(files)]})
+            return
+        self.not_found()
 
     def do_HEAD(self):
-        self.requests.append(("HEAD", self.path))
-        name, data = self.stored()
-        if data is None:
-            self.reply(404, headers={"X-Error-Code": "EntryNotFound", "X-Repo-Commit": COMMIT})
-        else:
-            self.send_file(data, with_body=False)
+        self.route("HEAD")
 
     def do_GET(self):
-        self.requests.append(("GET", self.path))
-        name, data = self.stored()
-        path = self.path.split("?")[0]
-        if data is not None:
-            self.send_file(data, with_body=True)
-        elif path.startswith(f"/api/models/{REPO}/revision/") or path == f"/api/models/{REPO}":
-            self.reply(200, {"id": REPO, "modelId": REPO, "sha": COMMIT, "private": False,
-                             "siblings": [{"rfilename": n} for n in sorted(self.files)]})
-        elif path.startswith(f"/api/models/{REPO}/tree/"):
-            self.reply(200, [{"type": "file", "path": n, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
-                             for n, d in sorted(self.files.items())])
-        else:
-            self.reply(404, {"error": "not served"}, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": COMMIT})
+        self.route("GET")
 
     def do_POST(self):
         self.requests.append(("POST", self.path))
-        raw = self.body()
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         base = f"http://127.0.0.1:{self.server.server_port}"
-        if self.path == "/api/repos/create":
-            self.reply(200, {"url": f"{base}/{json.loads(raw)['organization']}/{json.loads(raw)['name']}"})
-        elif self.path == "/api/validate-yaml":
+        path = self.path.split("?")[0]
+        if path == "/api/repos/create":
+            body = json.loads(raw)
+            repo = f"{body['organization']}/{body['name']}"
+            self.repos.setdefault(repo, {"main": {}})
+            self.reply(200, {"url": f"{base}/{repo}"})
+        elif path == "/api/validate-yaml":
             self.reply(200, {"errors": [], "warnings": []})
-        elif "/preupload/" in self.path:
-            files = json.loads(raw)["files"]
-            self.reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                                       for f in files]})
-        elif "/commit/" in self.path:
+        elif match := re.fullmatch(r"/api/models/([^/]+/[^/]+)/branch/([^/]+)", path):
+            repo, branch = match[1], unquote(match[2])
+            if self.files_of(repo, "main") is None:
+                return
+            if branch in self.repos[repo]:
+                self.reply(409, {"error": "Reference already exists"})
+                return
+            self.repos[repo][branch] = dict(self.repos[repo]["main"])  # a new branch starts from main
+            self.reply(200, {})
+        elif match := re.fullmatch(r"/api/models/([^/]+/[^/]+)/(preupload|commit)/([^/]+)", path):
+            repo, kind, branch = match[1], match[2], unquote(match[3])
+            files = self.files_of(repo, branch)
+            if files is None:
+                return
+            if kind == "preupload":
+                self.reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                           for f in json.loads(raw)["files"]]})
+                return
             for line in raw.decode().splitlines():
                 item = json.loads(line)
                 if item["key"] == "file":
-                    self.files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                    files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
                 elif item["key"] != "header":  # lfs / deletions: this fake Hub never asks for them
                     self.reply(400, {"error": f"unexpected {item['key']}"})
                     return
-            oid = COMMIT
-            self.reply(200, {"commitUrl": f"{base}/{REPO}/commit/{oid}", "commitOid": oid,
-                             "pullRequestUrl": None, "success": True})
+            oid = self.commit_of(repo, branch)
+            self.reply(200, {"commitUrl": f"{base}/{repo}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None,
+                             "success": True})
         else:
-            self.reply(404, {"error": f"unknown {self.path}"})
+            self.not_found()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def fake_hub():
-    FakeHub.files, FakeHub.requests = {}, []
+    FakeHub.repos, FakeHub.requests = {}, []
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -121,87 +176,265 @@ def fake_hub():
     server.server_close()
 
 
-def push(endpoint, tmp_path, *args):
-    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_dummy_token_for_tests", "HF_HOME": str(tmp_path / "hf"),
-           "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "hf_latentlm.cli", "push", *args], env=env, capture_output=True,
-                          text=True, timeout=120)
-    return proc.returncode, proc.stdout, proc.stderr
+def hub_env(endpoint, home) -> dict:
+    return {**os.environ, "HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_dummy_token_for_tests", "HF_HOME": str(home),
+            "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1", "OMP_NUM_THREADS": "1"}
 
 
-def test_push_uploads_the_model_and_a_card_and_nothing_else(tmp_path, fake_hub, tokenizer):
-    endpoint, hub = fake_hub
-    folder = tmp_path / "plm"
-    build_tiny("plm", tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    # Training leftovers that must never leave the machine.
-    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin", "metrics.jsonl", "x.pkl"):
-        (folder / name).write_bytes(b"secret")
-    (folder / "checkpoint-2").mkdir()
-    (folder / "checkpoint-2" / "model.safetensors").write_bytes(b"old")
+def save_model(model, tokenizer, folder) -> Path:
+    model.save_pretrained(folder)
+    save_tokenizer(tokenizer, folder)
+    return folder
 
-    code, out, err = push(endpoint, tmp_path, "--model", str(folder), "--repo-id", REPO)
-    assert code == 0, err
-    assert f"{REPO}/commit/" in out and "hf_dummy" not in out + err
-    assert set(hub.files) == EXPECTED_PLM
-    assert hub.files["model.safetensors"] == (folder / "model.safetensors").read_bytes()
-    assert json.loads(hub.files["config.json"])["auto_map"]["AutoModelForCausalLM"] == "modeling_plm.PLMForCausalLM"
-    card = ModelCard(hub.files["README.md"].decode())
-    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
-    assert card.data.tags == ["plm", "custom_code", "hf-latentlm"] and card.data.license == "apache-2.0"
-    assert "trust_remote_code=True" in card.text and "Parallel Language Model" in card.text
-    assert ("POST", "/api/repos/create") in hub.requests
 
-    # Load it back from the (fake) Hub with remote code only and compare generated tokens with the local folder.
-    script = f"""
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-prompt = AutoTokenizer.from_pretrained({REPO!r}, trust_remote_code=True)("ROMEO.\\nTo be", return_tensors="pt").input_ids
-out = []
-for source in ({str(folder)!r}, {REPO!r}):
-    model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=True).eval()
-    out.append(model.generate(prompt, max_new_tokens=12, eos_token_id=None, **{{model.row_seeds_option: [3]}}))
-    out.append(type(model).__module__)
-print(out[0].tolist() == out[2].tolist(), out[0].shape[1] - prompt.shape[1], out[3])
+def local_tokens(model, options) -> list:
+    return model.generate(torch.tensor(PROMPT), max_new_tokens=12, **options)[0, len(PROMPT[0]):].tolist()
+
+
+def generate_options(model) -> dict:
+    if getattr(model, "row_seeds_option", None) is None:  # the AR baseline: greedy, so both sides are deterministic
+        return {"do_sample": False, "eos_token_id": None}
+    return {"eos_token_id": None, **seeded(model, [11])}
+
+
+# Runs with `python -S` (no site, no editable install): only the checkpoints' own code can load the models.
+DOWNLOAD = """
+import contextlib, io, json, re, sys
+sys.path.insert(0, {modeling!r})
+from without_package import assert_package_not_loaded, block_package
+block_package({purelib!r}, {platlib!r})
+import torch, transformers
+from huggingface_hub import hf_hub_download
+results = []
+for job in json.loads({jobs!r}):
+    model = transformers.AutoModelForCausalLM.from_pretrained(job["repo"], revision=job["revision"],
+                                                              trust_remote_code=True).eval()
+    tokens = model.generate(torch.tensor(job["prompt"]), max_new_tokens=12, **job["options"])
+    card = open(hf_hub_download(job["repo"], "README.md", revision=job["revision"])).read()
+    snippet = re.search(r"```python\\n(.*?)```", card, re.S).group(1)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(snippet, {{}})
+    results.append({{"module": type(model).__module__, "tokens": tokens[0, len(job["prompt"][0]):].tolist(),
+                     "snippet_output": printed.getvalue()}})
+assert_package_not_loaded()
+print(json.dumps(results))
 """
-    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_dummy_token_for_tests", "HF_HUB_OFFLINE": "0",
-           "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+
+PUSH = """
+import json, sys
+from hf_latentlm.cli import main
+sys.exit(max(main(argv) for argv in json.loads(sys.argv[1])))
+"""
+
+
+def test_push_then_download_every_family_in_a_process_without_the_package(tmp_path, fake_hub, tokenizer):
+    endpoint, hub = fake_hub
+    folders, expected, jobs = {}, {}, []
+    for family in FAMILIES:
+        model = build_tiny(family, tokenizer).eval()
+        folders[family] = save_model(model, tokenizer, tmp_path / family)
+        options = generate_options(model)
+        expected[family] = local_tokens(model, options)
+        jobs.append({"repo": f"someone/tiny-{family}", "revision": "main", "prompt": PROMPT, "options": options})
+    # Another PLM (other weights) on a branch of the PLM repository: each revision must give its own tokens.
+    other = build_tiny("plm", tokenizer, seed=1).eval()
+    folders["plm@dev"] = save_model(other, tokenizer, tmp_path / "plm-dev")
+    expected["plm@dev"] = local_tokens(other, generate_options(other))
+    assert expected["plm@dev"] != expected["plm"]
+    jobs.append({"repo": "someone/tiny-plm", "revision": "dev", "prompt": PROMPT, "options": generate_options(other)})
+    # Training leftovers that must never leave the machine.
+    for name in LEFTOVERS:
+        (folders["plm"] / name).write_bytes(b"secret")
+    (folders["plm"] / "checkpoint-2").mkdir()
+    (folders["plm"] / "checkpoint-2" / "model.safetensors").write_bytes(b"old")
+
+    # One process runs `hf-latentlm push` (cli.main) for every folder: the import of torch is paid once.
+    argvs = [["push", "--model", str(folders[f]), "--repo-id", f"someone/tiny-{f}"] for f in FAMILIES]
+    argvs.append(["push", "--model", str(folders["plm@dev"]), "--repo-id", "someone/tiny-plm", "--revision", "dev"])
+    done = subprocess.run([sys.executable, "-c", PUSH, json.dumps(argvs)], env=hub_env(endpoint, tmp_path / "up"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("/commit/") == len(argvs) and "hf_dummy" not in done.stdout + done.stderr
+
+    for family in FAMILIES:
+        files = hub.repos[f"someone/tiny-{family}"]["main"]
+        local = {p.name for p in folders[family].iterdir() if p.is_file()} - set(LEFTOVERS)
+        assert set(files) == local | {"README.md"}, family  # weights, config, remote code, tokenizer, card
+        assert files["model.safetensors"] == (folders[family] / "model.safetensors").read_bytes()
+        config = json.loads(files["config.json"])
+        if family == "ar":
+            assert "auto_map" not in config and not any(n.endswith(".py") for n in files)
+        else:
+            assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+            assert {f"{ref.split('.')[0]}.py" for ref in config["auto_map"].values()} <= set(files)
+        assert ModelCard(files["README.md"].decode()).data.tags[0] == family
+    branches = hub.repos["someone/tiny-plm"]
+    assert set(branches) == {"main", "dev"}
+    assert branches["dev"]["model.safetensors"] == (folders["plm@dev"] / "model.safetensors").read_bytes()
+    assert 'revision="dev"' in branches["dev"]["README.md"].decode()
+    assert ("POST", "/api/models/someone/tiny-plm/branch/dev") in hub.requests
+
+    paths = sysconfig.get_paths()
+    script = DOWNLOAD.format(modeling=str(MODELING_DIR), purelib=paths["purelib"], platlib=paths["platlib"],
+                             jobs=json.dumps(jobs))
+    env = {**hub_env(endpoint, tmp_path / "down"), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-S", "-c", script], env=env, capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:] + str(hub.requests[-10:])
-    same, length, module = proc.stdout.split()[-3:]
-    assert same == "True" and length == "12" and module.startswith("transformers_modules.someone"), proc.stdout
-    fetched = {path.rsplit("/", 1)[-1] for method, path in hub.requests if method == "GET" and "/resolve/" in path}
-    assert {"model.safetensors", "config.json", "modeling_plm.py", "tokenizer.json"} <= fetched, fetched
+    assert done.returncode == 0, done.stderr[-3000:] + str(hub.requests[-5:])
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, result in zip([*FAMILIES, "plm@dev"], results):
+        assert result["tokens"] == expected[name], name
+        if name != "ar":  # transformers' own Llama needs no remote code
+            assert result["module"].startswith("transformers_modules.someone"), result["module"]
+        # The card's snippet ran against the Hub copy: one line per prompt (two), then the calls where it prints them.
+        lines = result["snippet_output"].strip().splitlines()
+        assert len(lines) == (2 if name == "ar" else 3), (name, result["snippet_output"])
+    fetched = [re.fullmatch(r"/(.+)/resolve/([^/]+)/(.+)", p).groups() for m, p in hub.requests
+               if m == "GET" and "/resolve/" in p]
+    assert {(f"someone/tiny-{f}", f"modeling_{f}.py") for f in FAMILIES[1:]} <= {(r, n) for r, _, n in fetched}
+    plm_weights = {rev for r, rev, n in fetched if (r, n) == ("someone/tiny-plm", "model.safetensors")}
+    assert len(plm_weights) == 2  # main's and dev's commits
+    assert str(hub.requests).count("hf_dummy") == 0
 
 
-@pytest.mark.parametrize("make,repo_id,needle", [
-    (lambda d: (d / "config.json").write_text("{}"), REPO, "no model.safetensors"),
-    (lambda d: (d / "model.safetensors").write_bytes(b""), REPO, "no config.json"),
-    (lambda d: None, "not a valid/repo/id", "bad --repo-id"),
-    (lambda d: None, "bad..name", "bad --repo-id"),
+# --- model cards (no network) ----------------------------------------------------------------------------------------
+
+def eval_json(value: float, **settings) -> dict:
+    """An `hf-latentlm eval` JSON as cmd_eval writes it (the fields the card reads)."""
+    def entry(v):
+        return {"value": v, "ci_low": v * 0.9, "ci_high": v * 1.1, "interval_contains_zero": False}
+    return {"split": settings.get("split", "validation"),
+            "brier": {"brier_1": entry(0.1), "brier_2": entry(value / 1e3), "brierlm_2": entry(value),
+                      "num_positions": settings.get("num_positions", 2000), "context_len": 128},
+            "nll": {"nll": 5.25, "perplexity": 190.57, "num_tokens": 100}, "model": settings.get("model", "runs/x")}
+
+
+@pytest.fixture(scope="module")
+def plm_dir(tmp_path_factory, tokenizer):
+    return save_model(build_tiny("plm", tokenizer), tokenizer, tmp_path_factory.mktemp("card") / "plm")
+
+
+def front_matter(card) -> dict:
+    return yaml.safe_load(str(card).split("---\n")[1])
+
+
+def test_card_round_trips_and_its_metadata_is_well_formed(tmp_path, plm_dir):
+    (tmp_path / "ours.json").write_text(json.dumps(eval_json(4.0, model="runs/plm-small")))
+    (tmp_path / "ar.json").write_text(json.dumps(eval_json(5.0, model="runs/ar-small")))
+    card = build_model_card(plm_dir, "someone/tiny-plm", eval_file=tmp_path / "ours.json",
+                            baseline_file=tmp_path / "ar.json", datasets=["someone/verse"])
+    card.save(tmp_path / "README.md")
+    loaded = ModelCard.load(tmp_path / "README.md")
+    assert loaded.data.to_dict() == card.data.to_dict() and loaded.text == card.text
+    # card.validate() posts the card to the Hub's /api/validate-yaml (network): the metadata are checked here by
+    # parsing them back into huggingface_hub's own classes (which raise on a malformed model-index) and by hand.
+    data = ModelCardData(**front_matter(card), ignore_metadata_errors=False)
+    assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
+    assert data.tags == ["plm", "custom_code", "hf-latentlm"] and data.license == "apache-2.0"
+    assert data.datasets == ["someone/verse"] and data.base_model is None
+    assert {r.metric_type: r.metric_value for r in data.eval_results} == {
+        "brierlm_2": 4.0, "brier_1": 0.1, "brier_2": 0.004, "nll": 5.25, "perplexity": 190.57}
+    assert all(isinstance(r, EvalResult) and r.dataset_split == "validation" for r in data.eval_results)
+    (index,) = front_matter(card)["model-index"]
+    assert index["name"] == "tiny-plm"
+    (result,) = index["results"]
+    assert result["task"] == {"type": "text-generation"} and {"name", "type"} <= set(result["dataset"])
+    assert all(set(m) == {"type", "value", "name"} and isinstance(m["value"], float) for m in result["metrics"])
+    # Body: the family, a snippet with its own options, results against AR with both commands, limits, citation.
+    text = card.text
+    assert FAMILY_CARDS["plm"].about in text and 'acceptance="exact"' in text and "auxiliary_seeds" in text
+    assert "| BrierLM-2 | 4.0000 [3.6000, 4.4000] | 5.0000 [4.5000, 5.5000] | 0.80 |" in text
+    assert "`hf-latentlm eval --model runs/ar-small --split validation --num-positions 2000 --context-len 128`" in text
+    assert "`hf-latentlm eval --model runs/plm-small" in text
+    assert "truncation of the encoder's softmax" in text and "Parallel Language Models via Variational" in text
+
+
+@pytest.mark.parametrize("family", ["calm", "cola", "aurora", "ar"])
+def test_each_family_gets_its_own_card(tmp_path, tokenizer, family):
+    folder = save_model(build_tiny(family, tokenizer), tokenizer, tmp_path / family)
+    card = build_model_card(folder, f"someone/{family}", revision="dev")
+    assert card.data.tags[0] == family and card.data.eval_results is None
+    assert FAMILY_CARDS[family].generate in card.text and FAMILY_CARDS[family].limitations in card.text
+    assert f'from_pretrained("someone/{family}", revision="dev", trust_remote_code=True)' in card.text
+    assert ("custom_code" in card.data.tags) == (family != "ar")
+    assert ("## Citation" in card.text) == (family != "ar")
+
+
+def test_eval_results_file_in_the_folder_is_read_by_default(tmp_path, tokenizer):
+    folder = save_model(build_tiny("plm", tokenizer), tokenizer, tmp_path / "plm")
+    assert build_model_card(folder, "someone/x").data.eval_results is None
+    assert "No evaluation was given" in build_model_card(folder, "someone/x").text
+    (folder / EVAL_RESULTS_FILE).write_text(json.dumps(eval_json(3.5)))
+    card = build_model_card(folder, "someone/x")
+    assert card.data.eval_results[0].metric_value == 3.5 and "| BrierLM-2 | 3.5000" in card.text
+
+
+def test_post_trained_folder_names_its_base_model(tmp_path, run_cli, plm_dir):
+    out = tmp_path / "sft"
+    code, _, err = run_cli("sft", "--model", str(plm_dir), "--output-dir", str(out), "--max-steps", "1",
+                           "--batch-size", "2", "--train-size", "2", "--lora")
+    assert code == 0, err
+    record = json.loads((out / POST_TRAINING_RECORD).read_text())
+    assert record == {"stage": "sft", "base_model": str(plm_dir), "lora": True, "task": record["task"]}
+    assert record["task"]
+    # The record names a local folder: the card needs its Hub name.
+    code, _, err = run_cli("push", "--model", str(out), "--repo-id", "someone/plm-sft")
+    assert code == 2 and "--base-model OWNER/NAME" in err and len(err.strip().splitlines()) == 1, err
+    card = build_model_card(out, "someone/plm-sft", base_model="someone/tiny-plm")
+    assert card.data.base_model == "someone/tiny-plm" and card.data.to_dict()["base_model_relation"] == "finetune"
+    assert f"SFT with LoRA, merged on the `{record['task']}` task" in card.text
+    assert front_matter(card)["base_model"] == "someone/tiny-plm"
+    # A record that already names a Hub repository is used as it is.
+    (out / POST_TRAINING_RECORD).write_text(json.dumps({**record, "base_model": "someone/base", "lora": False}))
+    card = build_model_card(out, "someone/plm-sft")
+    assert card.data.base_model == "someone/base" and "SFT on the" in card.text
+    assert "base_model" not in build_model_card(plm_dir, "someone/x").data.to_dict()
+
+
+def damage(kind):
+    def make(folder, tokenizer, tmp_path):
+        if kind == "empty":
+            return
+        if kind == "component":
+            save_model(build_tiny("calm-ae", tokenizer), tokenizer, folder)
+            return
+        save_model(build_tiny("plm", tokenizer), tokenizer, folder)
+        if kind == "no-weights":
+            (folder / "model.safetensors").unlink()
+        elif kind == "no-remote-code":
+            (folder / "modeling_plm.py").unlink()
+        elif kind == "no-tokenizer":
+            (folder / "tokenizer.json").unlink()
+            (folder / "tokenizer_config.json").unlink()
+    return make
+
+
+@pytest.mark.parametrize("make,extra,needle", [
+    (damage("empty"), [], "no config.json"),
+    (damage("no-weights"), [], "no weights"),
+    (damage("no-remote-code"), [], "modeling_plm.py, which the folder lacks"),
+    (damage("no-tokenizer"), [], "no tokenizer files"),
+    (damage("component"), [], "a component, not a language model"),
+    (damage("plm"), ["--repo-id", "not a valid/repo/id"], "bad --repo-id"),
+    (damage("plm"), ["--repo-id", "bad..name"], "bad --repo-id"),
+    (damage("plm"), ["--repo-id", "noowner"], "expected OWNER/NAME"),
+    (damage("plm"), ["--eval-results", "missing.json"], "--eval-results 'missing.json' does not exist"),
+    (damage("plm"), ["--eval-results", "{bad}"], "not the JSON written by `hf-latentlm eval`"),
+    (damage("plm"), ["--eval-results", "{ours}", "--baseline-eval", "{other}"], "measured with other settings"),
+    (damage("plm"), ["--baseline-eval", "{ours}"], "--baseline-eval needs the model's own evaluation"),
+    (damage("plm"), ["--base-model", "a/b/c"], "--base-model 'a/b/c' is not a Hub repo id"),
 ])
-def test_push_refuses_with_one_line(tmp_path, run_cli, make, repo_id, needle):
+def test_push_refuses_with_one_line(tmp_path, run_cli, tokenizer, make, extra, needle):
     # Refused before any network call, so in this process (no Hub endpoint needed).
     folder = tmp_path / "m"
     folder.mkdir()
-    make(folder)
-    code, _, err = run_cli("push", "--model", str(folder), "--repo-id", repo_id)
+    make(folder, tokenizer, tmp_path)
+    files = {"bad": {"brier": {}}, "ours": eval_json(4.0), "other": eval_json(5.0, num_positions=100)}
+    for name, content in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+    extra = [str(tmp_path / f"{a[1:-1]}.json") if a.startswith("{") else a for a in extra]
+    if "--repo-id" not in extra:
+        extra = ["--repo-id", "someone/x", *extra]
+    code, _, err = run_cli("push", "--model", str(folder), *extra)
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
-
-
-@pytest.mark.parametrize("family", [f for f in multi_token_families() if f != "plm"])
-def test_push_sends_every_familys_remote_code(tmp_path, fake_hub, tokenizer, family):
-    endpoint, hub = fake_hub
-    folder = tmp_path / family
-    build_tiny(family, tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    (folder / "optimizer.pt").write_bytes(b"secret")
-    code, _, err = push(endpoint, tmp_path, "--model", str(folder), "--repo-id", REPO)
-    assert code == 0, err
-    python_files = {p.name for p in folder.glob("*.py")}
-    assert python_files and set(hub.files) == python_files | {
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-        "README.md"}
-    assert hub.files["model.safetensors"] == (folder / "model.safetensors").read_bytes()
-    assert family in ModelCard(hub.files["README.md"].decode()).data.tags

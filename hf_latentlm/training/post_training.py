@@ -535,9 +535,10 @@ def _max_length(model) -> int | None:
     return getattr(core_model(model).config, "max_position_embeddings", None)
 
 
-def save_post_trained(trainer, output_dir, tokenizer) -> None:
-    """The trained model as a normal checkpoint in `output_dir` (a PEFT model merged first), with its tokenizer and
-    the trainer's log (`post_training_log.json`); written by the main process."""
+def save_post_trained(trainer, output_dir, tokenizer, origin: dict | None = None) -> None:
+    """The trained model as a normal checkpoint in `output_dir` (a PEFT model merged first), with its tokenizer, the
+    trainer's log (`post_training_log.json`) and `origin` ({"stage", "base_model", "lora", "task"}: the model card's
+    `base_model`, hub.POST_TRAINING_RECORD); written by the main process."""
     from accelerate.utils import is_peft_model
 
     from .checkpoint import save_tokenizer
@@ -551,6 +552,10 @@ def save_post_trained(trainer, output_dir, tokenizer) -> None:
         model.save_pretrained(output)
         save_tokenizer(tokenizer, output)
         (output / "post_training_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
+        if origin is not None:
+            from ..hub import POST_TRAINING_RECORD
+
+            (output / POST_TRAINING_RECORD).write_text(json.dumps(origin, indent=1) + "\n")
     trainer.accelerator.wait_for_everyone()
 
 
@@ -617,6 +622,8 @@ def run_sft(model_dir, output_dir, task: str | None = None, max_steps: int | Non
     from . import tasks
 
     checkpoint = _resume_from(output_dir, resume)
+    origin = {"stage": "sft", "base_model": str(model_dir), "lora": lora,  # the card's base_model (hub.py)
+              "task": None if dataset is not None else task or tasks.DEFAULT_TASK}
     model, tokenizer = load_model_and_tokenizer(str(model_dir))
     if dataset is None:
         dataset = tasks.load_task(task or tasks.DEFAULT_TASK, tokenizer=tokenizer, seed=seed,
@@ -629,7 +636,7 @@ def run_sft(model_dir, output_dir, task: str | None = None, max_steps: int | Non
     trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                             peft_config=lora_config(model) if lora else None, callbacks=list(callbacks or []))
     result = trainer.train(resume_from_checkpoint=checkpoint)
-    save_post_trained(trainer, output_dir, tokenizer)
+    save_post_trained(trainer, output_dir, tokenizer, origin=origin)
     return _summary("sft", trainer, result, output_dir, _family_name(model))
 
 
@@ -648,6 +655,8 @@ def run_dpo(model_dir, output_dir, task: str | None = None, max_steps: int | Non
     from . import tasks
 
     checkpoint = _resume_from(output_dir, resume)
+    origin = {"stage": "dpo", "base_model": str(model_dir), "lora": lora,  # the card's base_model (hub.py)
+              "task": None if dataset is not None else task or tasks.DEFAULT_TASK}
     model, tokenizer = load_model_and_tokenizer(str(model_dir))
     if dataset is None:
         dataset = tasks.load_preference_task(task or tasks.DEFAULT_TASK, tokenizer=tokenizer, seed=seed,
@@ -663,5 +672,5 @@ def run_dpo(model_dir, output_dir, task: str | None = None, max_steps: int | Non
     trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                             peft_config=lora_config(model) if lora else None, callbacks=list(callbacks or []))
     result = trainer.train(resume_from_checkpoint=checkpoint)
-    save_post_trained(trainer, output_dir, tokenizer)
+    save_post_trained(trainer, output_dir, tokenizer, origin=origin)
     return _summary("dpo", trainer, result, output_dir, _family_name(model))
