@@ -8,31 +8,43 @@ from transformers import PretrainedConfig
 from .configuration_backbone import BackboneConfig, check_positive
 
 TEMPERATURE_SAMPLERS = ("pool", "exact")
+ENERGY_HEAD_TYPES = ("reference", "swiglu")
+STAGE_LAYOUTS = ("per_stage", "split")
+#: The reference implementation's autoencoder recipe (shaochenze/calm), as `CALMAutoencoderConfig` fields: its
+#: `num_encoder_layers` blocks are split around the squeeze (2 -> 1 + 1), embeddings start at std 0.02, and corrupted
+#: input tokens become token 0 (`input_ids * keep_mask`).
+REFERENCE_AUTOENCODER_RECIPE = {"stage_layout": "split", "embedding_init_std": 0.02, "replace_token_id": 0}
 
 
 class CALMAutoencoderConfig(PretrainedConfig):
     r"""Context-free MLP autoencoder: a chunk of K tokens <-> one latent vector of size l.
 
-    Encoder: token embedding -> `num_encoder_layers` residual SwiGLU blocks per token -> flatten K·h ->
-    linear to h ("squeeze") -> `num_encoder_layers` blocks -> linear to 2·l (mean, log σ). The decoder mirrors
-    it (l -> h -> blocks -> linear to K·h -> per-token blocks -> norm -> logits through the tied embedding).
-    **Choice:** the supplement gives "2 encoder + 2 decoder layers" without saying how they split around the
-    squeeze; here each stage has that many blocks.
+    Encoder: token embedding -> residual SwiGLU blocks per token (stage 0) -> flatten K·h -> linear to h
+    ("squeeze") -> residual blocks per chunk (stage 1) -> linear to 2·l (mean, log σ). The decoder mirrors it
+    (l -> h -> blocks per chunk -> linear to K·h -> per-token blocks -> norm -> logits through the tied embedding).
+    `REFERENCE_AUTOENCODER_RECIPE` holds the reference code's values of the three recipe fields below.
 
     Args:
         vocab_size (`int`, 4096), chunk_size (`int`, 4): K tokens per latent.
         latent_size (`int`, 128): l.
         hidden_size (`int`, 512), intermediate_size (`int`, 1280): width of the residual SwiGLU blocks.
-        num_encoder_layers / num_decoder_layers (`int`, 2 / 2): blocks per stage (see above).
+        num_encoder_layers / num_decoder_layers (`int`, 2 / 2): residual blocks of the encoder / decoder, laid
+            out by `stage_layout`.
+        stage_layout (`str`, "per_stage"): "per_stage" puts `num_*_layers` blocks in EACH of the two stages
+            (2 -> 2 + 2 per side; this project's first reading of the supplement); "split" splits them around the
+            squeeze / expand as the reference code does: ⌊n/2⌋ in the first stage (encoder: per token; decoder: per
+            chunk), the rest in the second (2 -> 1 + 1).
         kl_weight (`float`, 1e-3): weight of the clamped KL to N(0, I).
         kl_clamp (`float`, 0.5): free bits, per latent dimension: the loss uses Σ_i max(KL_i, kl_clamp).
-        token_replace_prob (`float`, 0.15): share of input tokens replaced by uniformly random tokens before
-            encoding (training only).
+        token_replace_prob (`float`, 0.15): share of input tokens replaced before encoding (training only).
+        replace_token_id (`int` or None, None): what a replaced token becomes: None = a uniformly random token;
+            an id = always that token (the reference replaces with id 0).
         latent_dropout (`float`, 0.15): dropout on the sampled latent before decoding (training only).
         rms_norm_eps (`float`, 1e-6), initializer_range (`float`, 0.02): std of the linear layers.
-        embedding_init_std (`float`, 1.0): std of the token embedding, which is also the output layer. After 80
-            `small` steps, validation accuracy from a sampled z is 32.1% with 0.02 and 72.6% with 1.0
-            (`python scripts/calm_probes.py ae-init --steps 80`).
+        embedding_init_std (`float`, 1.0): std of the token embedding, which is also the output layer (the
+            reference: 0.02, its initializer_range). After 80 `small` steps, validation accuracy from a sampled z is
+            32.1% with 0.02 and 72.6% with 1.0 (`python scripts/calm_probes.py ae-init --steps 80`); which one gives
+            the better CALM downstream is not measured yet.
         log_std_min / log_std_max (`float`, -10 / 2): clamp of the posterior log σ, for numerical safety.
     Loss: K × token cross-entropy (mean over tokens) + kl_weight × clamped KL (mean over chunks).
     """
@@ -48,9 +60,11 @@ class CALMAutoencoderConfig(PretrainedConfig):
         intermediate_size: int = 1280,
         num_encoder_layers: int = 2,
         num_decoder_layers: int = 2,
+        stage_layout: str = "per_stage",
         kl_weight: float = 1e-3,
         kl_clamp: float = 0.5,
         token_replace_prob: float = 0.15,
+        replace_token_id: int | None = None,
         latent_dropout: float = 0.15,
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
@@ -70,9 +84,11 @@ class CALMAutoencoderConfig(PretrainedConfig):
         self.intermediate_size = intermediate_size
         self.num_encoder_layers = num_encoder_layers
         self.num_decoder_layers = num_decoder_layers
+        self.stage_layout = stage_layout
         self.kl_weight = kl_weight
         self.kl_clamp = kl_clamp
         self.token_replace_prob = token_replace_prob
+        self.replace_token_id = replace_token_id
         self.latent_dropout = latent_dropout
         self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
@@ -97,6 +113,21 @@ class CALMAutoencoderConfig(PretrainedConfig):
                              f"{self.kl_clamp}")
         if not self.log_std_min < self.log_std_max:
             raise ValueError("CALMAutoencoderConfig.log_std_min must be below log_std_max")
+        if self.stage_layout not in STAGE_LAYOUTS:
+            raise ValueError(f"CALMAutoencoderConfig.stage_layout must be one of {STAGE_LAYOUTS}, "
+                             f"got {self.stage_layout!r}")
+        if self.replace_token_id is not None and not (isinstance(self.replace_token_id, int)
+                                                      and 0 <= self.replace_token_id < self.vocab_size):
+            raise ValueError(f"CALMAutoencoderConfig.replace_token_id must be None or a token id in [0, vocab_size = "
+                             f"{self.vocab_size}), got {self.replace_token_id!r}")
+        if not self.embedding_init_std > 0:
+            raise ValueError(f"CALMAutoencoderConfig.embedding_init_std must be > 0, got {self.embedding_init_std}")
+
+    def stage_layers(self, num_layers: int) -> tuple[int, int]:
+        """(first stage, second stage) block counts for `num_layers` under `stage_layout`."""
+        if self.stage_layout == "split":
+            return num_layers // 2, num_layers - num_layers // 2
+        return num_layers, num_layers
 
 
 class CALMConfig(BackboneConfig):
@@ -110,9 +141,16 @@ class CALMConfig(BackboneConfig):
         Linear(K·d, 2d) -> SiLU -> Linear(2d, d) -> RMSNorm.
     Energy head:
         noise_size (`int`, 64): d_noise, noise ε ~ U[-0.5, 0.5]^{d_noise}.
-        num_head_blocks (`int`, None -> ceil(num_hidden_layers / 4)): residual blocks; each fuses the running
-            vector with the hidden state by two linear layers (one each, summed), then RMSNorm + SwiGLU with
-            intermediate size d, plus a residual. The final linear to l is zero-initialised.
+        num_head_blocks (`int`, None -> ceil(num_hidden_layers / 4)): residual blocks of the head.
+        energy_head_type (`str`, "reference"): the head's architecture, one of `ENERGY_HEAD_TYPES`.
+            "reference" (the reference code's MLPGenerator): x = LayerNorm(Linear(ε)), c = LayerNorm(Linear(h));
+            each block x + Linear_{d,d}(SiLU(g) ⊙ u), [g, u] = Linear_{d,2d}(SiLU(Linear_{d,d}(SiLU(
+            Linear_{2d,d}([LayerNorm(x), c]))))), ≈ 6d² weights; out = Linear_{d,l}(SiLU(Linear_{d,d}(LayerNorm(x)))).
+            "swiglu" (this project's first head): x = Linear(ε), c = Linear(h); each block
+            x + SwiGLU(RMSNorm(W_x x + W_h c)) with intermediate size d, 5d² weights; out = Linear_{d,l}(RMSNorm(x)).
+            The last linear layer is zero-initialised in both (paper). A saved config without this field predates
+            it and describes the "swiglu" head: `from_dict` (which `from_pretrained` uses) fills that in, not the
+            `__init__` default.
     Energy loss (Eq. 10, α = 1):
         num_model_samples (`int`, 8): N head samples per step; num_target_samples (`int`, 100): M posterior
         samples of the target latent per step.
@@ -124,10 +162,12 @@ class CALMConfig(BackboneConfig):
         generation_temperature (`float`, 1.0): default T in (0, 1]; T = 1 is one head draw per step. (Named so
             because transformers reserves `temperature` for the GenerationConfig.)
         temperature_sampler (`str`, "pool"): for T < 1, "pool" (draw `temperature_pool_size` samples, pick a
-            decoded chunk with weight C(count, 1/T); any T) or "exact" (draw n = 1/T samples and accept when all
-            decode to the same chunk; T must be 1/n).
-        temperature_pool_size (`int`, 200); exact_attempts (`int`, 16): n-sample attempts drawn per rejection
-        round; exact_max_rounds (`int`, 64): rounds before the exact sampler gives up with an error.
+            decoded chunk with weight C(count, 1/T), stepping 1/T down by one while no chunk has weight;
+            approximate, tends to the tempered law as the pool grows) or "exact" (rejection: n = ⌊1/T⌋ agreeing
+            draws, then a Bernoulli-factory stage for the fractional part of 1/T; exact at every T in (0, 1]).
+        temperature_pool_size (`int`, 200); exact_attempts (`int`, 16): the exact sampler draws
+            exact_attempts · ⌈1/T⌉ samples per pending row per round; exact_max_rounds (`int`, 64): rounds before
+            it gives up with an error.
     """
 
     model_type = "calm"
@@ -140,6 +180,7 @@ class CALMConfig(BackboneConfig):
         chunk_size: int = 4,
         noise_size: int = 64,
         num_head_blocks: int | None = None,
+        energy_head_type: str = "reference",
         num_model_samples: int = 8,
         num_target_samples: int = 100,
         autoencoder_config: CALMAutoencoderConfig | dict | None = None,
@@ -154,6 +195,7 @@ class CALMConfig(BackboneConfig):
         self.chunk_size = chunk_size
         self.noise_size = noise_size
         self.num_head_blocks = num_head_blocks if num_head_blocks is not None else -(-self.num_hidden_layers // 4)
+        self.energy_head_type = energy_head_type
         self.num_model_samples = num_model_samples
         self.num_target_samples = num_target_samples
         if autoencoder_config is None:
@@ -169,6 +211,18 @@ class CALMConfig(BackboneConfig):
         self.exact_attempts = exact_attempts
         self.exact_max_rounds = exact_max_rounds
         self.validate_calm()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs) -> "CALMConfig":
+        # A config saved before `energy_head_type` existed has no such key and holds "swiglu" head weights; the
+        # `__init__` default would build the reference head and leave those weights unused (and the head random).
+        if "energy_head_type" not in config_dict:
+            config_dict = {**config_dict, "energy_head_type": "swiglu"}
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def from_json_file(cls, json_file) -> "CALMConfig":
+        return cls.from_dict(cls._dict_from_json_file(json_file))
 
     @property
     def latent_size(self) -> int:
@@ -191,9 +245,13 @@ class CALMConfig(BackboneConfig):
                              f"({self.vocab_size})")
         if not 0 < self.generation_temperature <= 1:
             raise ValueError(f"CALMConfig.generation_temperature must be in (0, 1], got {self.generation_temperature}")
+        if self.energy_head_type not in ENERGY_HEAD_TYPES:
+            raise ValueError(f"CALMConfig.energy_head_type must be one of {ENERGY_HEAD_TYPES}, "
+                             f"got {self.energy_head_type!r}")
         if self.temperature_sampler not in TEMPERATURE_SAMPLERS:
             raise ValueError(f"CALMConfig.temperature_sampler must be one of {TEMPERATURE_SAMPLERS}, "
                              f"got {self.temperature_sampler!r}")
 
 
-__all__ = ["CALMAutoencoderConfig", "CALMConfig", "TEMPERATURE_SAMPLERS"]
+__all__ = ["CALMAutoencoderConfig", "CALMConfig", "ENERGY_HEAD_TYPES", "REFERENCE_AUTOENCODER_RECIPE", "STAGE_LAYOUTS",
+           "TEMPERATURE_SAMPLERS"]

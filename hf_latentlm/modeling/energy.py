@@ -8,6 +8,7 @@ Small, separately tested functions; no model state. Copied into Hub checkpoints,
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -39,68 +40,143 @@ def energy_loss(samples: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
     return fidelity - diversity, fidelity, diversity
 
 
-def chunk_agreement(chunks: torch.Tensor) -> torch.Tensor:
-    """chunks [B, S, K] token chunks -> bool [B, S, S]: sample i and j decoded to the same K tokens."""
-    return (chunks[:, :, None, :] == chunks[:, None, :, :]).all(-1)
+def chunk_counts(chunks: torch.Tensor) -> torch.Tensor:
+    """chunks [B, S, K] (token ids >= 0) -> LongTensor [B, S]: how many draws of the same row decoded to draw s's
+    chunk.
+
+    The (row, chunk) pair is ranked one token column at a time with 1-D `torch.unique` (a sort), so the keys stay
+    below B·S·V and nothing is S × S: pools of hundreds of draws for thousands of rows stay cheap."""
+    batch, size, k = chunks.shape
+    key = torch.arange(batch, device=chunks.device).repeat_interleave(size)
+    for column in chunks.reshape(batch * size, k).long().unbind(-1):
+        _, key = torch.unique(key * (int(column.max()) + 1) + column, return_inverse=True)
+    return torch.bincount(key)[key].view(batch, size)
 
 
-def log_binomial(count: torch.Tensor, n: float) -> torch.Tensor:
-    """log C(count, n) for real n ≥ 1 via log-Gamma; −inf where count < n (fewer than n agreeing draws)."""
+def inverse_temperature(temperature: float, tolerance: float = 1e-9) -> float:
+    """r = 1/T for T in (0, 1], snapped to the nearest integer when within `tolerance` (1/0.25 is 4, and an
+    integer r must not pick up rounding noise), or a ValueError naming T."""
+    if not 0 < temperature <= 1:
+        raise ValueError(f"temperature must be in (0, 1], got {temperature}")
+    r = 1.0 / temperature
+    return float(round(r)) if abs(r - round(r)) <= tolerance else r
+
+
+def log_binomial(count: torch.Tensor, r: float | torch.Tensor) -> torch.Tensor:
+    """log C(count, r) = log Γ(count+1) − log Γ(r+1) − log Γ(count−r+1) for real r ≥ 0 (broadcast with count): the
+    number of r-subsets of `count` agreeing draws, extended to real r. −inf where count ≤ r − 1.
+
+    Where count > r − 1 every Gamma argument is positive, so the value is real and finite; for integer r it is
+    log math.comb(count, r). For count ≤ r − 1 the extension is 0 at integers and changes sign in between, so such
+    counts get no weight, as below r in the integer case."""
     count = count.double()
-    value = torch.lgamma(count + 1) - math.lgamma(n + 1) - torch.lgamma((count - n).clamp(min=0) + 1)
-    return torch.where(count >= n, value, torch.full_like(value, -math.inf))
+    r = torch.as_tensor(r, dtype=torch.float64, device=count.device)
+    valid = count > r - 1
+    value = torch.lgamma(count + 1) - torch.lgamma(r + 1) - torch.lgamma(torch.where(valid, count - r + 1, 1.0))
+    return torch.where(valid, value, -math.inf)
 
 
 def pool_temperature_choice(chunks: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> torch.Tensor:
     """Approximate temperature-T sampling from a pool of draws: pick a pool index per row.
 
     chunks [B, S, K]: the decoded chunks of S draws per row; uniforms [B] in [0, 1): the row's random number.
-    Each DISTINCT chunk with `count` copies in the pool gets weight C(count, n), n = 1/T (the number of
-    n-subsets of the pool that agree on it), i.e. each copy gets C(count, n) / count. With T = 1 this is a plain
-    uniform pick from the pool. When no chunk occurs n times (all weights 0), the most frequent chunk is taken,
-    which is also the T -> 0 limit ("greedy"). `temperature=0` asks for that limit directly.
-    Returns LongTensor [B] of pool indices. Vectorised over rows and draws.
+    Each DISTINCT chunk with `count` copies in the pool gets weight C(count, r), r = 1/T (`log_binomial`, any real
+    r): for integer r the number of r-subsets of the pool that agree on it, whose mean is C(S, r)·p^r; for any r it
+    grows as count^r / Γ(r+1), so the choice law tends to p^(1/T)/Σ as the pool grows. When no chunk has a positive
+    weight (every count ≤ r − 1), r steps down by one until one does (r → r−1 → …; every drawn chunk qualifies once
+    r ≤ 2), the reference's cascade n → n−1 → … → 1 for integer r, then the same weighted random pick.
+    With T = 1 this is a plain uniform pick from the pool. `temperature=0` takes the most frequent chunk (the
+    T -> 0 limit, "greedy"). Returns LongTensor [B] of pool indices. Vectorised over rows and draws.
     """
     if chunks.dim() != 3 or uniforms.shape != chunks.shape[:1]:
         raise ValueError(f"expected chunks [B, S, K] and uniforms [B], got {tuple(chunks.shape)} and "
                          f"{tuple(uniforms.shape)}")
-    counts = chunk_agreement(chunks).sum(-1)  # [B, S] copies of each draw's chunk
-    most_frequent = counts.argmax(-1)
+    counts = chunk_counts(chunks)  # [B, S] copies of each draw's chunk
     if temperature == 0:
-        return most_frequent
-    log_w = log_binomial(counts, 1.0 / temperature) - counts.double().log()
-    usable = torch.isfinite(log_w).any(-1)
-    probs = torch.softmax(torch.where(usable[:, None], log_w, torch.zeros_like(log_w)), dim=-1)
-    cdf = probs.cumsum(-1)
+        return counts.argmax(-1)
+    r = inverse_temperature(temperature)
+    # Step-down, per row: the smallest k >= 0 with (most frequent count) > r − k − 1.
+    steps = (r - counts.max(-1).values.double()).floor().clamp(min=0)  # [B]
+    log_w = log_binomial(counts, r - steps[:, None]) - counts.double().log()  # per copy: C(count, r') / count
+    cdf = torch.softmax(log_w, dim=-1).cumsum(-1)
     picked = torch.searchsorted(cdf, uniforms.double()[:, None].to(cdf.device) * cdf[:, -1:]).squeeze(-1)
-    picked = picked.clamp(max=chunks.shape[1] - 1)
-    return torch.where(usable, picked, most_frequent)
+    return picked.clamp(max=chunks.shape[1] - 1)
 
 
-def exact_temperature_choice(chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact temperature 1/n by rejection: chunks [B, A, n, K] are A attempts of n independent draws per row.
+class RejectionState(NamedTuple):
+    """Where exact temperature sampling stands in each row's stream of draws (see `exact_temperature_scan`).
 
-    An attempt is accepted when its n draws decode to the same chunk; the first accepted attempt is taken, so the
-    result has probability ∝ p(chunk)^n. Returns (accepted [B] bool, chosen [B, K]: the agreed chunk of the first
-    accepted attempt, arbitrary where nothing was accepted).
+    candidate [B, K]: the chunk the current attempt is about; agreed [B]: stage-1 draws equal to it so far (0 = no
+    attempt under way); trials [B]: stage-2 draws so far; accepted [B]: the row is done and `candidate` is its
+    chunk."""
+
+    candidate: torch.Tensor
+    agreed: torch.Tensor
+    trials: torch.Tensor
+    accepted: torch.Tensor
+
+    @classmethod
+    def start(cls, batch: int, chunk_size: int, device=None) -> "RejectionState":
+        zeros = torch.zeros(batch, dtype=torch.long, device=device)
+        return cls(torch.zeros(batch, chunk_size, dtype=torch.long, device=device), zeros, zeros.clone(),
+                   torch.zeros(batch, dtype=torch.bool, device=device))
+
+    def rows(self, index: torch.Tensor) -> "RejectionState":
+        return RejectionState(*(part[index] for part in self))
+
+    def with_rows(self, index: torch.Tensor, rows: "RejectionState") -> "RejectionState":
+        parts = [part.clone() for part in self]
+        for part, new in zip(parts, rows):
+            part[index] = new
+        return RejectionState(*parts)
+
+
+def exact_temperature_scan(chunks: torch.Tensor, uniforms: torch.Tensor, temperature: float,
+                           state: RejectionState | None = None) -> RejectionState:
+    """Exact temperature-T sampling from a sampler that can only be drawn from (paper 000, temperature sampling):
+    the accepted chunk x has probability p(x)^(1/T) / Σ_y p(y)^(1/T), for every T in (0, 1].
+
+    Write 1/T = n + α (n = ⌊1/T⌋, α ∈ [0, 1)). An attempt takes the next draw as its candidate x.
+    - Stage 1 (integer part): the next n − 1 draws must equal x, else the attempt is rejected (probability p^n).
+    - Stage 2 (fractional part, α > 0; a Bernoulli factory for p^α): for i = 1, 2, …: draw; equal to x -> accept;
+      otherwise reject with probability α / i, else go on. It accepts with probability
+      p Σ_m q^m (1−α)_m / m! = p · p^(α−1) = p^α (q = 1 − p), after p^(α−1) draws on average.
+    A rejected attempt is discarded whole (the draw that failed it never starts the next one) and the next draw
+    starts a new attempt.
+
+    chunks [B, D, K]: the next D draws of each row's stream; uniforms [B, D] in [0, 1): one per draw (read only in
+    stage 2). `state` carries an attempt across calls (None = fresh rows), so draws can come in rounds and the law
+    does not depend on D. Rows already accepted are left as they are. Returns the new state; `candidate` is the
+    chunk of the accepted rows. A Python loop over the D draws, vectorised over rows.
     """
-    agree = (chunks == chunks[:, :, :1]).all(-1).all(-1)  # [B, A]
-    accepted = agree.any(-1)
-    first = agree.long().argmax(-1)
-    chosen = chunks[torch.arange(chunks.shape[0], device=chunks.device), first, 0]
-    return accepted, chosen
+    if chunks.dim() != 3 or uniforms.shape != chunks.shape[:2]:
+        raise ValueError(f"expected chunks [B, D, K] and uniforms [B, D], got {tuple(chunks.shape)} and "
+                         f"{tuple(uniforms.shape)}")
+    r = inverse_temperature(temperature)
+    n = int(r)
+    alpha = r - n
+    if state is None:
+        state = RejectionState.start(chunks.shape[0], chunks.shape[2], chunks.device)
+    candidate, agreed, trials, accepted = state
+    for t in range(chunks.shape[1]):
+        draw, u = chunks[:, t], uniforms[:, t]
+        live = ~accepted
+        same = (draw == candidate).all(-1)
+        stage1 = live & (agreed < n)
+        stage2 = live & (agreed == n)
+        # Stage 1: start an attempt, extend it, or reject it.
+        candidate = torch.where((stage1 & (agreed == 0))[:, None], draw, candidate)
+        agreed = torch.where(stage1, torch.where((agreed == 0) | same, agreed + 1, 0), agreed)
+        if alpha == 0:
+            accepted = accepted | (stage1 & (agreed == n))
+        # Stage 2: the i-th draw (i = trials + 1) accepts on a match, else rejects with probability α / i.
+        accepted = accepted | (stage2 & same)
+        going_on = stage2 & ~same
+        reject = going_on & (u < alpha / (trials + 1))
+        trials = torch.where(reject, 0, torch.where(going_on, trials + 1, trials))
+        agreed = torch.where(reject, 0, agreed)
+    return RejectionState(candidate, agreed, trials, accepted)
 
 
-def exact_temperature_n(temperature: float, tolerance: float = 1e-6) -> int:
-    """n with T = 1/n, or a ValueError naming T when it is not of that form."""
-    if not 0 < temperature <= 1:
-        raise ValueError(f"temperature must be in (0, 1], got {temperature}")
-    n = round(1.0 / temperature)
-    if abs(1.0 / n - temperature) > tolerance:
-        raise ValueError(f"the exact temperature sampler needs T = 1/n for an integer n, got T = {temperature}; "
-                         f"use temperature_sampler='pool' for other temperatures")
-    return n
-
-
-__all__ = ["energy_loss", "chunk_agreement", "log_binomial", "pool_temperature_choice", "exact_temperature_choice",
-           "exact_temperature_n"]
+__all__ = ["energy_loss", "chunk_counts", "inverse_temperature", "log_binomial",
+           "pool_temperature_choice", "RejectionState", "exact_temperature_scan"]

@@ -12,6 +12,7 @@ Two models:
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -26,9 +27,10 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_calm import TEMPERATURE_SAMPLERS, CALMAutoencoderConfig, CALMConfig
 from .energy import (
+    RejectionState,
     energy_loss,
-    exact_temperature_choice,
-    exact_temperature_n,
+    exact_temperature_scan,
+    inverse_temperature,
     pool_temperature_choice,
 )
 from .generation import (
@@ -107,8 +109,8 @@ class CALMGenerationOptions(GenerationOptions):
 
     temperature (default config.generation_temperature = 1): T in (0, 1]. T = 1 draws one latent per step.
     temperature_sampler "pool" (default): draw `temperature_pool_size` latents, decode them, pick a chunk with
-        weight C(count, 1/T) (any T). "exact": draw n = 1/T latents, accept when all decode to the same chunk, else
-        retry (T must be 1/n).
+        weight C(count, 1/T) (approximate; see `pool_temperature_choice`). "exact": rejection sampling of the
+        tempered law p^(1/T)/Σ at any T in (0, 1] (see `exact_temperature_scan`).
     do_sample=False takes the most frequent chunk of the pool (T -> 0).
     noise_seeds: one int per row; row b draws all its noise from a generator seeded with it, so a row gives the
         same tokens alone or in any batch. Default: seeds drawn from the global torch RNG.
@@ -132,8 +134,6 @@ class CALMGenerationOptions(GenerationOptions):
         sampler = config.temperature_sampler if self.temperature_sampler is None else self.temperature_sampler
         if sampler not in TEMPERATURE_SAMPLERS:
             raise ValueError(f"temperature_sampler must be one of {TEMPERATURE_SAMPLERS}, got {sampler!r}")
-        if sampler == "exact" and self.do_sample:
-            exact_temperature_n(temperature)  # refuses T other than 1/n by name
         pool_size = config.temperature_pool_size if self.temperature_pool_size is None else self.temperature_pool_size
         if pool_size < 1:
             raise ValueError(f"temperature_pool_size must be at least 1, got {pool_size}")
@@ -198,16 +198,18 @@ class CALMAutoencoder(BackbonePreTrainedModel):
     def __init__(self, config: CALMAutoencoderConfig):
         super().__init__(config)
         h, i, k, eps = config.hidden_size, config.intermediate_size, config.chunk_size, config.rms_norm_eps
+        encoder_token, encoder_chunk = config.stage_layers(config.num_encoder_layers)
+        decoder_chunk, decoder_token = config.stage_layers(config.num_decoder_layers)
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
-        self.encoder_token_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(config.num_encoder_layers))
+        self.encoder_token_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(encoder_token))
         self.encoder_squeeze = nn.Linear(k * h, h, bias=False)
-        self.encoder_chunk_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(config.num_encoder_layers))
+        self.encoder_chunk_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(encoder_chunk))
         self.encoder_norm = RMSNorm(h, eps=eps)
         self.to_posterior = nn.Linear(h, 2 * config.latent_size)
         self.decoder_in = nn.Linear(config.latent_size, h, bias=False)
-        self.decoder_chunk_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(config.num_decoder_layers))
+        self.decoder_chunk_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(decoder_chunk))
         self.decoder_expand = nn.Linear(h, k * h, bias=False)
-        self.decoder_token_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(config.num_decoder_layers))
+        self.decoder_token_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(decoder_token))
         self.decoder_norm = RMSNorm(h, eps=eps)
         self.post_init()
 
@@ -243,12 +245,15 @@ class CALMAutoencoder(BackbonePreTrainedModel):
         return self.decode_logits(latents).argmax(-1)
 
     def replace_tokens(self, chunks: torch.Tensor) -> torch.Tensor:
-        """Training-time corruption: each token is replaced by a uniformly random one with probability p."""
-        p = self.config.token_replace_prob
+        """Training-time corruption: each token is replaced with probability p, by `replace_token_id` or, when that
+        is None, by a uniformly random token."""
+        p, fixed = self.config.token_replace_prob, self.config.replace_token_id
         if not self.training or p == 0:
             return chunks
         swap = torch.rand(chunks.shape, device=chunks.device) < p
-        return torch.where(swap, torch.randint_like(chunks, self.config.vocab_size), chunks)
+        replacement = torch.full_like(chunks, fixed) if fixed is not None else torch.randint_like(
+            chunks, self.config.vocab_size)
+        return torch.where(swap, replacement, chunks)
 
     @capture_outputs
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, attention_mask=None,
@@ -300,7 +305,7 @@ class CALMAutoencoder(BackbonePreTrainedModel):
 # CALM
 # ====================================================================================================================
 
-class EnergyHeadBlock(nn.Module):
+class SwiGLUEnergyHeadBlock(nn.Module):
     """x + SwiGLU(RMSNorm(W_x x + W_h h)): fuse the running vector with the hidden state, refine, add back."""
 
     def __init__(self, hidden_size: int, eps: float):
@@ -314,15 +319,17 @@ class EnergyHeadBlock(nn.Module):
         return x + self.mlp(self.norm(self.fuse_latent(x) + self.fuse_hidden(hidden)))
 
 
-class EnergyHead(nn.Module):
-    """One-step generative head: (hidden h [..., d], noise ε [..., S, d_noise]) -> S latent samples [..., S, l]."""
+class SwiGLUEnergyHead(nn.Module):
+    """`energy_head_type="swiglu"`, this project's first head (its parameter names are those of older checkpoints):
+    (hidden h [..., d], noise ε [..., S, d_noise]) -> S latent samples [..., S, l]."""
 
     def __init__(self, config: CALMConfig):
         super().__init__()
         d = config.hidden_size
         self.hidden_proj = nn.Linear(d, d)
         self.noise_proj = nn.Linear(config.noise_size, d)
-        self.blocks = nn.ModuleList(EnergyHeadBlock(d, config.rms_norm_eps) for _ in range(config.num_head_blocks))
+        self.blocks = nn.ModuleList(SwiGLUEnergyHeadBlock(d, config.rms_norm_eps)
+                                    for _ in range(config.num_head_blocks))
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.out = nn.Linear(d, config.latent_size)
         self.out.zero_init = True  # paper: last layer zero-initialised
@@ -335,12 +342,83 @@ class EnergyHead(nn.Module):
         return self.out(self.norm(x))
 
 
+class ReferenceEnergyHeadBlock(nn.Module):
+    """The reference code's residual block (≈ 6d² weights): the running vector x, layer-normed, is concatenated with
+    the conditioning c and goes through Linear(2d, d) -> SiLU -> Linear(d, d) -> SiLU -> Linear(d, 2d) -> gated SiLU
+    -> Linear(d, d), added back to x."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        d = hidden_size
+        self.norm = nn.LayerNorm(d, eps=eps)
+        self.fuse = nn.Linear(2 * d, d)
+        self.inner = nn.Linear(d, d)
+        self.gate_up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([self.norm(x), condition.expand_as(x)], dim=-1)
+        gate, up = self.gate_up(F.silu(self.inner(F.silu(self.fuse(y))))).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class ReferenceEnergyHead(nn.Module):
+    """`energy_head_type="reference"` (default), the reference code's MLP generator: noise and hidden state each
+    through a Linear and a LayerNorm, residual blocks, then LayerNorm -> Linear -> SiLU -> Linear (zero-initialised).
+    (hidden h [..., d], noise ε [..., S, d_noise]) -> S latent samples [..., S, l]."""
+
+    def __init__(self, config: CALMConfig):
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.hidden_proj = nn.Linear(d, d)
+        self.hidden_norm = nn.LayerNorm(d, eps=eps)
+        self.noise_proj = nn.Linear(config.noise_size, d)
+        self.noise_norm = nn.LayerNorm(d, eps=eps)
+        self.blocks = nn.ModuleList(ReferenceEnergyHeadBlock(d, eps) for _ in range(config.num_head_blocks))
+        self.final_norm = nn.LayerNorm(d, eps=eps)
+        self.final_proj = nn.Linear(d, d)
+        self.out = nn.Linear(d, config.latent_size)
+        self.out.zero_init = True  # paper and reference: last layer zero-initialised
+
+    def forward(self, hidden: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        c = self.hidden_norm(self.hidden_proj(hidden))[..., None, :]  # shared by the S samples of a step
+        x = self.noise_norm(self.noise_proj(noise.to(c.dtype)))
+        for block in self.blocks:
+            x = block(x, c)
+        return self.out(F.silu(self.final_proj(self.final_norm(x))))
+
+
+ENERGY_HEADS = {"reference": ReferenceEnergyHead, "swiglu": SwiGLUEnergyHead}
+
+
+def energy_head_parameter_count(config: CALMConfig) -> int:
+    """Parameters of the energy head `config` describes, counted from the architecture (biases and norm scales
+    included), for reports and FLOP counts without building it. d = hidden_size, l = latent_size."""
+    d, l, noise, blocks = config.hidden_size, config.latent_size, config.noise_size, config.num_head_blocks
+    if config.energy_head_type == "reference":
+        inputs = (d * d + d) + 2 * d + (noise * d + d) + 2 * d  # Linear + LayerNorm, for h and for ε
+        block = 2 * d + (2 * d * d + d) + (d * d + d) + (2 * d * d + 2 * d) + (d * d + d)  # 6d² + 7d
+        final = 2 * d + (d * d + d) + (d * l + l)
+    else:
+        inputs = (d * d + d) + (noise * d + d)
+        block = 2 * d * d + d + 3 * d * d  # fuse_latent, fuse_hidden, RMSNorm, SwiGLU(d, d): 5d² + d
+        final = d + (d * l + l)
+    return inputs + blocks * block + final
+
+
 class CALMPreTrainedModel(BackbonePreTrainedModel):
     config_class = CALMConfig
     _can_record_outputs = {"hidden_states": DecoderBlock, "attentions": OutputRecorder(AttentionProbs)}
     # The inference forward compiles with fullgraph=True, and so does the energy objective (tests/modeling/
     # test_compile.py).
     _can_compile_fullgraph = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, nn.LayerNorm):  # the reference energy head's norms (the shared init knows RMSNorm only)
+            module.weight.fill_(1.0)
+            module.bias.zero_()
 
     def check_vocab_resize(self, size: int) -> None:
         """Refused unless the size stays the same: the vocabulary belongs to the frozen autoencoder, which maps every
@@ -417,7 +495,7 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
     def __init__(self, config: CALMConfig):
         super().__init__(config)
         self.model = CALMModel(config)
-        self.energy_head = EnergyHead(config)
+        self.energy_head = ENERGY_HEADS[config.energy_head_type](config)
         self.autoencoder = CALMAutoencoder(config.autoencoder_config)
         self.post_init()
         self.freeze_components()
@@ -574,8 +652,7 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         elif opt.temperature_sampler == "pool":
             chunk = self._pool_step(hidden, generators, opt.temperature_pool_size, opt.temperature)
         else:
-            chunk = self._exact_step(hidden, generators, exact_temperature_n(opt.temperature),
-                                     ~new_tokens.finished)
+            chunk = self._exact_step(hidden, generators, opt.temperature, ~new_tokens.finished)
         state.last_chunk = chunk
         return DecodingStep(chunk, model_calls=int(called))
 
@@ -592,27 +669,29 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         picked = pool_temperature_choice(chunks, temperature, uniforms.to(hidden.device))
         return chunks[torch.arange(chunks.shape[0], device=chunks.device), picked]
 
-    def _exact_step(self, hidden, generators, n: int, active: torch.Tensor) -> torch.Tensor:
-        """Exact temperature 1/n by rejection, for the rows in `active`; each round draws `exact_attempts` sets of
-        n latents per still-pending row (only those rows' generators advance)."""
+    def _exact_step(self, hidden, generators, temperature: float, active: torch.Tensor) -> torch.Tensor:
+        """Exact temperature sampling (`exact_temperature_scan`) for the rows in `active`. Each round draws
+        `exact_attempts` · ⌈1/T⌉ latents and as many uniforms per still-pending row (only those rows' generators
+        advance); an attempt in progress carries over to the next round."""
         cfg = self.config
-        chunk = torch.zeros(hidden.shape[0], cfg.chunk_size, dtype=torch.long, device=hidden.device)
-        pending = active.clone()
+        draws_per_round = cfg.exact_attempts * math.ceil(inverse_temperature(temperature))
+        state = RejectionState.start(hidden.shape[0], cfg.chunk_size, hidden.device)
         for _ in range(cfg.exact_max_rounds):
-            rows = pending.nonzero().squeeze(1)
+            rows = (active & ~state.accepted).nonzero().squeeze(1)
             if rows.numel() == 0:
-                return chunk
-            noise = self._noise(generators, cfg.exact_attempts * n, hidden.device, rows.tolist())
+                break
+            noise = self._noise(generators, draws_per_round, hidden.device, rows.tolist())
+            uniforms = torch.stack([torch.rand(draws_per_round, generator=generators[r], dtype=torch.float64)
+                                    for r in rows.tolist()]).to(hidden.device)
             draws = self.autoencoder.decode(self.sample_latents(hidden[rows], noise))
-            accepted, chosen = exact_temperature_choice(draws.view(rows.numel(), cfg.exact_attempts, n, -1))
-            chunk[rows[accepted]] = chosen[accepted]
-            pending[rows[accepted]] = False
-        if bool(pending.any()):
-            raise ValueError(f"exact temperature sampling found no {n} agreeing draws in "
-                             f"{cfg.exact_max_rounds * cfg.exact_attempts} attempts; raise the temperature or use "
+            state = state.with_rows(rows, exact_temperature_scan(draws, uniforms, temperature, state.rows(rows)))
+        if bool((active & ~state.accepted).any()):
+            raise ValueError(f"exact temperature sampling accepted no chunk at T = {temperature} in "
+                             f"{cfg.exact_max_rounds * draws_per_round} draws; raise the temperature or use "
                              f"temperature_sampler='pool'")
-        return chunk
+        return torch.where(state.accepted[:, None], state.candidate, 0)
 
 
 __all__ = ["CALMAutoencoder", "CALMAutoencoderOutput", "CALMForCausalLM", "CALMModel", "CALMPreTrainedModel",
-           "CALMOutput", "CALMGenerateOutput", "CALMGenerationOptions", "CALMDecodingState", "EnergyHead", "chunk_tokens"]
+           "CALMOutput", "CALMGenerateOutput", "CALMGenerationOptions", "CALMDecodingState", "ENERGY_HEADS", "ReferenceEnergyHead",
+           "SwiGLUEnergyHead", "chunk_tokens", "energy_head_parameter_count"]

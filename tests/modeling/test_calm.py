@@ -7,9 +7,12 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hf_latentlm.families import build_model
 from hf_latentlm.modeling import CALMAutoencoder, CALMAutoencoderConfig, CALMConfig, CALMForCausalLM
+from hf_latentlm.modeling.configuration_calm import REFERENCE_AUTOENCODER_RECIPE
+from hf_latentlm.modeling.modeling_calm import ReferenceEnergyHead, SwiGLUEnergyHead, energy_head_parameter_count
 from hf_latentlm.training.loop import TrainConfig, train
 
 
@@ -42,6 +45,10 @@ def trained_calm(tokenizer, tiny_rows, trained_autoencoder, tmp_path_factory):
     ("latent_size", 0, "latent_size must be at least 1"),
     ("token_replace_prob", 1.0, "token_replace_prob"),
     ("kl_weight", -1.0, "kl_weight"),
+    ("stage_layout", "halves", "stage_layout must be one of"),
+    ("replace_token_id", 4096, "replace_token_id must be None or a token id"),
+    ("replace_token_id", -1, "replace_token_id must be None or a token id"),
+    ("embedding_init_std", 0.0, "embedding_init_std must be > 0"),
 ])
 def test_bad_autoencoder_config_values_are_named(field, value, needle):
     with pytest.raises(ValueError, match=needle):
@@ -53,6 +60,7 @@ def test_bad_autoencoder_config_values_are_named(field, value, needle):
     (dict(num_model_samples=1), "num_model_samples"),
     (dict(generation_temperature=0.0), "generation_temperature"),
     (dict(temperature_sampler="beam"), "temperature_sampler"),
+    (dict(energy_head_type="mlp"), "energy_head_type must be one of"),
     (dict(chunk_size=8), "autoencoder's chunk_size"),
     (dict(vocab_size=77), "autoencoder's vocab_size"),
 ])
@@ -103,6 +111,60 @@ def test_autoencoder_corrupts_only_in_training(tokenizer, tiny_rows):
     assert 0.4 < changed < 0.6  # ≈ p, minus replacements that drew the same token
     ae.eval()
     assert torch.equal(ae.replace_tokens(chunks), chunks)
+
+
+def test_fixed_id_corruption_replaces_with_that_id_at_the_set_rate(tokenizer):
+    """replace_token_id (the reference's recipe): a replaced token is always that id, and tokens are replaced at
+    rate p: the count of changed tokens among those not already equal to the id is within 4 binomial standard
+    deviations of p times their number."""
+    p, fixed = 0.15, 3
+    ae = build_model("calm-ae", "tiny", tokenizer, token_replace_prob=p, replace_token_id=fixed).train()
+    chunks = torch.randint(0, ae.config.vocab_size, (50, 100, 4), generator=torch.Generator().manual_seed(0))
+    chunks[0, 0] = fixed  # tokens already equal to the id stay so
+    torch.manual_seed(0)
+    corrupted = ae.replace_tokens(chunks)
+    changed = corrupted != chunks
+    assert (corrupted[changed] == fixed).all() and (corrupted[0, 0] == fixed).all()
+    eligible = int((chunks != fixed).sum())
+    assert abs(int(changed.sum()) - p * eligible) <= 4 * (eligible * p * (1 - p)) ** 0.5
+    # The default (None) draws random replacements: many distinct ids.
+    torch.manual_seed(0)
+    random_ids = build_model("calm-ae", "tiny", tokenizer, token_replace_prob=p).train().replace_tokens(chunks)
+    assert (random_ids != chunks).any() and random_ids[random_ids != chunks].unique().numel() > 100
+
+
+@pytest.mark.parametrize("std", [0.02, 1.0])
+def test_embedding_init_std_sets_the_embedding_scale(tokenizer, std):
+    torch.manual_seed(0)
+    weight = build_model("calm-ae", "tiny", tokenizer, embedding_init_std=std).embed_tokens.weight
+    # V·h ≈ 260k N(0, std²) entries: the sample std is within 1% of std (its relative sd is ≈ 1/sqrt(2·V·h)).
+    assert weight.std().item() == pytest.approx(std, rel=0.01) and abs(weight.mean().item()) < 0.01 * std
+
+
+@pytest.mark.parametrize("layout,layers,expected", [
+    ("per_stage", 2, (2, 2)), ("split", 2, (1, 1)), ("split", 3, (1, 2)), ("split", 1, (0, 1)),
+    ("per_stage", 1, (1, 1)),
+])
+def test_stage_layout_places_the_blocks_around_the_squeeze(tokenizer, tiny_rows, layout, layers, expected):
+    """"split" (the reference) splits num_*_layers around the squeeze / expand; "per_stage" (default) repeats them."""
+    ae = build_model("calm-ae", "tiny", tokenizer, stage_layout=layout, num_encoder_layers=layers,
+                     num_decoder_layers=layers).eval()
+    assert (len(ae.encoder_token_layers), len(ae.encoder_chunk_layers)) == expected
+    assert (len(ae.decoder_chunk_layers), len(ae.decoder_token_layers)) == expected
+    out = ae(tiny_rows[:2, :16], output_hidden_states=True)
+    assert len(out.hidden_states) == 1 + 2 * sum(expected) and out.logits.shape[-2:] == (4, ae.config.vocab_size)
+
+
+def test_reference_autoencoder_recipe_builds_and_round_trips(tokenizer, tiny_rows, tmp_path):
+    ae = build_model("calm-ae", "tiny", tokenizer, **{**REFERENCE_AUTOENCODER_RECIPE, "num_encoder_layers": 2,
+                                                       "num_decoder_layers": 2})
+    assert (ae.config.stage_layout, ae.config.replace_token_id) == ("split", 0)
+    assert len(ae.encoder_token_layers) == len(ae.decoder_token_layers) == 1
+    assert ae.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.02)
+    ae.save_pretrained(tmp_path / "ae")
+    again = CALMAutoencoder.from_pretrained(tmp_path / "ae")
+    assert (again.config.stage_layout, again.config.replace_token_id) == ("split", 0)
+    torch.testing.assert_close(again.eval()(tiny_rows[:2]).logits, ae.eval()(tiny_rows[:2]).logits)
 
 
 def test_autoencoder_samples_only_in_training_or_when_asked(tokenizer, tiny_rows, tmp_path):
@@ -164,6 +226,93 @@ def test_trained_autoencoder_reconstructs_from_sampled_latents(trained_autoencod
     assert r["sampled_accuracy"] > 0.3 > 0.05 > untrained["sampled_accuracy"]
     assert r["mean_accuracy"] >= r["sampled_accuracy"] - 0.02
     assert 0 < r["posterior_std"] < 1
+
+
+# ---------------------------------------------------------------------------------------------- energy head
+
+def tiny_calm_config(**kwargs) -> CALMConfig:
+    ae = CALMAutoencoderConfig(vocab_size=99, chunk_size=4, hidden_size=32, intermediate_size=64, latent_size=8)
+    return CALMConfig(vocab_size=99, chunk_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      autoencoder_config=ae, **kwargs)
+
+
+@pytest.mark.parametrize("head_type", ["reference", "swiglu"])
+@pytest.mark.parametrize("blocks", [1, 2, 3])
+def test_energy_head_parameter_count_formula(head_type, blocks):
+    """The count from the architecture matches the built head; a reference block is 6d² + 7d (the paper's ≈ 6d²),
+    a SwiGLU block 5d² + d."""
+    config = tiny_calm_config(energy_head_type=head_type, num_head_blocks=blocks, noise_size=16)
+    head = CALMForCausalLM(config).energy_head
+    assert isinstance(head, {"reference": ReferenceEnergyHead, "swiglu": SwiGLUEnergyHead}[head_type])
+    assert sum(p.numel() for p in head.parameters()) == energy_head_parameter_count(config)
+    d = config.hidden_size
+    one_more = energy_head_parameter_count(tiny_calm_config(energy_head_type=head_type, num_head_blocks=blocks + 1,
+                                                            noise_size=16))
+    assert one_more - energy_head_parameter_count(config) == (6 * d * d + 7 * d if head_type == "reference"
+                                                               else 5 * d * d + d)
+
+
+def test_reference_head_matches_its_written_formula():
+    """The default head computes, from ε and h, exactly the reference code's MLP generator, written out here with
+    torch.nn.functional: input Linear + LayerNorm for each, blocks, final LayerNorm -> Linear -> SiLU -> Linear."""
+    torch.manual_seed(0)
+    config = tiny_calm_config(num_head_blocks=2, noise_size=16)
+    head = CALMForCausalLM(config).energy_head
+    assert config.energy_head_type == "reference" and isinstance(head, ReferenceEnergyHead)
+    assert head.out.weight.abs().sum() == 0 and head.out.bias.abs().sum() == 0  # zero-initialised last layer
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.3)
+    hidden, noise = torch.randn(3, 32), torch.rand(3, 5, 16) - 0.5
+
+    def ln(x, norm):
+        return F.layer_norm(x, (32,), norm.weight, norm.bias, eps=config.rms_norm_eps)
+
+    x = ln(F.linear(noise, head.noise_proj.weight, head.noise_proj.bias), head.noise_norm)
+    c = ln(F.linear(hidden, head.hidden_proj.weight, head.hidden_proj.bias), head.hidden_norm)[:, None].expand(3, 5, 32)
+    for b in head.blocks:
+        y = F.silu(F.linear(torch.cat([ln(x, b.norm), c], -1), b.fuse.weight, b.fuse.bias))
+        y = F.linear(F.silu(F.linear(y, b.inner.weight, b.inner.bias)), b.gate_up.weight, b.gate_up.bias)
+        x = x + F.linear(F.silu(y[..., :32]) * y[..., 32:], b.down.weight, b.down.bias)
+    x = F.silu(F.linear(ln(x, head.final_norm), head.final_proj.weight, head.final_proj.bias))
+    expected = F.linear(x, head.out.weight, head.out.bias)
+    torch.testing.assert_close(head(hidden, noise), expected)
+
+
+def test_a_config_saved_before_the_head_option_loads_the_swiglu_head(tmp_path):
+    """transformers fills a key missing from config.json with the `__init__` default ("reference"); a checkpoint
+    saved before the option existed holds SwiGLU-head weights, so it must load as "swiglu", with its weights and
+    identical outputs, through from_pretrained and the Auto classes. A new default model still reloads as
+    "reference"."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    old = CALMForCausalLM(tiny_calm_config(energy_head_type="swiglu")).eval()
+    with torch.no_grad():
+        old.energy_head.out.weight.normal_(0.0, 0.2)
+    old.save_pretrained(tmp_path / "old")
+    path = tmp_path / "old" / "config.json"
+    saved = json.loads(path.read_text())
+    assert saved.pop("energy_head_type") == "swiglu"
+    path.write_text(json.dumps(saved))  # as written before the field existed
+
+    assert CALMConfig.from_pretrained(tmp_path / "old").energy_head_type == "swiglu"
+    assert CALMConfig.from_json_file(path).energy_head_type == "swiglu"
+    assert AutoConfig.from_pretrained(tmp_path / "old").energy_head_type == "swiglu"
+    hidden, noise = torch.randn(2, 32), torch.rand(2, 3, 64) - 0.5
+    for loaded in (CALMForCausalLM.from_pretrained(tmp_path / "old"), AutoModelForCausalLM.from_pretrained(tmp_path / "old")):
+        assert isinstance(loaded.energy_head, SwiGLUEnergyHead)
+        for name, value in old.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], value), name
+        torch.testing.assert_close(loaded.eval().energy_head(hidden, noise), old.energy_head(hidden, noise))
+
+    assert CALMConfig().energy_head_type == "reference"
+    new = CALMForCausalLM(tiny_calm_config())
+    new.save_pretrained(tmp_path / "new")
+    assert json.loads((tmp_path / "new" / "config.json").read_text())["energy_head_type"] == "reference"
+    assert isinstance(CALMForCausalLM.from_pretrained(tmp_path / "new").energy_head, ReferenceEnergyHead)
+    # An explicit override still wins over the legacy fill-in.
+    assert CALMConfig.from_pretrained(tmp_path / "old", energy_head_type="reference").energy_head_type == "reference"
 
 
 # ---------------------------------------------------------------------------------------------- CALM objective
@@ -267,12 +416,14 @@ def test_short_prompt_is_read_as_the_start_of_a_document(trained_calm, tokenizer
 
 @pytest.fixture(scope="module")
 def confident_calm(trained_calm):
-    """The trained tiny CALM with its head's noise input scaled down: draws often, not always, decode to the same
-    chunk, so exact rejection needs a varying number of rounds per row (the undertrained model's chunks almost
-    never agree)."""
+    """The trained tiny CALM with its head's noise input made small next to a fixed offset (the noise embedding is
+    layer-normed, so only its share counts): draws often, not always, decode to the same chunk, so exact rejection
+    needs a varying number of rounds per row (the undertrained model's chunks almost never agree)."""
     model = copy.deepcopy(trained_calm)
     with torch.no_grad():
-        model.energy_head.noise_proj.weight.mul_(0.05)
+        proj = model.energy_head.noise_proj
+        proj.bias.copy_(torch.randn(proj.bias.shape, generator=torch.Generator().manual_seed(0)) * proj.weight.std())
+        proj.weight.mul_(0.02)
     return model
 
 
@@ -280,6 +431,8 @@ def confident_calm(trained_calm):
     dict(),
     dict(temperature=0.5),
     dict(temperature=0.5, temperature_sampler="exact"),
+    dict(temperature=0.6, temperature_sampler="exact"),
+    dict(temperature=0.6, temperature_pool_size=32),
     dict(do_sample=False, temperature_pool_size=16),
 ])
 def test_batched_rows_match_running_each_alone(trained_calm, confident_calm, tiny_rows, tokenizer, options,
@@ -337,7 +490,6 @@ def test_streamer_receives_prompt_then_every_new_token(trained_calm, tiny_rows, 
     (dict(top_p=0.9), "top_p"),
     (dict(temperature=0.0), r"temperature must be in \(0, 1\]"),
     (dict(temperature=1.5), r"temperature must be in \(0, 1\]"),
-    (dict(temperature=0.4, temperature_sampler="exact"), "T = 1/n"),
     (dict(temperature_sampler="beam"), "temperature_sampler"),
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_new_tokens=5000), "max_position_embeddings"),
@@ -352,7 +504,7 @@ def test_bad_generation_options_are_named(trained_calm, kwargs, needle):
 
 def test_exact_sampler_gives_up_with_a_clear_error(trained_calm):
     # The undertrained model's chunks practically never agree: rejection must stop and say what to do.
-    with pytest.raises(ValueError, match="no 3 agreeing draws"):
+    with pytest.raises(ValueError, match="accepted no chunk at T = 0.33"):
         trained_calm.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, temperature=1 / 3,
                               temperature_sampler="exact", noise_seeds=[0])
 
@@ -362,15 +514,15 @@ def test_exact_rejection_retries_without_extra_backbone_calls(confident_calm, mo
     from hf_latentlm.eval.speed import CallCounter
 
     rounds = []
-    original = modeling_calm.exact_temperature_choice
+    original = modeling_calm.exact_temperature_scan
 
-    def counted(chunks):
-        accepted, chosen = original(chunks)
-        rounds.append(accepted.tolist())
-        return accepted, chosen
+    def counted(chunks, uniforms, temperature, state):
+        new = original(chunks, uniforms, temperature, state)
+        rounds.append(new.accepted.tolist())
+        return new
 
-    monkeypatch.setattr(modeling_calm, "exact_temperature_choice", counted)
-    monkeypatch.setattr(confident_calm.config, "exact_attempts", 1)  # one pair per round: rejections show
+    monkeypatch.setattr(modeling_calm, "exact_temperature_scan", counted)
+    monkeypatch.setattr(confident_calm.config, "exact_attempts", 1)  # two draws per round: rejections show
     with CallCounter(confident_calm) as backbone:
         confident_calm.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=16, temperature=0.5,
                                 temperature_sampler="exact", noise_seeds=[0], eos_token_id=None)
