@@ -226,7 +226,8 @@ def check_folder(folder: Path) -> dict:
                          f"{'/'.join(users)} model, which carries it in its own weights")
     if spec is None and config["model_type"] != "llama":
         raise ValueError(f"{label} holds a {config['model_type']!r} model, which is not an hf-latentlm family")
-    missing = sorted({f"{ref.split('--')[-1].split('.')[0]}.py" for ref in (config.get("auto_map") or {}).values()}
+    references = [ref for ref in (config.get("auto_map") or {}).values() if isinstance(ref, str)]
+    missing = sorted({f"{ref.split('--')[-1].split('.')[0]}.py" for ref in references}
                      - {p.name for p in folder.glob("*.py")})
     if missing:
         raise ValueError(f"{label}: config.json's auto_map names {', '.join(missing)}, which the folder lacks; save "

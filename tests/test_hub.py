@@ -41,6 +41,7 @@ class FakeHub(BaseHTTPRequestHandler):
 
     repos: dict = {}
     requests: list = []
+    visibility: dict = {}  # repo id -> the visibility it was created with
 
     def log_message(self, *args):
         pass
@@ -130,6 +131,7 @@ class FakeHub(BaseHTTPRequestHandler):
             body = json.loads(raw)
             repo = f"{body['organization']}/{body['name']}"
             self.repos.setdefault(repo, {"main": {}})
+            self.visibility[repo] = body.get("visibility")
             self.reply(200, {"url": f"{base}/{repo}"})
         elif path == "/api/validate-yaml":
             self.reply(200, {"errors": [], "warnings": []})
@@ -167,7 +169,7 @@ class FakeHub(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def fake_hub():
-    FakeHub.repos, FakeHub.requests = {}, []
+    FakeHub.repos, FakeHub.requests, FakeHub.visibility = {}, [], {}
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -251,6 +253,7 @@ def test_push_then_download_every_family_in_a_process_without_the_package(tmp_pa
 
     # One process runs `hf-latentlm push` (cli.main) for every folder: the import of torch is paid once.
     argvs = [["push", "--model", str(folders[f]), "--repo-id", f"someone/tiny-{f}"] for f in FAMILIES]
+    argvs[0].append("--private")
     argvs.append(["push", "--model", str(folders["plm@dev"]), "--repo-id", "someone/tiny-plm", "--revision", "dev"])
     done = subprocess.run([sys.executable, "-c", PUSH, json.dumps(argvs)], env=hub_env(endpoint, tmp_path / "up"),
                           capture_output=True, text=True, timeout=300)
@@ -269,6 +272,7 @@ def test_push_then_download_every_family_in_a_process_without_the_package(tmp_pa
             assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
             assert {f"{ref.split('.')[0]}.py" for ref in config["auto_map"].values()} <= set(files)
         assert ModelCard(files["README.md"].decode()).data.tags[0] == family
+    assert [r for r, v in hub.visibility.items() if v == "private"] == ["someone/tiny-ar"]  # --private for AR only
     branches = hub.repos["someone/tiny-plm"]
     assert set(branches) == {"main", "dev"}
     assert branches["dev"]["model.safetensors"] == (folders["plm@dev"] / "model.safetensors").read_bytes()
