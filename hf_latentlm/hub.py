@@ -152,7 +152,7 @@ CARD_TEMPLATE = """---
 {{ about }}
 
 - **Family:** {{ family_title }} (`{{ family }}`), trained with the `hf-latentlm` package
-- **Parameters:** {{ parameters }} (`model.safetensors`, frozen components included)
+- **Parameters:** {{ parameters }} (every tensor of `model.safetensors`{{ ", frozen components included" if components else "" }})
 - **Training:** {{ training }}
 {%- if base_model %}
 - **Post-trained from:** [{{ base_model }}](https://huggingface.co/{{ base_model }}) ({{ post_training }})
@@ -163,13 +163,17 @@ CARD_TEMPLATE = """---
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-model = AutoModelForCausalLM.from_pretrained("{{ repo_id }}"{{ revision_arg }}, trust_remote_code=True)
-tok = AutoTokenizer.from_pretrained("{{ repo_id }}"{{ revision_arg }}, trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained("{{ repo_id }}"{{ load_args }})
+tok = AutoTokenizer.from_pretrained("{{ repo_id }}"{{ load_args }})
 ids = tok(["ROMEO.\\n", "HAMLET.\\nTo be"], return_tensors="pt", padding=True, padding_side="left")
 {{ generate }}
 ```
 
+{% if remote_code -%}
 `trust_remote_code=True` runs the modeling files stored in this repository; `hf_latentlm` need not be installed.
+{%- else -%}
+A plain `transformers` Llama: no remote code, `hf_latentlm` need not be installed.
+{%- endif %}
 
 ## Results
 {% if results %}
@@ -259,7 +263,9 @@ def training_summary(folder: Path, family: str, datasets: list[str] | None = Non
     else:
         data = EMBEDDED_CORPUS
     if not config.get("preset"):
-        return f"{data} (no `hf-latentlm train` record in the folder)"
+        if datasets:
+            return f"on {data}"
+        return f"not recorded in the folder (no `hf-latentlm train` checkpoint); `train` uses {data} by default"
     return (f"`hf-latentlm train --family {config.get('family', family)} --preset {config['preset']}` for "
             f"{config.get('max_steps')} steps on {data}")
 
@@ -392,17 +398,21 @@ def build_model_card(folder: Path, repo_id: str, license: str = "apache-2.0", re
     results = results_section(result, baseline)
     parameters = f"{count_parameters(folder) / 1e6:.2f}M"
     base, post_training = post_training_origin(folder, base_model)
+    remote = bool(config.get("auto_map"))
     data = ModelCardData(
         library_name="transformers", pipeline_tag="text-generation", license=license,
-        tags=[family, "custom_code", "hf-latentlm"] if config.get("auto_map") else [family, "hf-latentlm"],
+        tags=[family, "custom_code", "hf-latentlm"] if remote else [family, "hf-latentlm"],
         datasets=datasets or None, base_model=base,
         eval_results=eval_results(result) if result is not None else None,
-        model_name=repo_id.split("/")[-1], **({"base_model_relation": "finetune"} if base else {}))
+        **({"model_name": repo_id.split("/")[-1]} if result is not None else {}),  # the model-index entry's name
+        **({"base_model_relation": "finetune"} if base else {}))
     return ModelCard.from_template(
         data, template_str=CARD_TEMPLATE, model_name=repo_id.split("/")[-1], repo_id=repo_id, family=family,
         family_title=card.title, about=card.about, generate=card.generate, limitations=card.limitations,
         citation=card.citation, results=results, base_model=base, post_training=post_training,
-        revision_arg=f", revision={json.dumps(revision)}" if revision else "",
+        load_args=(f", revision={json.dumps(revision)}" if revision else "") + (", trust_remote_code=True" if remote
+                                                                                 else ""),
+        remote_code=remote, components=bool(FAMILIES[family].components),
         parameters=parameters, training=training_summary(folder, family, datasets),
         cpu_scale=CPU_SCALE.format(parameters=parameters))
 

@@ -360,7 +360,8 @@ def test_each_family_gets_its_own_card(tmp_path, tokenizer, family):
     card = build_model_card(folder, f"someone/{family}", revision="dev")
     assert card.data.tags[0] == family and card.data.eval_results is None
     assert FAMILY_CARDS[family].generate in card.text and FAMILY_CARDS[family].limitations in card.text
-    assert f'from_pretrained("someone/{family}", revision="dev", trust_remote_code=True)' in card.text
+    remote = ", trust_remote_code=True" if family != "ar" else ""  # transformers' own Llama needs no remote code
+    assert f'AutoModelForCausalLM.from_pretrained("someone/{family}", revision="dev"{remote})' in card.text
     assert ("custom_code" in card.data.tags) == (family != "ar")
     assert ("## Citation" in card.text) == (family != "ar")
 
@@ -442,3 +443,13 @@ def test_push_refuses_with_one_line(tmp_path, run_cli, tokenizer, make, extra, n
         extra = ["--repo-id", "someone/x", *extra]
     code, _, err = run_cli("push", "--model", str(folder), *extra)
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_card_says_how_a_trained_folder_was_trained(tmp_path, run_cli):
+    folder = tmp_path / "ar"
+    code, _, err = run_cli("train", "--family", "ar", "--preset", "tiny", "--output-dir", str(folder), "--max-steps",
+                           "2", "--no-sample")
+    assert code == 0, err
+    card = build_model_card(folder, "someone/ar-tiny")
+    assert "`hf-latentlm train --family ar --preset tiny` for 2 steps on the Project Gutenberg" in card.text
+    assert "on someone/verse" in build_model_card(folder, "someone/ar-tiny", datasets=["someone/verse"]).text
