@@ -28,6 +28,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from hf_latentlm.hub import EVAL_RESULTS_FILE, FAMILY_CARDS, POST_TRAINING_RECORD, build_model_card
 from hf_latentlm.training.checkpoint import save_tokenizer
+from hf_latentlm.training.tasks import DEFAULT_TASK
 
 FAMILIES = ("ar", "plm", "calm", "cola", "aurora")
 PROMPT = [[5, 60, 700, 42, 9, 31, 17, 8]]
@@ -381,8 +382,7 @@ def test_post_trained_folder_names_its_base_model(tmp_path, run_cli, plm_dir):
                            "--batch-size", "2", "--train-size", "2", "--lora")
     assert code == 0, err
     record = json.loads((out / POST_TRAINING_RECORD).read_text())
-    assert record == {"stage": "sft", "base_model": str(plm_dir), "lora": True, "task": record["task"]}
-    assert record["task"]
+    assert record == {"stage": "sft", "base_model": str(plm_dir), "lora": True, "task": DEFAULT_TASK}
     # The record names a local folder: the card needs its Hub name.
     code, _, err = run_cli("push", "--model", str(out), "--repo-id", "someone/plm-sft")
     assert code == 2 and "--base-model OWNER/NAME" in err and len(err.strip().splitlines()) == 1, err
@@ -395,6 +395,14 @@ def test_post_trained_folder_names_its_base_model(tmp_path, run_cli, plm_dir):
     card = build_model_card(out, "someone/plm-sft")
     assert card.data.base_model == "someone/base" and "SFT on the" in card.text
     assert "base_model" not in build_model_card(plm_dir, "someone/x").data.to_dict()
+    # DPO records the SFT folder it started from.
+    code, _, err = run_cli("dpo", "--model", str(out), "--output-dir", str(tmp_path / "dpo"), "--max-steps", "1",
+                           "--batch-size", "2", "--train-size", "2")
+    assert code == 0, err
+    assert json.loads((tmp_path / "dpo" / POST_TRAINING_RECORD).read_text()) == {
+        "stage": "dpo", "base_model": str(out), "lora": False, "task": DEFAULT_TASK}
+    card = build_model_card(tmp_path / "dpo", "someone/plm-dpo", base_model="someone/plm-sft")
+    assert card.data.base_model == "someone/plm-sft" and f"DPO on the `{DEFAULT_TASK}` task" in card.text
 
 
 def damage(kind):
