@@ -1,9 +1,12 @@
-"""Small CALM measurements quoted in docs/benchmarks.md, each reproducible from here.
+"""Small CALM measurements quoted in docs/benchmarks.md and in tests, each reproducible from here.
 
-    python scripts/calm_probes.py params                       # parameter counts of the `small` CALM
+    python scripts/calm_probes.py params                       # parameter counts of the `small` CALM, both heads
     python scripts/calm_probes.py ae-init --steps 80           # autoencoder: embedding init std 0.02 vs 1.0
+    python scripts/calm_probes.py ae-recipe --steps 1500       # autoencoder: this project's recipe vs the reference's
     python scripts/calm_probes.py lr --autoencoder runs/calm-ae-small --steps 150   # CALM learning rate / head size
+    python scripts/calm_probes.py heads --autoencoder runs/calm-ae-small --steps 600  # energy heads × 1, 2, 4 blocks
     python scripts/calm_probes.py ae-accuracy runs/calm-ae-small   # accuracy (μ, sampled z) and σ, 20k val tokens
+    python scripts/calm_probes.py pool-bias                    # pool sampler vs p^(1/T)/Σ on known laws (no model)
 """
 
 from __future__ import annotations
@@ -14,18 +17,36 @@ import json
 import torch
 
 from hf_latentlm.eval.autoencoder import autoencoder_report
+from hf_latentlm.eval.brier import evaluate_brier
 from hf_latentlm.eval.harness import nll_rows, split_stream
 from hf_latentlm.families import build_model
+from hf_latentlm.modeling.configuration_calm import ENERGY_HEAD_TYPES, REFERENCE_AUTOENCODER_RECIPE
+from hf_latentlm.modeling.energy import pool_temperature_choice
+from hf_latentlm.modeling.modeling_calm import energy_head_parameter_count
 from hf_latentlm.training.corpus import load_default_tokenizer
 from hf_latentlm.training.loop import TrainConfig, train
 
 
 def params(args, tokenizer):
-    calm = build_model("calm", "small", tokenizer, autoencoder=build_model("calm-ae", "small", tokenizer))
-    trainable = sum(p.numel() for p in calm.parameters() if p.requires_grad)
-    head = sum(p.numel() for p in calm.energy_head.parameters())
-    frozen = sum(p.numel() for p in calm.autoencoder.parameters())
-    return {"trainable": trainable, "energy_head": head, "head_share": head / trainable, "frozen_autoencoder": frozen}
+    ae = build_model("calm-ae", "small", tokenizer)
+    result = {}
+    for head_type in ENERGY_HEAD_TYPES:
+        calm = build_model("calm", "small", tokenizer, autoencoder=ae, energy_head_type=head_type)
+        trainable = sum(p.numel() for p in calm.parameters() if p.requires_grad)
+        head = sum(p.numel() for p in calm.energy_head.parameters())
+        result[head_type] = {"trainable": trainable, "energy_head": head, "head_share": head / trainable,
+                             "head_formula": energy_head_parameter_count(calm.config),
+                             "frozen_autoencoder": sum(p.numel() for p in calm.autoencoder.parameters())}
+    return result
+
+
+def train_autoencoder(tokenizer, rows, steps: int, name: str, **overrides):
+    torch.manual_seed(0)
+    model = build_model("calm-ae", "small", tokenizer, **overrides)
+    cfg = TrainConfig(family="calm-ae", preset="small", output_dir=f"/tmp/calm-probe-ae-{name}", max_steps=steps,
+                      eval_every=0, save_every=10**9, progress_bar=False)
+    train(cfg, model=model, tokenizer=tokenizer, train_rows=rows)
+    return model.eval()
 
 
 def ae_init(args, tokenizer):
@@ -33,14 +54,36 @@ def ae_init(args, tokenizer):
     validation = split_stream(tokenizer, "validation")[:20000][None]
     result = {}
     for std in (0.02, 1.0):
-        torch.manual_seed(0)
-        model = build_model("calm-ae", "small", tokenizer, embedding_init_std=std)
-        cfg = TrainConfig(family="calm-ae", preset="small", output_dir=f"/tmp/calm-probe-ae-{std}", max_steps=args.steps,
-                          eval_every=0, save_every=10**9, progress_bar=False)
-        train(cfg, model=model, tokenizer=tokenizer, train_rows=rows)
-        result[f"embedding_init_std={std}"] = model.eval().reconstruction_accuracy(
+        model = train_autoencoder(tokenizer, rows, args.steps, str(std), embedding_init_std=std)
+        result[f"embedding_init_std={std}"] = model.reconstruction_accuracy(
             validation, generator=torch.Generator().manual_seed(0))
     return result
+
+
+@torch.no_grad()
+def seen_unseen_accuracy(model, tokens: torch.Tensor, seen_ids: torch.Tensor) -> dict:
+    """Token accuracy decoding a sampled z, split by whether the token id occurs in the training rows."""
+    chunks = tokens[: tokens.numel() // model.config.chunk_size * model.config.chunk_size].view(
+        -1, model.config.chunk_size)
+    mean, log_std = model.encode(chunks)
+    noise = torch.randn(mean.shape, generator=torch.Generator().manual_seed(0))
+    correct = model.decode(mean + log_std.exp() * noise) == chunks
+    seen = torch.isin(chunks, seen_ids)
+    return {"seen_accuracy": correct[seen].float().mean().item(), "seen_tokens": int(seen.sum()),
+            "unseen_accuracy": correct[~seen].float().mean().item() if (~seen).any() else None,
+            "unseen_tokens": int((~seen).sum()), "all_accuracy": correct.float().mean().item()}
+
+
+def ae_recipe(args, tokenizer):
+    """This project's autoencoder recipe (2 + 2 blocks per side, N(0, 1) embeddings, random replacement ids) vs the
+    reference's (1 + 1, std 0.02, replacement id 0); validation accuracy from a sampled z, on tokens seen and
+    unseen in the training rows."""
+    rows = nll_rows(split_stream(tokenizer, "train"), 256)
+    validation = split_stream(tokenizer, "validation")[:20000]
+    seen_ids = rows.unique()
+    recipes = {"project": {}, "reference": REFERENCE_AUTOENCODER_RECIPE}
+    return {name: seen_unseen_accuracy(train_autoencoder(tokenizer, rows, args.steps, name, **overrides),
+                                       validation, seen_ids) for name, overrides in recipes.items()}
 
 
 def learning_rate(args, tokenizer):
@@ -55,19 +98,69 @@ def learning_rate(args, tokenizer):
     return result
 
 
+def heads(args, tokenizer):
+    """Each energy head type with 1, 2 and 4 blocks at `small`, same data and schedule: validation energy loss and
+    BrierLM-2 (T = 1) on `--positions` validation positions."""
+    stream = split_stream(tokenizer, "validation")
+    result = {}
+    for head_type in ENERGY_HEAD_TYPES:
+        for blocks in (1, 2, 4):
+            torch.manual_seed(0)
+            model = build_model("calm", "small", tokenizer, autoencoder=args.autoencoder,
+                                energy_head_type=head_type, num_head_blocks=blocks)
+            cfg = TrainConfig(family="calm", preset="small", output_dir=f"/tmp/calm-probe-{head_type}-{blocks}",
+                              max_steps=args.steps, eval_every=args.steps, save_every=10**9, progress_bar=False,
+                              components={"autoencoder": args.autoencoder})
+            val_loss = train(cfg, model=model, tokenizer=tokenizer)["val_loss"]
+            brier = evaluate_brier(model.eval(), stream, num_positions=args.positions)
+            result[f"{head_type}, {blocks} block(s)"] = {
+                "val_energy_loss": val_loss, "brierlm_2": brier["brierlm_2"],
+                "head_parameters": sum(p.numel() for p in model.energy_head.parameters())}
+    return result
+
+
+def pool_bias(args, tokenizer=None):
+    """Law of the pool sampler against the tempered law p^(1/T)/Σ for a fake model with a known categorical law:
+    the largest |frequency − target| over outcomes (pool bias + sampling error, whose sd is given)."""
+    gen = torch.Generator().manual_seed(0)
+    laws = {"6 outcomes": torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], dtype=torch.float64),
+            "p=0.05 + 950 × 0.001": torch.cat([torch.tensor([0.05]), torch.full((950,), 0.001)]).double()}
+    result = {}
+    for law_name, p in laws.items():
+        for size in (64, 200, 256, 1024):
+            pools = 100000 if size <= 256 else 20000
+            draws = torch.multinomial(p.float().expand(pools, -1), size, replacement=True, generator=gen)[..., None]
+            for temperature in (0.8, 0.6, 0.5, 0.3):
+                picked = pool_temperature_choice(draws, temperature, torch.rand(pools, generator=gen,
+                                                                                 dtype=torch.float64))
+                outcome = draws[torch.arange(pools), picked, 0]
+                freq = torch.bincount(outcome, minlength=len(p)).double() / pools
+                target = p ** (1 / temperature)
+                target /= target.sum()
+                result[f"{law_name}, pool {size}, T={temperature}"] = {
+                    "max_abs_deviation": (freq - target).abs().max().item(),
+                    "first_outcome": [freq[0].item(), target[0].item()],
+                    "sampling_sd": (target * (1 - target) / pools).sqrt().max().item(), "pools": pools}
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("probe", choices=["params", "ae-init", "lr", "ae-accuracy"])
+    parser.add_argument("probe", choices=["params", "ae-init", "ae-recipe", "lr", "heads", "ae-accuracy", "pool-bias"])
     parser.add_argument("folder", nargs="?", help="ae-accuracy: the autoencoder (or checkpoint) folder")
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--positions", type=int, default=2000, help="heads: BrierLM positions")
     parser.add_argument("--autoencoder", default="runs/calm-ae-small")
     args = parser.parse_args()
     if args.probe == "ae-accuracy":
         print(autoencoder_report(args.folder))
         return
+    if args.probe == "pool-bias":
+        print(json.dumps(pool_bias(args), indent=1))
+        return
     tokenizer = load_default_tokenizer()
-    probe = {"params": params, "ae-init": ae_init, "lr": learning_rate}[args.probe]
-    print(json.dumps(probe(args, tokenizer), indent=1))
+    probe = {"params": params, "ae-init": ae_init, "ae-recipe": ae_recipe, "lr": learning_rate, "heads": heads}
+    print(json.dumps(probe[args.probe](args, tokenizer), indent=1))
 
 
 if __name__ == "__main__":

@@ -128,6 +128,11 @@ def test_lora_fine_tune_save_and_reload_merged_without_the_package(family, token
     base = build_tiny(family, tokenizer)
     if hasattr(base, "prepare_training"):  # AURORA: latent statistics belong to the base, as the training loop sets
         base.prepare_training(tiny_rows[8:24, :32])
+    if family == "calm":  # an untrained reference energy head (seven std-0.02 layers between the backbone and its
+        with torch.no_grad():  # output) passes the backbone ~1e-13 gradients, below Adam's eps; a trained head does not
+            for param in base.energy_head.parameters():
+                if param.dim() >= 2:
+                    param.normal_(0.0, 0.2)
     base.save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
     base = AutoModelForCausalLM.from_pretrained(base_dir, trust_remote_code=True)
