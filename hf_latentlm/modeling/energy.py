@@ -133,8 +133,10 @@ class RejectionState(NamedTuple):
 
 def exact_temperature_scan(chunks: torch.Tensor, uniforms: torch.Tensor, temperature: float,
                            state: RejectionState | None = None) -> RejectionState:
-    """Exact temperature-T sampling from a sampler that can only be drawn from (paper 000, temperature sampling):
-    the accepted chunk x has probability p(x)^(1/T) / Σ_y p(y)^(1/T), for every T in (0, 1].
+    """Exact temperature-T sampling from a sampler that can only be drawn from: the accepted chunk x has probability
+    p(x)^(1/T) / Σ_y p(y)^(1/T), for every T in (0, 1]. The scheme of the CALM paper's general-T algorithm
+    (integer-part rejection, then a stage for the fractional part; that section is not in the shared paper copy,
+    so the law is derived here and tested in tests/modeling/test_energy.py).
 
     Write 1/T = n + α (n = ⌊1/T⌋, α ∈ [0, 1)). An attempt takes the next draw as its candidate x.
     - Stage 1 (integer part): the next n − 1 draws must equal x, else the attempt is rejected (probability p^n).
