@@ -4,6 +4,7 @@ tests/test_family_contract.py."""
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -101,6 +102,41 @@ def test_autoencoder_loss_is_k_times_nll_plus_weighted_clamped_kl(tokenizer, tin
     out = ae(tiny_rows[:2], labels=tiny_rows[:2])
     assert out.kl.item() == pytest.approx(cfg.kl_clamp * cfg.latent_size)
     assert out.posterior_std.item() == pytest.approx(1.0)
+
+
+def test_autoencoder_kl_matches_the_closed_form_away_from_the_prior(tokenizer, tiny_rows):
+    """KL(N(μ, σ²) || N(0, 1)) = ½(μ² + σ² − 1) − log σ per dimension, floored at kl_clamp, summed: checked at
+    μ = 1.5, log σ = −1 (1.6927 per dimension, above the floor; "+ log σ" would give −0.307, floored to 0.5) on
+    half the dimensions and μ = 0.2, log σ = 0 (0.02, floored to 0.5) on the other half."""
+    ae = build_model("calm-ae", "tiny", tokenizer).eval()
+    latent = ae.config.latent_size
+    mean = torch.tensor([1.5] * (latent // 2) + [0.2] * (latent - latent // 2))
+    log_std = torch.tensor([-1.0] * (latent // 2) + [0.0] * (latent - latent // 2))
+    with torch.no_grad():
+        ae.to_posterior.weight.zero_()
+        ae.to_posterior.bias.copy_(torch.cat([mean, log_std]))
+    out = ae(tiny_rows[:2], labels=tiny_rows[:2])
+    per_dim = [max(0.5 * (m * m + math.exp(2 * s) - 1) - s, ae.config.kl_clamp)
+               for m, s in zip(mean.tolist(), log_std.tolist())]
+    assert per_dim[0] == pytest.approx(1.6927, abs=1e-4)
+    assert out.kl.item() == pytest.approx(sum(per_dim), rel=1e-5)
+    assert out.posterior_std.item() == pytest.approx(log_std.exp().mean().item(), rel=1e-5)
+
+
+def test_autoencoder_ignores_minus_100_labels_in_loss_and_accuracy(trained_autoencoder, tiny_rows):
+    ae = CALMAutoencoder.from_pretrained(trained_autoencoder).eval()
+    ids = tiny_rows[:2]
+    labels = ids.clone()
+    labels[0, 5:30] = -100
+    labels[1, -3:] = -100
+    out = ae(ids, labels=labels)
+    logits, flat = out.logits.reshape(-1, ae.config.vocab_size), labels.reshape(-1)
+    scored = flat != -100
+    torch.testing.assert_close(out.reconstruction_nll, F.cross_entropy(logits[scored], flat[scored]))
+    accuracy = (logits[scored].argmax(-1) == flat[scored]).float().mean()
+    torch.testing.assert_close(out.token_accuracy, accuracy)
+    counting_ignored = (logits.argmax(-1) == ids.reshape(-1)).float().mean()
+    assert abs(counting_ignored - accuracy) > 1e-4  # the check above would see ignored positions counted
 
 
 def test_autoencoder_corrupts_only_in_training(tokenizer, tiny_rows):
