@@ -94,6 +94,7 @@ def build_report(models: dict[str, str], num_positions: int = 2000, context_len:
     """Measure every model (name -> folder; `ar` is the baseline) at every decoding setting, in this process."""
     entries = plan_entries(models)
     require_plotting()  # before the long run, not after it
+    load_at_start = os.getloadavg()
     if mauve:
         from .mauve import _require_extra
 
@@ -113,6 +114,8 @@ def build_report(models: dict[str, str], num_positions: int = 2000, context_len:
     report["families_not_reported"] = sorted(
         s.name for s in FAMILIES.values() if s.language_model and s.name not in present)
     report["command"] = command
+    # Absolute tokens/s depend on what else the machine ran; the ratios to AR much less so.
+    report["machine"]["load_average_1min"] = {"start": load_at_start[0], "end": os.getloadavg()[0]}
     return report
 
 
@@ -151,7 +154,9 @@ def markdown_report(report: dict) -> str:
     out = ["# Speed and quality of every family against the AR baseline", "", "```bash", report["command"] or "",
            "```", "", f"One process run, {report['date']}, {report['machine']['platform']}, "
            f"{report['machine']['cpu_count']} CPUs, torch {report['machine']['torch']} "
-           f"({report['machine']['torch_threads']} threads).", "",
+           f"({report['machine']['torch_threads']} threads), load average "
+           f"{report['machine']['load_average_1min']['start']:.1f} at the start and "
+           f"{report['machine']['load_average_1min']['end']:.1f} at the end.", "",
            markdown_table(report),
            f"- BrierLM-2 = 100·√(Brier-1·Brier-2) on {report['models'][BASELINE_NAME]['brier']['num_positions']} "
            f"validation positions (context {settings['context_len']}), 95% bootstrap interval; (≈0): an interval "
