@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--train-file", action="append", help="your own text file (repeatable; one document each)")
     t.add_argument("--validation-file", action="append")
+    t.add_argument("--dataset", help="a corpus too large for memory, streamed: a folder written by datasets' "
+                                      "save_to_disk (its train split; validation split if any), a text file or a "
+                                      "folder of *.txt files")
+    t.add_argument("--text-column", help="--dataset's text column (default: 'text', or its only string column)")
     t.add_argument("--tokenizer", help="tokenizer folder or hub id (default: the embedded BPE)")
     for name in component_names():  # one option per trained component a family needs (e.g. --autoencoder)
         users = {s.name: s.components[name] for s in FAMILIES.values() if name in s.components}
@@ -171,6 +175,7 @@ def cmd_train(args) -> int:
         seq_len=args.seq_len, learning_rate=args.learning_rate, schedule=args.schedule,
         warmup_steps=args.warmup_steps, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
         train_files=args.train_file, validation_files=args.validation_file, tokenizer=args.tokenizer,
+        dataset=args.dataset, text_column=args.text_column,
         components={name: getattr(args, name) for name in component_names() if getattr(args, name) is not None},
         model_kwargs=config_overrides(args.config),
     )

@@ -39,6 +39,43 @@ def optimizer_state_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict, lis
     return tensors, state["param_groups"]
 
 
+def gather_optimizer_state(model, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
+    """`optimizer_state_to_flat` for an optimizer over sharded (FSDP) parameters. A collective: every rank calls it;
+    the full state lands on rank 0 (other ranks get no tensors). torch keys the gathered state by parameter name;
+    it is re-keyed by index, as `Optimizer.state_dict()` numbers parameters, so the checkpoint looks the same
+    however the run was sharded."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not state:  # not rank 0
+        return {}, []
+    index = {name: i for i, name in enumerate(name for group in state["param_groups"] for name in group["params"])}
+    # (On CPU, torch hands back DTensors still: gathered here, on every rank.)
+    tensors = {f"state.{index[param]}.{name}": torch.as_tensor(value.full_tensor() if hasattr(value, "full_tensor")
+                                                                else value).contiguous().cpu()
+               for param, per_param in state["state"].items() for name, value in per_param.items()}
+    return tensors, [dict(group, params=[index[name] for name in group["params"]]) for group in state["param_groups"]]
+
+
+def scatter_optimizer_state(checkpoint: Path, model, optimizer: torch.optim.Optimizer) -> None:
+    """Load a checkpoint's optimizer state into an optimizer over sharded (FSDP) parameters: each rank keeps its
+    shard. A collective, like `gather_optimizer_state`."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+
+    checkpoint = Path(checkpoint)
+    saved = optimizer_state_from_flat(load_file(checkpoint / "optimizer.safetensors"),
+                                      json.loads((checkpoint / STATE_FILE).read_text())["param_groups"])
+    # The parameter names in the order torch numbers them, read off this (fresh) optimizer.
+    current = get_optimizer_state_dict(model, optimizer)
+    names = [name for group in current["param_groups"] for name in group["params"]]
+    if len(names) != sum(len(group["params"]) for group in saved["param_groups"]):
+        raise ValueError(f"{checkpoint}: the optimizer state does not match the model's trainable parameters")
+    set_optimizer_state_dict(model, optimizer, {
+        "state": {names[index]: per_param for index, per_param in saved["state"].items()},
+        "param_groups": [dict(group, params=[names[i] for i in group["params"]]) for group in saved["param_groups"]],
+    }, options=StateDictOptions(full_state_dict=True))
+
+
 def optimizer_state_from_flat(tensors: dict, param_groups: list) -> dict:
     state: dict[int, dict] = {}
     for key, value in tensors.items():
@@ -106,18 +143,20 @@ def atomic_directory_write(target: Path, write) -> None:
 
 
 def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, scheduler, state: dict,
-                    keep_last: int | None = 2, rank_rng: list | None = None) -> Path:
+                    keep_last: int | None = 2, rank_rng: list | None = None, model_state_dict: dict | None = None,
+                    optimizer_state: tuple[dict, list] | None = None) -> Path:
     """Write `checkpoint-<step>` atomically (main process only) and prune older ones (`keep_last` 0 or
     None keeps all). `rank_rng`: every rank's `capture_rng_state()`, rank 0 first (default: this process's
-    only)."""
+    only). `model_state_dict` / `optimizer_state`: states gathered from a sharded run (`accelerator.get_state_dict`,
+    `gather_optimizer_state`) instead of the model's and optimizer's own."""
     target = Path(output_dir) / f"checkpoint-{step:07d}"
     rank_rng = rank_rng or [capture_rng_state()]
 
     def write(folder: Path):
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, state_dict=model_state_dict)
         if tokenizer is not None:
             save_tokenizer(tokenizer, folder)
-        tensors, param_groups = optimizer_state_to_flat(optimizer)
+        tensors, param_groups = optimizer_state or optimizer_state_to_flat(optimizer)
         save_file(tensors, folder / "optimizer.safetensors")
         rng_tensors, rng_meta = rank_rng[0]
         save_file(rng_tensors, folder / "rng_rank0.safetensors")
@@ -185,8 +224,9 @@ def save_rank_rng(checkpoint: Path, rank: int, rng: tuple[dict, dict] | None = N
 
 def load_checkpoint(checkpoint: Path, model, optimizer, scheduler, rank: int = 0, restore_rng: bool = True,
                     num_processes: int | None = None) -> dict:
-    """Restore weights, optimizer, scheduler and (`restore_rng`) this rank's RNG; return the trainer state.
-    `num_processes`: refuse a checkpoint written by another number of processes."""
+    """Restore weights, optimizer (unless None: a sharded one loads later, `scatter_optimizer_state`), scheduler and
+    (`restore_rng`) this rank's RNG; return the trainer state. `num_processes`: refuse a checkpoint written by
+    another number of processes."""
     checkpoint = Path(checkpoint)
     state = json.loads((checkpoint / STATE_FILE).read_text())
     written_by = state.get("num_processes", 1)
@@ -206,8 +246,9 @@ def load_checkpoint(checkpoint: Path, model, optimizer, scheduler, rank: int = 0
                          f"unexpected {unexpected[:5]}")
     if "lm_head.weight" in missing and getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
-    optimizer.load_state_dict(optimizer_state_from_flat(load_file(checkpoint / "optimizer.safetensors"),
-                                                        state["param_groups"]))
+    if optimizer is not None:
+        optimizer.load_state_dict(optimizer_state_from_flat(load_file(checkpoint / "optimizer.safetensors"),
+                                                            state["param_groups"]))
     scheduler.load_state_dict(state["scheduler"])
     if restore_rng:
         load_rank_rng(checkpoint, rank)

@@ -5,7 +5,9 @@ Any model whose forward takes `input_ids`/`labels` and returns `loss` trains her
 named loss part. Data order is a pure function of (seed, step, rank) and every rank's RNG state
 is checkpointed, so training resumes exactly where it stopped, on one process or many
 (`torchrun --nproc_per_node N` or `accelerate launch --multi_gpu --num_processes N`; a resume
-needs the same N).
+needs the same N). Under FSDP (`accelerate launch --config_file configs/accelerate/fsdp.yaml`) the weights and
+optimizer state are gathered to rank 0 for each checkpoint, which keeps the single-process layout, and are
+sharded again on resume.
 
 `train` runs four phases, each a function: `load_rows`, `build` (model, optimizer, schedule),
 `resume`, `train_steps` (the loop, logging, evaluation and checkpoints).
@@ -25,15 +27,15 @@ from typing import Callable
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from ..families import build_model
 from ..presets import get_preset
-from .checkpoint import (capture_rng_state, latest_checkpoint, load_checkpoint, load_rank_rng, save_checkpoint,
-                         save_tokenizer)
+from .checkpoint import (capture_rng_state, gather_optimizer_state, latest_checkpoint, load_checkpoint, load_rank_rng,
+                         save_checkpoint, save_tokenizer, scatter_optimizer_state)
 from .corpus import load_default_tokenizer
-from .data import documents_to_dataset, load_split_documents, pack_dataset
+from .data import StreamingRows, dataset_documents, documents_to_dataset, load_split_documents, pack_dataset
 
 
 @dataclass
@@ -60,7 +62,12 @@ class TrainConfig:
         (loss values leave the device only on log steps).
     train_files / validation_files: the user's own text files instead of the embedded corpus;
         tokenizer: a tokenizer folder or hub id instead of the embedded one.
-    mixed_precision: passed to Accelerate ("no", "bf16", "fp16").
+    dataset: a corpus too large for memory, streamed (`data.dataset_documents`): a folder written by
+        `save_to_disk`, a text file or a folder of `*.txt` files. Rows come in corpus order, each rank reading every
+        world-th document; validation is the dataset's `validation` split or `validation_files` (else none).
+        text_column: its text column (default "text", or its only string column).
+    mixed_precision: passed to Accelerate ("no", "bf16", "fp16"); None takes the launch config's
+        (`accelerate launch --config_file ...`), else "no".
     components: the trained components the family needs, name -> folder (e.g. `{"autoencoder": DIR}` for
         `calm`; the family registry says which); each is frozen and copied into the model.
     autoencoder: deprecated spelling of `components={"autoencoder": DIR}`.
@@ -95,7 +102,9 @@ class TrainConfig:
     train_files: list[str] | None = None
     validation_files: list[str] | None = None
     tokenizer: str | None = None
-    mixed_precision: str = "no"
+    dataset: str | None = None
+    text_column: str | None = None
+    mixed_precision: str | None = None
     progress_bar: bool = True
     components: dict[str, str] = field(default_factory=dict)
     autoencoder: str | None = None
@@ -130,6 +139,8 @@ class TrainConfig:
             raise ValueError(f"warmup_steps must be in [0, max_steps={cfg.max_steps}], got {cfg.warmup_steps}")
         if cfg.stop_at_step is not None and not 1 <= cfg.stop_at_step <= cfg.max_steps:
             raise ValueError(f"stop_at_step must be in [1, max_steps={cfg.max_steps}], got {cfg.stop_at_step}")
+        if cfg.dataset is not None and cfg.train_files:
+            raise ValueError("dataset and train_files are two sources of training text: give one")
         if cfg.seq_len > preset.max_position_embeddings:
             raise ValueError(f"seq_len {cfg.seq_len} exceeds the preset's max_position_embeddings "
                              f"{preset.max_position_embeddings}")
@@ -194,8 +205,10 @@ def step_losses(output) -> dict[str, torch.Tensor]:
 
 
 def to_floats(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
-    """0-dim tensors on one device as floats, in a single device-to-host copy (one sync)."""
-    return dict(zip(tensors, torch.stack([t.float() for t in tensors.values()]).tolist()))
+    """0-dim tensors on one device as floats, in a single device-to-host copy (one sync). A DTensor (FSDP2's
+    gradient norm) is replicated: its local value is the value."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors.values()]
+    return dict(zip(tensors, torch.stack([t.float() for t in local]).tolist()))
 
 
 @torch.no_grad()
@@ -204,20 +217,26 @@ def evaluate_loss(model, rows: torch.Tensor, batch_size: int, accelerator: Accel
     model.eval()
     shard = rows[accelerator.process_index::accelerator.num_processes]
     total = torch.zeros(2, device=accelerator.device)
-    for start in range(0, len(shard), batch_size):
-        batch = shard[start:start + batch_size].to(accelerator.device)
-        total += torch.stack([model(input_ids=batch, labels=batch).loss.float(), torch.ones((), device=accelerator.device)])
+    # Every rank runs as many forwards as the largest shard needs (an FSDP forward is a collective); a rank out of
+    # rows repeats its first one with weight 0.
+    per_rank = -(-len(rows) // accelerator.num_processes)
+    for start in range(0, per_rank, batch_size):
+        batch = shard[start:start + batch_size]
+        weight = torch.ones((), device=accelerator.device) if len(batch) else torch.zeros((), device=accelerator.device)
+        batch = (batch if len(batch) else rows[:1]).to(accelerator.device)
+        total += torch.stack([model(input_ids=batch, labels=batch).loss.float() * weight, weight])
     total = accelerator.reduce(total, reduction="sum")
     model.train()
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor | None = None,
+def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor | StreamingRows | None = None,
           val_rows: torch.Tensor | None = None, on_step: Callable[[int, dict], None] | None = None) -> dict:
     """Train `cfg.family` at `cfg.preset` (or the given model) and return the last metrics.
 
     `train_rows` / `val_rows` ([N, seq_len] id tensors) override the data pipeline, e.g. for a
-    `datasets.Dataset` packed with `pack_dataset(...)["input_ids"]`.
+    `datasets.Dataset` packed with `pack_dataset(...)["input_ids"]`; `train_rows` may also be a `StreamingRows`
+    (the loop splits it across processes).
     `on_step(step, metrics)` is called after every optimizer step with float metrics (loss, its parts,
     lr, grad_norm, and tokens_per_s / val_loss on the steps that have them); reading them costs a
     device sync every step, which a run without `on_step` makes only on log steps.
@@ -228,12 +247,13 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
     set_seed(cfg.seed)
 
-    tokenizer, train_rows, val_rows = load_rows(cfg, tokenizer, train_rows, val_rows)
+    tokenizer, train_rows, val_rows = load_rows(cfg, tokenizer, train_rows, val_rows, accelerator)
     model, optimizer, scheduler = build(cfg, model, tokenizer)
-    checkpoint, start_step = resume(cfg, accelerator, model, optimizer, scheduler)
+    checkpoint, start_step = resume(cfg, accelerator, model, optimizer, scheduler, train_rows)
     prepare_training = getattr(model, "prepare_training", None)
     if prepare_training is not None:  # e.g. AURORA's latent statistics, estimated once from the training rows
-        prepare_training(train_rows)
+        # (of a stream, the corpus's first rows, the same on every rank; AURORA reads at most 64)
+        prepare_training(train_rows.head(64) if isinstance(train_rows, StreamingRows) else train_rows)
     # Created only now that every input (files, tokenizer, components, checkpoint) has loaded: a run refused
     # for a bad input leaves nothing behind.
     if accelerator.is_main_process:
@@ -241,6 +261,9 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
     accelerator.wait_for_everyone()
     # The scheduler is stepped by us once per optimizer step, so it is not prepared.
     model, optimizer = accelerator.prepare(model, optimizer)
+    if checkpoint is not None and is_sharded(accelerator):
+        # Sharding replaced the parameters the optimizer held, so its state loads only now, each rank its shard.
+        scatter_optimizer_state(checkpoint, model, optimizer.optimizer)
     if checkpoint is not None:
         # The RNG is restored last, after everything that may draw from it (building the model,
         # `prepare`), so the first resumed step draws exactly what the uninterrupted run drew.
@@ -254,15 +277,29 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
                        start_step, on_step)
 
 
-def load_rows(cfg: TrainConfig, tokenizer, train_rows, val_rows):
+def load_rows(cfg: TrainConfig, tokenizer, train_rows, val_rows, accelerator: Accelerator | None = None):
     """Phase 1: the tokenizer and the packed [N, seq_len] train / validation rows (the given ones, or
-    the embedded corpus / the user's files); validation is cut to `eval_batches` batches."""
+    the embedded corpus / the user's files), or this process's `StreamingRows` of `cfg.dataset`; validation is cut
+    to `eval_batches` batches."""
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else load_default_tokenizer()
-    if train_rows is None:
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
+    if cfg.dataset is not None and train_rows is None:
+        train_rows = StreamingRows(dataset_documents(cfg.dataset, cfg.text_column), tokenizer, cfg.seq_len)
+        if val_rows is None and cfg.eval_every > 0 and not cfg.validation_files:
+            documents = dataset_documents(cfg.dataset, cfg.text_column, split="validation")
+            if documents is not None:
+                val_rows = StreamingRows(documents, tokenizer, cfg.seq_len).head(cfg.eval_batches * cfg.batch_size)
+            elif accelerator is None or accelerator.is_main_process:
+                print(f"--dataset {cfg.dataset} has no validation split and no --validation-file is given: "
+                      f"no evaluation")
+    if isinstance(train_rows, StreamingRows):
+        train_rows.head(1)  # a corpus shorter than one row is refused now, not at the first step
+        train_rows = StreamingRows(train_rows.documents, train_rows.tokenizer, train_rows.seq_len, rank, world)
+    elif train_rows is None:
         docs = load_split_documents("train", cfg.train_files, cfg.validation_files)
         train_rows = pack_dataset(documents_to_dataset(docs), tokenizer, cfg.seq_len)["input_ids"]
-    if val_rows is None and cfg.eval_every > 0:
+    if val_rows is None and cfg.eval_every > 0 and (cfg.dataset is None or cfg.validation_files):
         docs = load_split_documents("validation", cfg.train_files, cfg.validation_files)
         val_rows = pack_dataset(documents_to_dataset(docs), tokenizer, cfg.seq_len)["input_ids"]
     if val_rows is not None:
@@ -295,24 +332,42 @@ def build(cfg: TrainConfig, model, tokenizer):
     return model, optimizer, scheduler
 
 
-def resume(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, scheduler) -> tuple[Path | None, int]:
+def is_sharded(accelerator: Accelerator) -> bool:
+    """Whether the model's parameters are split across processes (FSDP): saving and loading their state are then
+    collectives."""
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def gathered_state_dict(accelerator: Accelerator, model) -> dict:
+    """The full state dict of a sharded model, for rank 0 to save; a collective. Where torch's full-state-dict path
+    hands back DTensors still (FSDP2 on CPU with gloo), they are gathered here."""
+    state = accelerator.get_state_dict(model)
+    return {name: value.full_tensor() if hasattr(value, "full_tensor") else value for name, value in state.items()}
+
+
+def resume(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, scheduler,
+           train_rows=None) -> tuple[Path | None, int]:
     """Phase 3: with `cfg.resume`, load the latest checkpoint's weights, optimizer and schedule into
-    the unwrapped objects; return (checkpoint, its step), or (None, 0) for a fresh run. The RNG is
-    restored by the caller, after `prepare`."""
+    the unwrapped objects, and this rank's position into `train_rows` when it streams; return (checkpoint, its
+    step), or (None, 0) for a fresh run. The RNG is restored by the caller, after `prepare`."""
     if not cfg.resume:
         return None, 0
     checkpoint = latest_checkpoint(cfg.output_dir)
     if checkpoint is None:
         raise FileNotFoundError(f"--resume: no checkpoint-* folder in {cfg.output_dir}")
-    state = load_checkpoint(checkpoint, model, optimizer, scheduler, rank=accelerator.process_index,
-                            restore_rng=False, num_processes=accelerator.num_processes)
+    state = load_checkpoint(checkpoint, model, None if is_sharded(accelerator) else optimizer, scheduler,
+                            rank=accelerator.process_index, restore_rng=False, num_processes=accelerator.num_processes)
+    if isinstance(train_rows, StreamingRows):
+        if "data_streams" not in state:
+            raise ValueError(f"{checkpoint} has no streaming position: it was not written by a --dataset run")
+        train_rows.load_state_dict(state["data_streams"][accelerator.process_index])
     if accelerator.is_main_process:
         print(f"resumed from {checkpoint} at step {state['step']}")
     return checkpoint, state["step"]
 
 
 def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, scheduler, tokenizer,
-                train_rows: torch.Tensor, val_rows: torch.Tensor | None, start_step: int,
+                train_rows: torch.Tensor | StreamingRows, val_rows: torch.Tensor | None, start_step: int,
                 on_step: Callable[[int, dict], None] | None) -> dict:
     """Phase 4: optimizer steps `start_step`..end (stop_at_step or max_steps), with logging,
     evaluation and checkpoints; the final model is saved when max_steps is reached."""
@@ -332,7 +387,10 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
     for step in range(start_step, end_step):
         losses: dict[str, torch.Tensor] = {}  # loss and its parts, averaged over micro-steps, on the device
         for micro in range(cfg.grad_accum):
-            rows = train_rows[sample_indices(step, micro, rank, world, cfg, len(train_rows))].to(accelerator.device)
+            if isinstance(train_rows, StreamingRows):
+                rows = train_rows.take(cfg.batch_size).to(accelerator.device)
+            else:
+                rows = train_rows[sample_indices(step, micro, rank, world, cfg, len(train_rows))].to(accelerator.device)
             sync = nullcontext() if micro == cfg.grad_accum - 1 else accelerator.no_sync(model)
             with sync, accelerator.autocast():
                 output = model(input_ids=rows, labels=rows)
@@ -367,21 +425,30 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
             if accelerator.is_main_process:
                 bar.write(f"step {done}: val_loss {last['val_loss']:.4f}")
         if done % cfg.save_every == 0 or done == end_step:
-            _save(accelerator, output_dir, done, model, tokenizer, optimizer, scheduler, cfg)
+            _save(accelerator, output_dir, done, model, tokenizer, optimizer, scheduler, cfg, train_rows)
         if on_step is not None:
             on_step(done, last)
         bar.update(1)
     bar.close()
 
-    if accelerator.is_main_process and end_step == cfg.max_steps:
-        _save_final(output_dir, accelerator.unwrap_model(model), tokenizer)
+    if end_step == cfg.max_steps:
+        state_dict = gathered_state_dict(accelerator, model) if is_sharded(accelerator) else None  # every rank gathers
+        if accelerator.is_main_process:
+            _save_final(output_dir, accelerator.unwrap_model(model), tokenizer, state_dict)
     accelerator.wait_for_everyone()
     return last
 
 
-def _save(accelerator, output_dir, step, model, tokenizer, optimizer, scheduler, cfg):
+def _save(accelerator, output_dir, step, model, tokenizer, optimizer, scheduler, cfg, train_rows=None):
     state = {"data_position": step * cfg.batch_size * cfg.grad_accum * accelerator.num_processes,
              "num_processes": accelerator.num_processes, "config": asdict(cfg)}
+    if isinstance(train_rows, StreamingRows):  # every rank's position in its share of the corpus
+        streams = [train_rows.state_dict()]
+        if accelerator.num_processes > 1:
+            streams = [None] * accelerator.num_processes
+            torch.distributed.gather_object(train_rows.state_dict(), streams if accelerator.is_main_process else None,
+                                            dst=0)
+        state["data_streams"] = streams
     # Every rank's RNG state travels to the main process, which writes it inside the atomic
     # checkpoint: a checkpoint that exists resumes every rank.
     rng = capture_rng_state()
@@ -389,19 +456,25 @@ def _save(accelerator, output_dir, step, model, tokenizer, optimizer, scheduler,
     if accelerator.num_processes > 1:
         rank_rng = [None] * accelerator.num_processes
         torch.distributed.gather_object(rng, rank_rng if accelerator.is_main_process else None, dst=0)
+    inner_optimizer = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    model_state, optimizer_state = None, None
+    if is_sharded(accelerator):  # collectives: every rank takes part, rank 0 receives the full states
+        model_state = gathered_state_dict(accelerator, model)
+        optimizer_state = gather_optimizer_state(model, inner_optimizer)
     checkpoint = None
     if accelerator.is_main_process:
-        checkpoint = save_checkpoint(output_dir, step, accelerator.unwrap_model(model), tokenizer,
-                                     optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer,
-                                     scheduler, state, keep_last=cfg.keep_checkpoints, rank_rng=rank_rng)
+        checkpoint = save_checkpoint(output_dir, step, accelerator.unwrap_model(model), tokenizer, inner_optimizer,
+                                     scheduler, state, keep_last=cfg.keep_checkpoints, rank_rng=rank_rng,
+                                     model_state_dict=model_state, optimizer_state=optimizer_state)
     accelerator.wait_for_everyone()
     return checkpoint
 
 
-def _save_final(output_dir: Path, model, tokenizer):
-    """The finished model and tokenizer at the top of `output_dir`, each file replaced atomically."""
+def _save_final(output_dir: Path, model, tokenizer, state_dict: dict | None = None):
+    """The finished model (`state_dict`: gathered from a sharded run) and tokenizer at the top of `output_dir`,
+    each file replaced atomically."""
     tmp = output_dir / f".tmp-final-{os.getpid()}"
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     if tokenizer is not None:
         save_tokenizer(tokenizer, tmp)
     for item in tmp.iterdir():

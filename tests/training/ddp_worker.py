@@ -46,4 +46,6 @@ def rank_draws(step, metrics):
 
 
 train(cfg, model=model, tokenizer=tokenizer, train_rows=rows, on_step=rank_draws)
-save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{args.out}/rank{rank}.safetensors")
+# (A DTensor under FSDP, run by fsdp_worker.py: gathered, on every rank.)
+save_file({k: (v.full_tensor() if hasattr(v, "full_tensor") else v).contiguous() for k, v in model.state_dict().items()},
+          f"{args.out}/rank{rank}.safetensors")
