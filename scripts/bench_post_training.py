@@ -23,7 +23,7 @@ from pathlib import Path
 from hf_latentlm.eval.task import evaluate_task
 from hf_latentlm.families import family_of_model_type
 from hf_latentlm.loading import load_model_and_tokenizer
-from hf_latentlm.training.post_training import run_dpo, run_sft
+from hf_latentlm.training.post_training import find_checkpoint, run_dpo, run_sft
 from hf_latentlm.training.tasks import DEFAULT_TASK, load_task
 
 
@@ -49,6 +49,22 @@ def margin_curve(folder: str) -> list[dict]:
     return [{k: entry[k] for k in keys if k in entry} for entry in log if "rewards/margins" in entry]
 
 
+def train_stage(run, model_dir: str, output_dir: str, **kwargs) -> dict:
+    """`run_sft` / `run_dpo` into `output_dir`, or its summary when a finished model is already there (the bench is
+    resumable stage by stage: a finished stage is reused, an interrupted one resumes from its newest checkpoint)."""
+    log_path = Path(output_dir) / "post_training_log.json"
+    if log_path.exists():
+        log = json.loads(log_path.read_text())
+        losses = [entry["loss"] for entry in log if "loss" in entry]
+        steps = max((entry.get("step", 0) for entry in log), default=0)
+        print(f"  {output_dir}: finished earlier ({steps} steps), reused", flush=True)
+        return {"output_dir": output_dir, "steps": steps, "losses": losses, "reused": True}
+    t = time.perf_counter()
+    summary = run(model_dir, output_dir, resume=find_checkpoint(output_dir) is not None, **kwargs)
+    summary["seconds"] = time.perf_counter() - t
+    return summary
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", required=True, help="LABEL=DIR (the AR baseline as ar=DIR)")
@@ -60,6 +76,7 @@ def main():
     parser.add_argument("--dpo-pairs", type=int, default=400)
     parser.add_argument("--test-size", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--sft-batch-size", type=int, default=None, help="SFT examples per step (default: --batch-size)")
     parser.add_argument("--speed-prompts", type=int, default=8)
     parser.add_argument("--sft-learning-rate", type=float, default=None)
     parser.add_argument("--dpo-learning-rate", type=float, default=None)
@@ -77,19 +94,17 @@ def main():
         record = {"folders": stage, "evaluation": {}, "training": {}}
         print(f"== {label}: before post-training", flush=True)
         record["evaluation"]["base"] = evaluate_folder(folder, test, args)
-        t = time.perf_counter()
-        record["training"]["sft"] = run_sft(folder, stage["sft"], args.task, args.sft_steps, seed=args.seed,
-                                            train_size=args.sft_examples, learning_rate=args.sft_learning_rate,
-                                            batch_size=args.batch_size)
-        record["training"]["sft"]["seconds"] = time.perf_counter() - t
+        record["training"]["sft"] = train_stage(run_sft, folder, stage["sft"], task=args.task,
+                                                max_steps=args.sft_steps, seed=args.seed, train_size=args.sft_examples,
+                                                learning_rate=args.sft_learning_rate,
+                                                batch_size=args.sft_batch_size or args.batch_size)
         print(f"== {label}: after SFT ({args.sft_steps} steps)", flush=True)
         record["evaluation"]["sft"] = evaluate_folder(stage["sft"], test, args)
         for name, loss_type in (("dpo", "sigmoid_norm"), ("dpo_unnormalised", "sigmoid")):
-            t = time.perf_counter()
-            record["training"][name] = run_dpo(stage["sft"], stage[name], args.task, args.dpo_steps, seed=args.seed,
-                                               train_size=args.dpo_pairs, learning_rate=args.dpo_learning_rate,
-                                               batch_size=args.batch_size, loss_type=[loss_type], logging_steps=5)
-            record["training"][name]["seconds"] = time.perf_counter() - t
+            record["training"][name] = train_stage(run_dpo, stage["sft"], stage[name], task=args.task,
+                                                   max_steps=args.dpo_steps, seed=args.seed, train_size=args.dpo_pairs,
+                                                   learning_rate=args.dpo_learning_rate, batch_size=args.batch_size,
+                                                   loss_type=[loss_type], logging_steps=5)
             record["training"][name]["margin_curve"] = margin_curve(stage[name])
             print(f"== {label}: after {name} ({args.dpo_steps} steps)", flush=True)
             record["evaluation"][name] = evaluate_folder(stage[name], test, args)

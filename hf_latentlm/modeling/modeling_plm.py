@@ -420,11 +420,14 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         aux = draw_auxiliary_in_cell(owners.reshape(batch * num_dec, -1), targets.reshape(-1), uniform=uniform)
         return aux.view(batch, num_dec), tv
 
-    def decoder_objective(self, input_ids, labels, attention_mask, layout, aux=None, **kwargs) -> PLMOutput:
+    def decoder_objective(self, input_ids, labels, attention_mask, layout, aux=None, with_alignment: bool = True,
+                          **kwargs) -> PLMOutput:
         """The normalised PLM loss with its logged parts, for a given block layout (`block_layout`).
 
         aux [B, D]: the decoder rows' auxiliaries; None draws them from this call's encoder pass (`draw_auxiliaries`).
         Passing them fixes the auxiliary realisation, as PLM's DPO score does.
+        with_alignment: False leaves out the alignment term (and its hidden-state capture) even when
+        `alignment_weight` > 0; PLM's DPO score has no alignment term.
 
         Two passes (paper §3): the encoder pass over the tokens, with gradient, whose keys stay in a cache; the
         auxiliaries are fitted from its detached logits; the decoder rows then read those keys (so decoder loss
@@ -436,7 +439,8 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         cfg = self.config
         batch, length = input_ids.shape
         dec_pos, dec_block, dec_start = layout
-        capture = (cfg.alignment_encoder_layer, cfg.alignment_decoder_layer) if cfg.alignment_weight > 0 else None
+        capture = ((cfg.alignment_encoder_layer, cfg.alignment_decoder_layer)
+                   if with_alignment and cfg.alignment_weight > 0 else None)
         passes = (self._joint_pass if self.model.gradient_checkpointing and self.training and torch.is_grad_enabled()
                   else self._two_passes)
         enc_logits, dec_logits, mids, aux, tv, enc_out = passes(input_ids, attention_mask, layout, aux, capture, kwargs)

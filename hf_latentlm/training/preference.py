@@ -318,7 +318,7 @@ class PLMResponseScorer:
             cell = self.grid_index(config, layout, value)
             grid = aux_grid[rows]
             aux = grid[:, cell.clamp(max=grid.shape[1] - 1)].masked_fill(cell >= grid.shape[1], -1)
-            out = core.decoder_objective(ids, enc_labels[rows], mask, layout, aux=aux)
+            out = core.decoder_objective(ids, enc_labels[rows], mask, layout, aux=aux, with_alignment=False)
             # Encoder: logits at t-1 score x_t, every labelled response target (terminal EOS included).
             enc_target = enc_labels[rows, 1:]
             enc_valid = enc_target != -100
