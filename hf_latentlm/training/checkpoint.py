@@ -44,7 +44,10 @@ def gather_optimizer_state(model, optimizer: torch.optim.Optimizer) -> tuple[dic
     the full state lands on rank 0 (other ranks get no tensors). torch keys the gathered state by parameter name;
     it is re-keyed by index, as `Optimizer.state_dict()` numbers parameters, so the checkpoint looks the same
     however the run was sharded."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
 
     state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not state:  # not rank 0
@@ -60,7 +63,11 @@ def gather_optimizer_state(model, optimizer: torch.optim.Optimizer) -> tuple[dic
 def scatter_optimizer_state(checkpoint: Path, model, optimizer: torch.optim.Optimizer) -> None:
     """Load a checkpoint's optimizer state into an optimizer over sharded (FSDP) parameters: each rank keeps its
     shard. A collective, like `gather_optimizer_state`."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     checkpoint = Path(checkpoint)
     saved = optimizer_state_from_flat(load_file(checkpoint / "optimizer.safetensors"),

@@ -188,7 +188,13 @@ def dataset_documents(source, text_column: str | None = None, split: str = "trai
     source: a `datasets.Dataset` / `IterableDataset` / `DatasetDict`, or a path: a folder written by `save_to_disk`
     (read memory-mapped, record by record; a `DatasetDict` gives its `train` and `validation` splits), a UTF-8 text
     file, or a folder of `*.txt` files (one document per file, read in blocks; these have a train split only)."""
-    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_from_disk
+    from datasets import (
+        Dataset,
+        DatasetDict,
+        IterableDataset,
+        IterableDatasetDict,
+        load_from_disk,
+    )
 
     if isinstance(source, (str, Path)):
         path = Path(source).expanduser()
@@ -213,7 +219,7 @@ def dataset_documents(source, text_column: str | None = None, split: str = "trai
     elif split != "train":
         return None
     if not isinstance(source, (Dataset, IterableDataset)):
-        raise ValueError(f"--dataset must be a datasets Dataset or a path, got {type(source).__name__}")
+        raise TypeError(f"--dataset must be a datasets Dataset or a path, got {type(source).__name__}")
     column = _text_column(source, text_column)
     # A Dataset is read through its iterable view: record by record from the memory-mapped files.
     records = (source.to_iterable_dataset() if isinstance(source, Dataset) else source).select_columns([column])

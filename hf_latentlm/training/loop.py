@@ -32,10 +32,24 @@ from tqdm.auto import tqdm
 
 from ..families import build_model
 from ..presets import get_preset
-from .checkpoint import (capture_rng_state, gather_optimizer_state, latest_checkpoint, load_checkpoint, load_rank_rng,
-                         save_checkpoint, save_tokenizer, scatter_optimizer_state)
+from .checkpoint import (
+    capture_rng_state,
+    gather_optimizer_state,
+    latest_checkpoint,
+    load_checkpoint,
+    load_rank_rng,
+    save_checkpoint,
+    save_tokenizer,
+    scatter_optimizer_state,
+)
 from .corpus import load_default_tokenizer
-from .data import StreamingRows, dataset_documents, documents_to_dataset, load_split_documents, pack_dataset
+from .data import (
+    StreamingRows,
+    dataset_documents,
+    documents_to_dataset,
+    load_split_documents,
+    pack_dataset,
+)
 
 
 @dataclass

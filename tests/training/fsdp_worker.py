@@ -11,10 +11,10 @@ import runpy
 from pathlib import Path
 
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils import DistributedType
+from test_accelerate_configs import CONFIGS, fsdp_plugin_from, launch_env
 
 from hf_latentlm.training import loop
-from test_accelerate_configs import CONFIGS, fsdp_plugin_from, launch_env
 
 FSDP_CONFIG = next(path for path in CONFIGS if path.name == "fsdp.yaml")
 

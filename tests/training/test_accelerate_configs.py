@@ -3,7 +3,6 @@ key Accelerate does not know, or a value it refuses, fails here instead of on th
 
 import argparse
 import os
-import shutil
 from pathlib import Path
 from unittest import mock
 

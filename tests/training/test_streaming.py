@@ -11,7 +11,12 @@ from hf_latentlm.cli import main
 from hf_latentlm.families import build_model
 from hf_latentlm.training import data
 from hf_latentlm.training.corpus import load_corpus_documents, load_text_documents
-from hf_latentlm.training.data import StreamingRows, dataset_documents, documents_to_dataset, pack_dataset
+from hf_latentlm.training.data import (
+    StreamingRows,
+    dataset_documents,
+    documents_to_dataset,
+    pack_dataset,
+)
 from hf_latentlm.training.loop import TrainConfig, train
 
 
@@ -53,7 +58,7 @@ def test_a_resumed_stream_reads_the_rows_the_uninterrupted_one_reads(tokenizer, 
     straight = StreamingRows(source, tokenizer, 16).take(400)
     epoch_rows = len(packed(documents, tokenizer, 16))
     assert epoch_rows < 390
-    for cut in list(range(0, 40)) + [epoch_rows - 1, epoch_rows, epoch_rows + 1]:
+    for cut in list(range(40)) + [epoch_rows - 1, epoch_rows, epoch_rows + 1]:
         first = StreamingRows(source, tokenizer, 16)
         first.take(cut)
         state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint stores it
