@@ -88,7 +88,7 @@ FAMILY_CARDS = {
               "so one backbone call yields K tokens. The autoencoder is frozen and its weights are stored inside "
               "this checkpoint.",
         generate='out = model.generate(**ids, max_new_tokens=32, temperature=0.5,  # T = 1 (default): one draw\n'
-                 '                     temperature_sampler="pool",              # or "exact" (T = 1/n only)\n'
+                 '                     temperature_sampler="pool",              # or "exact" (any T in (0, 1])\n'
                  '                     noise_seeds=[1, 2], return_dict_in_generate=True)\n'
                  'for row in out.sequences:\n'
                  '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))\n'
@@ -96,8 +96,9 @@ FAMILY_CARDS = {
         limitations="Every chunk comes back through the autoencoder, whose reconstruction is not exact: a latent "
                     "decodes to a wrong chunk with the autoencoder's error rate even when the prediction is right. "
                     "There is no token likelihood (no NLL or perplexity; it is scored with Brier-n from samples). "
-                    'Temperature is obtained by rejection from head draws: `"exact"` (T = 1/n) retries until n draws '
-                    'decode to the same chunk and gives up after `exact_max_rounds`; `"pool"` decodes 200 draws per '
+                    'Temperature is obtained by rejection from head draws: `"exact"` (any T in (0, 1]: n = ⌊1/T⌋ '
+                    'identical decoded draws, then a Bernoulli-factory stage for the fraction) retries until it '
+                    'accepts and gives up after `exact_max_rounds`; `"pool"` decodes 200 draws per '
                     "step; both cost many more draws and decodes than T = 1.",
         citation="@article{calm,\n  title  = {Continuous Autoregressive Language Models},\n"
                  "  author = {Shao and others},\n  year   = {2025}\n}"),
