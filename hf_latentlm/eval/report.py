@@ -150,27 +150,26 @@ def markdown_table(report: dict) -> str:
 
 
 def markdown_report(report: dict) -> str:
-    settings = report["settings"]
+    settings, machine = report["settings"], report["machine"]
+    run = (f"One process run, {report['date']}, {machine['platform']}, {machine['cpu_count']} CPUs, torch "
+           f"{machine['torch']} ({machine['torch_threads']} threads), load average "
+           f"{machine['load_average_1min']['start']:.1f} at the start and {machine['load_average_1min']['end']:.1f} "
+           f"at the end.")
+    brier = (f"- BrierLM-2 = 100·√(Brier-1·Brier-2) on {report['models'][BASELINE_NAME]['brier']['num_positions']} "
+             f"validation positions (context {settings['context_len']}), 95% bootstrap interval; (≈0): an interval "
+             f"that contains 0. ×AR divides the value and its interval by AR's BrierLM-2 (AR's own uncertainty is "
+             f"not propagated).")
+    speed = (f"- Speed: {settings['max_new_tokens']} new tokens after {settings['speed_prompt_len']}-token "
+             f"validation prompts, EOS ignored, median of {settings['repeats']} runs after a warm-up; speed×AR "
+             f"divides by the AR baseline timed again next to each entry. calls/token: network evaluations per "
+             f"generated token at batch 1 (every network a family runs, prefill included).")
+    mauve = (f"- MAUVE: {settings['mauve_samples']} continuations of 128 tokens against the human ones "
+             f"(all-MiniLM-L6-v2 features)." if "mauve_samples" in settings else "- MAUVE: not measured in this run.")
+    columns = ("- params: every parameter of the checkpoint (frozen autoencoders and EMA copies included). trained "
+               "on: tokens of the model's own training run (a component trained before it, e.g. an autoencoder, not "
+               "counted); — where the folder holds no checkpoint with its training state.")
     out = ["# Speed and quality of every family against the AR baseline", "", "```bash", report["command"] or "",
-           "```", "", f"One process run, {report['date']}, {report['machine']['platform']}, "
-           f"{report['machine']['cpu_count']} CPUs, torch {report['machine']['torch']} "
-           f"({report['machine']['torch_threads']} threads), load average "
-           f"{report['machine']['load_average_1min']['start']:.1f} at the start and "
-           f"{report['machine']['load_average_1min']['end']:.1f} at the end.", "",
-           markdown_table(report),
-           f"- BrierLM-2 = 100·√(Brier-1·Brier-2) on {report['models'][BASELINE_NAME]['brier']['num_positions']} "
-           f"validation positions (context {settings['context_len']}), 95% bootstrap interval; (≈0): an interval "
-           f"that contains 0. ×AR divides the value and its interval by AR's BrierLM-2 (AR's own uncertainty is not "
-           f"propagated).",
-           f"- Speed: {settings['max_new_tokens']} new tokens after {settings['speed_prompt_len']}-token validation "
-           f"prompts, EOS ignored, median of {settings['repeats']} runs after a warm-up; speed×AR divides by the AR "
-           f"baseline timed again next to each entry. calls/token: network evaluations per generated token at batch "
-           f"1 (every network a family runs, prefill included).",
-           ("- MAUVE: " + str(settings["mauve_samples"]) + " continuations of 128 tokens against the human ones "
-            "(all-MiniLM-L6-v2 features)." if "mauve_samples" in settings else "- MAUVE: not measured in this run."),
-           "- params: every parameter of the checkpoint (frozen autoencoders and EMA copies included). trained on: "
-           "tokens of the model's own training run (a component trained before it, e.g. an autoencoder, not "
-           "counted); — where the folder holds no checkpoint with its training state.",
+           "```", "", run, "", markdown_table(report), brier, speed, mauve, columns,
            "- Plot: [speed_quality.png](speed_quality.png); raw numbers: [report.json](report.json)."]
     if report["families_not_reported"]:
         out.append(f"- Not in this report (no model given): {', '.join(report['families_not_reported'])}.")

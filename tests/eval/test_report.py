@@ -100,7 +100,7 @@ def test_report_writes_a_table_that_matches_its_json(report_run):
 def test_speed_ratios_divide_by_the_ar_baseline_timed_next_to_each_entry(report_run):
     report = json.loads((report_run[2] / "report.json").read_text())
     ar = report["models"]["ar"]
-    for name, row in report["models"].items():
+    for row in report["models"].values():
         for b in (1, 8):
             expected = row["speed"][f"batch_{b}"]["tokens_per_s"] / row["baseline_speed"][f"batch_{b}"]["tokens_per_s"]
             assert row["relative_to_ar"][f"tokens_per_s_batch_{b}"] == pytest.approx(expected, rel=1e-12)
