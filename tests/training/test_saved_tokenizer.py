@@ -20,7 +20,7 @@ PASSAGE = "HAMLET.\nTo be, or not to be, that is the question:\n\u2014Zo\u00eb, 
 # of PASSAGE. "package": hf_latentlm's model classes are registered, so config.json needs no remote code and
 # every remote-code decision is the tokenizer's own; "readme": the README's form, without the package imported.
 LOADERS = {
-    "package": "import hf_latentlm.families\n"
+    "package": "import hf_latentlm.modeling\n"
                "from transformers import AutoTokenizer\n"
                "load = lambda folder: AutoTokenizer.from_pretrained(folder)\n",
     "readme": "from transformers import AutoTokenizer\n"
