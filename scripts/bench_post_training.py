@@ -4,6 +4,9 @@
         --out runs/post --sft-steps 300 --dpo-steps 60 --dpo-pairs 400 --test-size 100 \
         --output docs/post_training.json
 
+A stage whose output folder already holds a finished model is reused and an interrupted one resumes, so a long run
+can be split over several sessions; `--sft-only` stops after SFT.
+
 For each model: exact-match accuracy on the task's held-out split, mean answer length, batch-1 tokens per call and
 tokens/s (`hf_latentlm.eval.task.evaluate_task`) before SFT, after SFT (`run_sft`, full fine-tune), after DPO
 (`run_dpo`, length-normalised: TRL's `sigmoid_norm` for AR, the family's normalised score otherwise) and after the
@@ -82,6 +85,7 @@ def main():
     parser.add_argument("--dpo-learning-rate", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="docs/post_training.json")
+    parser.add_argument("--sft-only", action="store_true", help="stop after SFT and its evaluation (no DPO)")
     args = parser.parse_args()
     models = dict(m.split("=", 1) for m in args.model)
     started = time.perf_counter()
@@ -100,7 +104,8 @@ def main():
                                                 batch_size=args.sft_batch_size or args.batch_size)
         print(f"== {label}: after SFT ({args.sft_steps} steps)", flush=True)
         record["evaluation"]["sft"] = evaluate_folder(stage["sft"], test, args)
-        for name, loss_type in (("dpo", "sigmoid_norm"), ("dpo_unnormalised", "sigmoid")):
+        dpo_runs = () if args.sft_only else (("dpo", "sigmoid_norm"), ("dpo_unnormalised", "sigmoid"))
+        for name, loss_type in dpo_runs:
             record["training"][name] = train_stage(run_dpo, stage["sft"], stage[name], task=args.task,
                                                    max_steps=args.dpo_steps, seed=args.seed, train_size=args.dpo_pairs,
                                                    learning_rate=args.dpo_learning_rate, batch_size=args.batch_size,
@@ -130,7 +135,7 @@ def markdown(results: dict) -> str:
     lines += ["", "| model | DPO | step | loss | margin | reward accuracy |", "|---|---|---|---|---|---|"]
     for label, record in results["models"].items():
         for name in ("dpo", "dpo_unnormalised"):
-            for point in record["training"][name]["margin_curve"]:
+            for point in record["training"].get(name, {}).get("margin_curve", []):
                 lines.append(f"| {label} | {name} | {point.get('step')} | {point.get('loss', float('nan')):.4f} | "
                              f"{point['rewards/margins']:.4f} | {point.get('rewards/accuracies', float('nan')):.2f} |")
     return "\n".join(lines)
