@@ -28,7 +28,8 @@ BATCH_SIZES = (1, 8)
 def training_record(folder: str | os.PathLike) -> dict:
     """Optimizer steps and training tokens of a `train` output folder.
 
-    Steps: the last logged step of `metrics.jsonl`. Tokens: the newest `checkpoint-*/trainer_state.json` holds the
+    Steps: the last logged step of `metrics.jsonl`. Tokens: its last logged `tokens`; for folders written before the
+    loop logged them, the newest `checkpoint-*/trainer_state.json`, which holds the
     rows consumed (`data_position`, all processes and accumulation steps included) and the run's `seq_len`; tokens
     per step times the logged steps. None where the folder does not hold that record (e.g. only the final model
     was copied), never a guess from the preset.
@@ -39,8 +40,10 @@ def training_record(folder: str | os.PathLike) -> dict:
     if metrics.is_file():
         logged = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         steps = max((record["step"] for record in logged if "step" in record), default=None)
+        # Logged by the training loop since it records them; older folders fall back to the checkpoint below.
+        tokens = max((record["tokens"] for record in logged if "tokens" in record), default=None)
     checkpoint = latest_checkpoint(folder) if folder.is_dir() else None
-    if checkpoint is not None and (checkpoint / STATE_FILE).is_file():
+    if tokens is None and checkpoint is not None and (checkpoint / STATE_FILE).is_file():
         state = read_json_file(checkpoint / STATE_FILE, f"checkpoint {str(checkpoint)!r}")
         if state.get("step"):
             tokens_per_step = state["data_position"] * state["config"]["seq_len"] / state["step"]

@@ -430,6 +430,7 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
         if log_now:
             elapsed = time.perf_counter() - window_start
             last["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
+            last["tokens"] = done * tokens_per_step  # training tokens so far (all processes): the report's record
             window_start, window_tokens = time.perf_counter(), 0
             _append_jsonl(metrics_path, last, accelerator)
             bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")

@@ -119,6 +119,15 @@ def test_training_record_comes_from_the_checkpoint_and_metrics(report_run):
     assert rows["ar"][3] == f"{AR_STEPS * AR_BATCH * AR_SEQ} ({AR_STEPS} steps)" and rows["plm"][3] == "—"
 
 
+def test_training_tokens_come_from_metrics_when_no_checkpoint_is_left(tmp_path):
+    from hf_latentlm.eval.report import training_record
+
+    lines = [{"step": 10, "loss": 3.0, "tokens": 10 * 2048}, {"step": 10, "val_loss": 3.1},
+             {"step": 20, "loss": 2.5, "tokens": 20 * 2048}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert training_record(tmp_path) == {"steps": 20, "tokens": 40960}
+
+
 def test_png_is_written_with_one_point_per_entry_and_interval(report_run):
     out = report_run[2]
     data = (out / "speed_quality.png").read_bytes()

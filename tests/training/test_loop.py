@@ -176,6 +176,10 @@ def test_training_reduces_loss_and_writes_self_sufficient_folder(tmp_path, token
     losses = [r["loss"] for r in log if "loss" in r]
     assert losses[-1] < losses[0] - 1.0
     assert all(r["tokens_per_s"] > 0 for r in log if "loss" in r)
+    # Cumulative training tokens: batch 4 rows of seq_len tokens per step (tiny_config), one process.
+    cfg = tiny_config(tmp_path)
+    assert [r["tokens"] for r in log if "loss" in r] == [r["step"] * cfg.batch_size * cfg.seq_len
+                                                          for r in log if "loss" in r]
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-0000020", "checkpoint-0000030"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
     for folder in (tmp_path, latest_checkpoint(tmp_path)):
