@@ -94,7 +94,7 @@ def snippet_runs(tmp_path_factory, tiny_rows) -> list[subprocess.CompletedProces
 
     def run(code: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", code], cwd=folders.root, env=env, capture_output=True, text=True,
-                              timeout=600)
+                              stdin=subprocess.DEVNULL, timeout=600)  # stdin closed: an interactive prompt fails
 
     # Each interpreter spends seconds importing torch and transformers: overlap them.
     with ThreadPoolExecutor(max_workers=2) as pool:
