@@ -11,9 +11,16 @@ consecutive verse lines and asks for it back:
 * ``reverse``: "Reverse the order of the words in each line:" -- the response is still a deterministic function
   of the prompt, but the model must attend to the instruction and rearrange, not only copy.
 
-:data:`TASKS` names three task sets: ``verse-repeat`` (the default), ``verse-reverse`` and ``verse-mixed`` (half
-of each, so the instruction decides the answer). A passage grows line by line until its response is at least
-``min_response_tokens`` (default 24) tokens of the default tokenizer, so every response is long. Train examples
+:data:`VERSE_TASKS` names three task sets: ``verse-repeat`` (the default), ``verse-reverse`` and ``verse-mixed``
+(half of each, so the instruction decides the answer).
+
+``count`` ("Count from 37 to 52:") needs no copying circuit: every answer token follows from the one or two numbers
+before it and the stopping number in the prompt, so a small model learns it in a few hundred SFT steps and exact
+match is informative where the verse tasks still score 0 (docs/post_training.md). Its (start, stop) pairs are split
+between "train", "validation" and "test" by a stable hash, so test prompts never appear in training (the numbers in
+them do; the answer is the same rule everywhere). A passage grows line by line until its response is at least
+``min_response_tokens`` (default 24) tokens of the default tokenizer, so every response is long (a count grows by
+one number at a time the same way). Train examples
 come from the corpus ``train`` split (37 works) and a ``test`` split from the corpus ``test`` works (Macbeth, Much
 Ado), so test prompts are unseen; any split name of the corpus can be requested.
 
@@ -44,6 +51,7 @@ separating space, the end-of-text marker and trailing whitespace are normalised 
 from __future__ import annotations
 
 import random
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -99,12 +107,24 @@ TASK_KINDS: dict[str, TaskKind] = {
     "reverse": TaskKind("reverse", "Reverse the order of the words in each line:", _reverse_words_of_each_line),
 }
 
-TASKS: dict[str, tuple[str, ...]] = {
+VERSE_TASKS: dict[str, tuple[str, ...]] = {
     "verse-repeat": ("repeat",),
     "verse-reverse": ("reverse",),
     "verse-mixed": ("repeat", "reverse"),
 }
-"""Task name -> the instruction kinds its examples are drawn from (in equal shares)."""
+"""Verse task name -> the instruction kinds its examples are drawn from (in equal shares)."""
+
+COUNT_TASK = "count"
+COUNT_INSTRUCTION = "Count from {start} to {stop}:"
+COUNT_STARTS = (1, 499)
+"""Smallest and largest first number of a count."""
+COUNT_LENGTHS = (8, 20)
+"""Fewest and most numbers in a count (before growing it to ``min_response_tokens``)."""
+_COUNT_SPLIT_BUCKETS = {"test": 0, "validation": 1}
+"""A (start, length) pair belongs to split s when its stable hash mod 10 is this; every other bucket is "train"."""
+
+TASKS: tuple[str, ...] = (*VERSE_TASKS, COUNT_TASK)
+"""Every task name :func:`load_task` and :func:`load_preference_task` accept."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -205,14 +225,13 @@ def verse_runs(corpus_split: str) -> tuple[tuple[str, ...], ...]:
 
 @dataclass(frozen=True)
 class _Example:
-    kind: TaskKind
-    passage: tuple[str, ...]
-    next_line: str  # the line after the passage in the play, for a plausible "extra_line" rejection
+    kind: str
+    instruction: str
     response_lines: tuple[str, ...]
-
-    @property
-    def instruction(self) -> str:
-        return self.kind.instruction + "\n" + "\n".join(self.passage)
+    # The answer carried one step too far, for a plausible "extra_line" rejection: the passage with the play's next
+    # line added and transformed alike, or the count with the next number.
+    overrun: str
+    key: tuple  # what must not repeat within or across splits: the passage, or (start, stop)
 
     @property
     def response(self) -> str:
@@ -268,7 +287,46 @@ def _sample_examples(
         if passage in used:
             continue
         used.add(passage)
-        examples.append(_Example(kind, passage, run[end], response_lines))
+        examples.append(_Example(kind.name, kind.instruction + "\n" + "\n".join(passage), response_lines,
+                                 "\n".join(kind.transform(passage + (run[end],))), passage))
+    return examples
+
+
+def count_response(start: int, stop: int) -> str:
+    """The numbers from ``start`` to ``stop`` inclusive, separated by single spaces."""
+    return " ".join(str(n) for n in range(start, stop + 1))
+
+
+def count_split(start: int, length: int) -> str:
+    """The split a (start, length) count belongs to, from a hash that is stable across processes."""
+    bucket = zlib.crc32(f"{start}/{length}".encode()) % 10
+    return next((split for split, b in _COUNT_SPLIT_BUCKETS.items() if b == bucket), "train")
+
+
+def _sample_count_examples(split: str, size: int, rng: random.Random, tokenizer, min_response_tokens: int,
+                           excluded: set[tuple]) -> list[_Example]:
+    """``size`` distinct counts of ``split`` in a seeded order (a shuffle of the split's pool, so a larger ``size``
+    extends a smaller one's examples)."""
+    pool = [(start, length) for start in range(COUNT_STARTS[0], COUNT_STARTS[1] + 1)
+            for length in range(COUNT_LENGTHS[0], COUNT_LENGTHS[1] + 1) if count_split(start, length) == split]
+    rng.shuffle(pool)
+    examples: list[_Example] = []
+    used = set(excluded)
+    for start, length in pool:
+        if len(examples) == size:
+            break
+        stop = start + length - 1
+        while _token_count(tokenizer, format_completion(count_response(start, stop)).removesuffix(EOS_TEXT)) \
+                < min_response_tokens:
+            stop += 1
+        if (start, stop) in used:
+            continue  # two lengths that grew to the same stop
+        used.add((start, stop))
+        examples.append(_Example(COUNT_TASK, COUNT_INSTRUCTION.format(start=start, stop=stop),
+                                 (count_response(start, stop),), count_response(start, stop + 1), (start, stop)))
+    if len(examples) < size:
+        raise ValueError(f"the {COUNT_TASK!r} task has {len(examples)} distinct {split!r} examples, "
+                         f"{size} were asked for")
     return examples
 
 
@@ -292,7 +350,7 @@ def _split_rng(name: str, split: str, seed: int, purpose: str) -> random.Random:
 
 def _check_request(name: str, split_sizes: Mapping[str, int] | None) -> dict[str, int]:
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
     sizes = dict(DEFAULT_SPLIT_SIZES if split_sizes is None else split_sizes)
     for split, size in sizes.items():
         if split not in CORPUS_SPLITS:
@@ -304,17 +362,21 @@ def _check_request(name: str, split_sizes: Mapping[str, int] | None) -> dict[str
 
 def _build_examples(name: str, sizes: Mapping[str, int], seed: int, min_response_tokens: int,
                     tokenizer) -> dict[str, list[_Example]]:
-    kinds = [TASK_KINDS[k] for k in TASKS[name]]
     # "train" first, so the other splits can leave out any passage it used (they come from other works anyway).
     order = sorted(sizes, key=lambda split: split != "train")
-    used: set[tuple[str, ...]] = set()
+    used: set[tuple] = set()
     examples = {}
     for split in order:
-        examples[split] = _sample_examples(
-            kinds, split, sizes[split], _split_rng(name, split, seed, "passages"),
-            _split_rng(name, split, seed, "kinds"), tokenizer, min_response_tokens, used,
-        )
-        used.update(example.passage for example in examples[split])
+        if name == COUNT_TASK:
+            examples[split] = _sample_count_examples(split, sizes[split], _split_rng(name, split, seed, "counts"),
+                                                     tokenizer, min_response_tokens, used)
+        else:
+            examples[split] = _sample_examples(
+                [TASK_KINDS[k] for k in VERSE_TASKS[name]], split, sizes[split],
+                _split_rng(name, split, seed, "passages"), _split_rng(name, split, seed, "kinds"), tokenizer,
+                min_response_tokens, used,
+            )
+        used.update(example.key for example in examples[split])
     return {split: examples[split] for split in sizes}
 
 
@@ -327,17 +389,18 @@ def load_task(
 ) -> DatasetDict:
     """The SFT data of task ``name``: one split per key of ``split_sizes`` (default train 2000, test 200).
 
-    Each split ``s`` is drawn from the corpus split ``s`` ("train", "validation" or "test"), so a test split's
-    prompts come from works never seen in training. Columns: ``prompt``, ``completion`` (TRL's prompt/completion
-    format, see the module docstring), ``instruction`` (the user's text), ``response`` (the bare reference answer
-    for :func:`exact_match`) and ``kind`` ("repeat" or "reverse"). The same ``seed`` gives identical datasets.
+    Each split ``s`` of a verse task is drawn from the corpus split ``s`` ("train", "validation" or "test"), so a
+    test split's prompts come from works never seen in training; the ``count`` task's splits hold disjoint
+    (start, stop) pairs (:func:`count_split`). Columns: ``prompt``, ``completion`` (TRL's prompt/completion format,
+    see the module docstring), ``instruction`` (the user's text), ``response`` (the bare reference answer for
+    :func:`exact_match`) and ``kind`` ("repeat", "reverse" or "count"). The same ``seed`` gives identical datasets.
 
     Args:
         tokenizer: the tokenizer that measures ``min_response_tokens``; the packaged default if ``None``.
 
     Raises:
-        ValueError: for an unknown task name (the message lists the known ones), an unknown split or a size
-            that is not a positive integer.
+        ValueError: for an unknown task name (the message lists the known ones), an unknown split, a size that is
+            not a positive integer, or more ``count`` examples than the split has.
     """
     sizes = _check_request(name, split_sizes)
     tokenizer = load_default_tokenizer() if tokenizer is None else tokenizer
@@ -348,7 +411,7 @@ def load_task(
             "completion": [format_completion(e.response) for e in rows],
             "instruction": [e.instruction for e in rows],
             "response": [e.response for e in rows],
-            "kind": [e.kind.name for e in rows],
+            "kind": [e.kind for e in rows],
         })
         for split, rows in examples.items()
     })
@@ -386,8 +449,8 @@ def _wrong_response(example: _Example, rejected_kind: str, rng: random.Random) -
         word_lines[li].insert(wi, word_lines[li][wi])
         return _join_lines(word_lines)
     if rejected_kind == "extra_line":
-        # Carry on with the play's next line, transformed like the others, as if the answer did not stop.
-        return "\n".join(example.kind.transform(example.passage + (example.next_line,)))
+        # Carry on one step too far (the play's next line, the next number), as if the answer did not stop.
+        return example.overrun
     raise ValueError(f"unknown rejected kind {rejected_kind!r}; expected one of {REJECTED_KINDS}")
 
 
@@ -442,6 +505,6 @@ def load_preference_task(
             "rejected_kind": rejected_kinds,
             "instruction": [e.instruction for e in rows],
             "response": [e.response for e in rows],
-            "kind": [e.kind.name for e in rows],
+            "kind": [e.kind for e in rows],
         })
     return DatasetDict(splits)

@@ -2,7 +2,7 @@
 responses under the real tokenizer, TRL's prompt/completion and preference formats with exactly one end-of-text, and
 rejected answers that are wrong and split evenly between shorter and longer ones."""
 
-import time
+import re
 
 import pytest
 
@@ -14,8 +14,10 @@ from hf_latentlm.training.tasks import (
     MIN_RESPONSE_TOKENS,
     REJECTED_KINDS,
     SHORTER_REJECTED_KINDS,
+    COUNT_TASK,
     TASK_KINDS,
     TASKS,
+    VERSE_TASKS,
     exact_match,
     load_preference_task,
     load_task,
@@ -28,9 +30,7 @@ SMALL = {"train": 40, "test": 12}
 
 @pytest.fixture(scope="module")
 def default_task(tokenizer):
-    start = time.perf_counter()
-    data = load_task(tokenizer=tokenizer)
-    return data, time.perf_counter() - start
+    return load_task(tokenizer=tokenizer), None
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +38,27 @@ def mixed_preferences(tokenizer):
     return load_preference_task("verse-mixed", split_sizes={"train": 400, "test": 100}, tokenizer=tokenizer)
 
 
+@pytest.fixture(scope="module")
+def count_preferences(tokenizer):
+    return load_preference_task(COUNT_TASK, split_sizes={"train": 400, "validation": 50, "test": 100},
+                                tokenizer=tokenizer)
+
+
+@pytest.fixture(params=["verse-mixed", COUNT_TASK])
+def preferences(request):
+    """The preference data of a verse task and of the counting task (the pair logic is shared)."""
+    return request.param, request.getfixturevalue("mixed_preferences" if request.param == "verse-mixed"
+                                                  else "count_preferences")
+
+
 def token_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def test_default_task_has_the_default_sizes_and_builds_fast(default_task):
-    data, seconds = default_task
+def test_default_task_has_the_default_sizes_and_columns(default_task):
+    data, _ = default_task
     assert {split: len(rows) for split, rows in data.items()} == dict(DEFAULT_SPLIT_SIZES)
     assert data["train"].column_names == ["prompt", "completion", "instruction", "response", "kind"]
-    assert seconds < 5, f"building the default task took {seconds:.1f} s"
 
 
 @pytest.mark.parametrize("loader", [load_task, load_preference_task])
@@ -111,12 +123,14 @@ def test_prompt_and_completion_concatenate_to_the_template(tokenizer):
             assert row["prompt"] + row["completion"] == \
                 f"User: {row['instruction']}\n\nAssistant: {row['response']}<|endoftext|>"
             assert row["prompt"].endswith("Assistant:") and row["completion"].startswith(" ")
+    for name in VERSE_TASKS:
+        for row in load_task(name, split_sizes=SMALL, tokenizer=tokenizer)["train"]:
             # The response is the deterministic function of the prompt that the instruction names.
             kind = TASK_KINDS[row["kind"]]
             header, *passage = row["instruction"].split("\n")
             assert header == kind.instruction and len(passage) >= 2
             assert row["response"] == "\n".join(kind.transform(passage))
-            assert row["kind"] in TASKS[name]
+            assert row["kind"] in VERSE_TASKS[name]
 
 
 def test_reverse_reverses_the_words_of_each_line():
@@ -129,9 +143,10 @@ def test_mixed_task_uses_both_instructions_in_equal_shares(mixed_preferences):
     assert kinds.count("repeat") == kinds.count("reverse") == len(kinds) // 2
 
 
-def test_chosen_is_the_reference_and_every_rejected_is_wrong(mixed_preferences, tokenizer):
-    sft = load_task("verse-mixed", split_sizes={"train": 400, "test": 100}, tokenizer=tokenizer)
-    for split, rows in mixed_preferences.items():
+def test_chosen_is_the_reference_and_every_rejected_is_wrong(preferences, tokenizer):
+    name, pairs = preferences
+    sft = load_task(name, split_sizes={split: len(rows) for split, rows in pairs.items()}, tokenizer=tokenizer)
+    for split, rows in pairs.items():
         assert rows["prompt"] == sft[split]["prompt"]
         assert rows["chosen"] == sft[split]["completion"]
         for row in rows:
@@ -142,8 +157,8 @@ def test_chosen_is_the_reference_and_every_rejected_is_wrong(mixed_preferences, 
         assert task_accuracy(rows["rejected"], rows["response"]) == 0.0
 
 
-def test_rejected_answers_are_half_shorter_and_half_longer_in_tokens(mixed_preferences, tokenizer):
-    for rows in mixed_preferences.values():
+def test_rejected_answers_are_half_shorter_and_half_longer_in_tokens(preferences, tokenizer):
+    for rows in preferences[1].values():
         kinds = rows["rejected_kind"]
         assert set(kinds) == set(REJECTED_KINDS)
         shorter = sum(kind in SHORTER_REJECTED_KINDS for kind in kinds)
@@ -164,6 +179,51 @@ def test_extra_line_rejection_continues_the_passage(mixed_preferences):
         correct = row["chosen"].removesuffix(EOS_TEXT)
         wrong = row["rejected"].removesuffix(EOS_TEXT)
         assert wrong.startswith(correct + "\n") and wrong.count("\n") == correct.count("\n") + 1
+
+
+def _count_bounds(instruction: str) -> tuple[int, int]:
+    match = re.fullmatch(r"Count from (\d+) to (\d+):", instruction)
+    assert match, instruction
+    return int(match[1]), int(match[2])
+
+
+def test_count_answers_list_every_number_from_start_to_stop(count_preferences, tokenizer):
+    for split, rows in count_preferences.items():
+        for row, length in zip(rows, response_lengths(rows, tokenizer, "chosen")):
+            start, stop = _count_bounds(row["instruction"])
+            numbers = [int(word) for word in row["response"].split(" ")]
+            assert numbers[0] == start and numbers[-1] == stop and numbers == list(range(start, stop + 1))
+            assert len(numbers) >= 8 and length >= MIN_RESPONSE_TOKENS
+            assert row["kind"] == COUNT_TASK
+
+
+def test_count_splits_hold_disjoint_prompts(count_preferences):
+    prompts = {split: rows["prompt"] for split, rows in count_preferences.items()}
+    for split, rows in prompts.items():
+        assert len(set(rows)) == len(rows), split
+    assert set(prompts["train"]).isdisjoint(prompts["test"])
+    assert set(prompts["train"]).isdisjoint(prompts["validation"])
+    assert set(prompts["validation"]).isdisjoint(prompts["test"])
+
+
+def test_count_rejections_skip_repeat_stop_early_or_run_past_the_stop(count_preferences):
+    for row in count_preferences["train"]:
+        chosen = [int(word) for word in row["chosen"].removesuffix(EOS_TEXT).split()]
+        wrong = [int(word) for word in row["rejected"].removesuffix(EOS_TEXT).split()]
+        kind = row["rejected_kind"]
+        if kind == "extra_line":
+            assert wrong == chosen + [chosen[-1] + 1]
+        elif kind == "duplicated_word":
+            assert len(wrong) == len(chosen) + 1 and sorted(set(wrong)) == chosen
+        elif kind == "dropped_word":
+            assert len(wrong) == len(chosen) - 1 and set(wrong) < set(chosen) and wrong[-1] == chosen[-1]
+        else:
+            assert kind == "truncated" and wrong == chosen[: len(wrong)] and len(wrong) < len(chosen)
+
+
+def test_asking_for_more_counts_than_a_split_holds_is_a_clear_error(tokenizer):
+    with pytest.raises(ValueError, match="'count' task has .* distinct 'test' examples, 100000 were asked"):
+        load_task(COUNT_TASK, split_sizes={"test": 100_000}, tokenizer=tokenizer)
 
 
 @pytest.mark.parametrize("loader", [load_task, load_preference_task])
