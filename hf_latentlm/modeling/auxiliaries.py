@@ -27,6 +27,8 @@ deterministic and do not depend on how positions are batched or chunked.
 
 from __future__ import annotations
 
+import bisect
+
 from typing import NamedTuple
 
 import torch
@@ -342,6 +344,13 @@ def voronoi_owners(
     order = None if compiling else torch.sort(open_count, stable=True).indices
     widths = None if compiling else open_count[order].tolist()  # non-decreasing
     start = 0
+    if widths is not None:
+        # A position with one open candidate (its probability rounds to all N auxiliaries) needs no fit: that
+        # candidate owns the whole bank. Low-entropy text (counting, copying) is mostly such positions at decode.
+        start = bisect.bisect_right(widths, 1)
+        rows = order[:start]
+        owners[rows] = candidates[rows, :1]
+        total_variation[rows] = 0.0
     while start < num_pos:
         if order is None:
             # Under torch.compile keep every column and the batch order: the trimmed width is data-dependent (a graph

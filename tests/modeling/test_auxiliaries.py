@@ -213,6 +213,33 @@ def test_untrimmed_fit_under_compile_gives_the_same_owners(setup, assignment, mo
     assert torch.equal(untrimmed.total_variation, assignment.total_variation[24:48])
 
 
+def test_positions_with_one_open_candidate_give_it_the_whole_bank_without_a_fit(setup, assignment, monkeypatch):
+    """Near-certain positions (all N auxiliaries round to the top token) skip the fit; the owners are those the
+    fit gives (checked through the untrimmed compile path, which fits every position) and the other positions in
+    the batch are unchanged."""
+    head, bank, logits = setup
+    confident = logits[:6].clone()
+    confident[torch.arange(6), torch.arange(6) * 7] = 1e4  # probability 1 - O(e^-1e4): capacity N
+    mixed = torch.cat([confident, logits[24:30]])
+    fast = voronoi_owners(mixed, head, bank, top_m=M)
+    assert torch.equal(fast.owners[:6], (torch.arange(6) * 7)[:, None].expand(6, N))
+    assert torch.equal(fast.total_variation[:6], torch.zeros(6))
+    assert torch.equal(fast.owners[6:], assignment.owners[24:30])
+    calls = []
+    real_fit = fit_laguerre_offsets
+
+    def counting_fit(scores, *args, **kwargs):
+        calls.append(scores.shape[0])
+        return real_fit(scores, *args, **kwargs)
+
+    monkeypatch.setattr("hf_latentlm.modeling.auxiliaries.fit_laguerre_offsets", counting_fit)
+    voronoi_owners(confident, head, bank, top_m=M)
+    assert calls == []  # no fit at all for a batch of confident positions
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    fitted = voronoi_owners(mixed, head, bank, top_m=M)
+    assert calls and torch.equal(fitted.owners, fast.owners)
+
+
 def test_scores_use_unnormalised_lm_head_rows():
     # One token with a 3x longer row wins more of the bank at equal offsets: check that the fit still hits capacities
     # and that scaling the whole head (same geometry, scaled scores) leaves the owners unchanged (sigma-relative fit).

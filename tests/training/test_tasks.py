@@ -30,7 +30,7 @@ SMALL = {"train": 40, "test": 12}
 
 @pytest.fixture(scope="module")
 def default_task(tokenizer):
-    return load_task(tokenizer=tokenizer), None
+    return load_task(tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def token_ids(tokenizer, text: str) -> list[int]:
 
 
 def test_default_task_has_the_default_sizes_and_columns(default_task):
-    data, _ = default_task
+    data = default_task
     assert {split: len(rows) for split, rows in data.items()} == dict(DEFAULT_SPLIT_SIZES)
     assert data["train"].column_names == ["prompt", "completion", "instruction", "response", "kind"]
 
@@ -82,7 +82,7 @@ def test_split_sizes_extend_rather_than_reshuffle(tokenizer):
 
 
 def test_prompts_are_distinct_and_test_prompts_never_appear_in_train(default_task):
-    data, _ = default_task
+    data = default_task
     train, test = data["train"]["prompt"], data["test"]["prompt"]
     assert len(set(train)) == len(train) and len(set(test)) == len(test)
     assert set(train).isdisjoint(test)
@@ -99,7 +99,7 @@ def test_prompts_are_distinct_and_test_prompts_never_appear_in_train(default_tas
 
 
 def test_every_response_is_long_and_its_completion_ends_with_exactly_one_eos(default_task, tokenizer):
-    data, _ = default_task
+    data = default_task
     for split, rows in data.items():
         lengths = response_lengths(rows, tokenizer)
         assert min(lengths) >= MIN_RESPONSE_TOKENS, split
