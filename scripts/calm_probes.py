@@ -7,6 +7,8 @@
     python scripts/calm_probes.py heads --autoencoder runs/calm-ae-small --steps 600  # energy heads × 1, 2, 4 blocks
     python scripts/calm_probes.py ae-accuracy runs/calm-ae-small   # accuracy (μ, sampled z) and σ, 20k val tokens
     python scripts/calm_probes.py pool-bias                    # pool sampler vs p^(1/T)/Σ on known laws (no model)
+    python scripts/calm_probes.py flops                        # FLOPs/token (inference, training): AR vs CALM small,
+                                                               # and CALM backbones within AR small's FLOPs
 """
 
 from __future__ import annotations
@@ -144,13 +146,71 @@ def pool_bias(args, tokenizer=None):
     return result
 
 
+def _calm_backbone(hidden: int, layers: int) -> dict:
+    """Backbone overrides for a CALM of width `hidden` and depth `layers`, shaped like the presets: head dim 64, two
+    query heads per kv head, SwiGLU width 2.625·hidden (small's 672 / 256) rounded to a multiple of 32. The energy
+    head keeps small's single block (its width is the backbone's, by construction)."""
+    heads = hidden // 64
+    return {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": max(1, heads // 2), "intermediate_size": round(hidden * 2.625 / 32) * 32,
+            "num_head_blocks": 1}
+
+
+def flops(args, tokenizer):
+    """FLOPs per token counted with torch's FlopCounterMode (hf_latentlm/eval/flops.py): inference at a context of
+    `--context` tokens (batch 1, T = 1) and one training step on a row of `--seq-len` tokens, for AR small and CALM
+    small (its autoencoder at small, with this project's recipe and with the reference's; inference also at T = 0.5
+    through the pool sampler), then a search over CALM backbone widths / depths (energy head: 1 block; autoencoder:
+    small) for those within AR small's FLOPs. "trainable_params_vs_ar": backbone + head over AR's parameters."""
+    from hf_latentlm.eval.flops import inference_flops_per_token, parameter_counts, training_flops_per_token
+
+    def measure(model):
+        return {"inference": inference_flops_per_token(model, args.context),
+                "training": training_flops_per_token(model, args.seq_len), "parameters": parameter_counts(model)}
+
+    torch.manual_seed(0)
+    ar = measure(build_model("ar", "small", tokenizer))
+    result = {"context": args.context, "seq_len": args.seq_len, "ar_small": ar, "calm_small": {}, "search": {}}
+    ar_inf, ar_train, ar_params = ar["inference"]["per_token"], ar["training"]["per_token"], ar["parameters"]["total"]
+    for recipe, overrides in (("project", {}), ("reference", REFERENCE_AUTOENCODER_RECIPE)):
+        ae = build_model("calm-ae", "small", tokenizer, **overrides)
+        small = build_model("calm", "small", tokenizer, autoencoder=ae)
+        result["calm_small"][recipe] = measure(small)
+        # The pool sampler (T < 1) runs the head and the decoder once per pool draw.
+        result["calm_small"][recipe]["inference_pool_T0.5"] = inference_flops_per_token(small, args.context, 0.5)
+        rows = []
+        for hidden in args.hidden:
+            for layers in args.layers:
+                calm = build_model("calm", "small", tokenizer, autoencoder=ae, **_calm_backbone(hidden, layers))
+                inf = inference_flops_per_token(calm, args.context)
+                train = training_flops_per_token(calm, args.seq_len)
+                count = parameter_counts(calm)
+                rows.append({"hidden": hidden, "layers": layers, "heads": hidden // 64,
+                             "intermediate": calm.config.intermediate_size,
+                             "inference_per_token": inf["per_token"], "inference_vs_ar": inf["per_token"] / ar_inf,
+                             "training_per_token": train["per_token"], "training_vs_ar": train["per_token"] / ar_train,
+                             "trainable_params": count["trainable"],
+                             "trainable_params_vs_ar": count["trainable"] / ar_params,
+                             "params_with_autoencoder_vs_ar": count["total"] / ar_params,
+                             "inference_within_ar": inf["per_token"] <= ar_inf,
+                             "training_within_ar": train["per_token"] <= ar_train})
+        result["search"][recipe] = rows
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("probe", choices=["params", "ae-init", "ae-recipe", "lr", "heads", "ae-accuracy", "pool-bias"])
+    parser.add_argument("probe", choices=["params", "ae-init", "ae-recipe", "lr", "heads", "ae-accuracy", "pool-bias",
+                                          "flops"])
     parser.add_argument("folder", nargs="?", help="ae-accuracy: the autoencoder (or checkpoint) folder")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--positions", type=int, default=2000, help="heads: BrierLM positions")
     parser.add_argument("--autoencoder", default="runs/calm-ae-small")
+    parser.add_argument("--context", type=int, default=256, help="flops: tokens in the cache at inference")
+    parser.add_argument("--seq-len", type=int, default=256, help="flops: tokens per training row")
+    parser.add_argument("--hidden", type=int, nargs="+", default=[256, 384, 512], help="flops: CALM widths")
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 6, 8, 10, 12, 16],
+                        help="flops: CALM depths")
     args = parser.parse_args()
     if args.probe == "ae-accuracy":
         print(autoencoder_report(args.folder))
@@ -159,7 +219,8 @@ def main():
         print(json.dumps(pool_bias(args), indent=1))
         return
     tokenizer = load_default_tokenizer()
-    probe = {"params": params, "ae-init": ae_init, "ae-recipe": ae_recipe, "lr": learning_rate, "heads": heads}
+    probe = {"params": params, "ae-init": ae_init, "ae-recipe": ae_recipe, "lr": learning_rate, "heads": heads,
+             "flops": flops}
     print(json.dumps(probe[args.probe](args, tokenizer), indent=1))
 
 
