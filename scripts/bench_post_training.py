@@ -35,6 +35,8 @@ def evaluate_folder(folder: str, test, args) -> dict:
     model, tokenizer = load_model_and_tokenizer(folder)
     spec = family_of_model_type(model.config.model_type)
     variants = {"default": {}, **(dict(spec.speed_variants) if spec is not None else {})}
+    if spec is not None and spec.name != "ar":
+        variants.update(args.variant)
     report = {}
     for label, options in variants.items():
         result = evaluate_task(model, tokenizer, test, batch_size=args.batch_size, seed=args.seed,
@@ -86,7 +88,14 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="docs/post_training.json")
     parser.add_argument("--sft-only", action="store_true", help="stop after SFT and its evaluation (no DPO)")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
+                        help='extra generate() options evaluated for every non-AR model, e.g. '
+                             '\'k8 nucleus={"k_pred": 8, "acceptance": "nucleus"}\'')
     args = parser.parse_args()
+    try:
+        args.variant = {label: json.loads(options) for label, options in (v.split("=", 1) for v in args.variant)}
+    except ValueError as error:
+        parser.error(f"--variant takes LABEL=JSON: {error}")
     models = dict(m.split("=", 1) for m in args.model)
     started = time.perf_counter()
     test = load_task(args.task, split_sizes={"train": 1, "test": args.test_size}, seed=args.seed)["test"]

@@ -1,9 +1,10 @@
 """Where one quadratic-decoding call of PLM spends its time, next to an AR step, batch 1, one process run.
 
     python scripts/profile_plm_decoding.py --plm runs/plm-small --ar runs/ar-small [--acceptance nucleus]
+        [--k-pred N] [--task count --new-tokens 48]
 
-Times `generate()` of both models on the same 64-token validation prompt (128 new tokens, EOS ignored, median of 3 after a
-warm-up) and splits the PLM time per call into the Voronoi fit (`auxiliary_owners`), the network forward and the
+Times `generate()` of both models on the same prompt (a 64-token validation prompt, or with `--task` the first
+test prompt of that post-training task; 128 new tokens, EOS ignored, median of 3 after a warm-up) and splits the PLM time per call into the Voronoi fit (`auxiliary_owners`), the network forward and the
 rest (auxiliary lookup, acceptance, cache and state bookkeeping); then prints a cProfile of one PLM run, top
 functions by cumulative and by own time.
 """
@@ -21,6 +22,7 @@ import torch
 from hf_latentlm.eval.harness import split_stream
 from hf_latentlm.eval.speed import CallCounter, timing_method
 from hf_latentlm.loading import load_model_and_tokenizer
+from hf_latentlm.training.tasks import load_task
 
 
 def timed_generate(model, prompt, new_tokens: int, repeats: int = 3, **kwargs) -> dict:
@@ -49,25 +51,32 @@ def main():
     parser.add_argument("--ar", required=True)
     parser.add_argument("--acceptance", default="nucleus")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--k-pred", type=int, default=None, help="PLM proposal width (default: the config's)")
+    parser.add_argument("--task", default=None, help="prompt: the first test prompt of this post-training task")
     parser.add_argument("--top", type=int, default=25, help="functions listed by cumulative time (0: no cProfile)")
     args = parser.parse_args()
     plm, tokenizer = load_model_and_tokenizer(args.plm)
     ar, _ = load_model_and_tokenizer(args.ar)
-    prompt = split_stream(tokenizer, "validation")[:64][None]
+    if args.task is None:
+        prompt = split_stream(tokenizer, "validation")[:64][None]
+    else:
+        text = load_task(args.task, split_sizes={"test": 1}, tokenizer=tokenizer)["test"][0]["prompt"]
+        prompt = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    options = {"acceptance": args.acceptance, **({} if args.k_pred is None else {"k_pred": args.k_pred})}
     with torch.no_grad():
         ar_row = timed_generate(ar.eval(), prompt, args.new_tokens, do_sample=True, top_k=0, top_p=1.0)
-        plm_row = timed_generate(plm.eval(), prompt, args.new_tokens, acceptance=args.acceptance)
+        plm_row = timed_generate(plm.eval(), prompt, args.new_tokens, **options)
     plm_row["call_cost_in_ar_steps"] = plm_row["ms_per_call"] / ar_row["ms_per_call"]
     plm_row["forward_cost_in_ar_steps"] = plm_row["forward_ms_per_call"] / ar_row["ms_per_call"]
     plm_row["speed_vs_ar"] = plm_row["tokens_per_s"] / ar_row["tokens_per_s"]
-    print(json.dumps({"ar": ar_row, f"plm ({args.acceptance})": plm_row}, indent=1))
+    print(json.dumps({"ar": ar_row, f"plm ({', '.join(f'{k}={v}' for k, v in options.items())})": plm_row}, indent=1))
     if args.top:
         # One more PLM run under cProfile: torch ops show as builtins, so their tottime is arithmetic (plus the
         # per-op dispatch) and the rest of a function's cumulative time is Python overhead.
         profiler = cProfile.Profile()
         with torch.no_grad():
             profiler.enable()
-            plm.generate(prompt, max_new_tokens=args.new_tokens, eos_token_id=None, acceptance=args.acceptance)
+            plm.generate(prompt, max_new_tokens=args.new_tokens, eos_token_id=None, **options)
             profiler.disable()
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.top)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
