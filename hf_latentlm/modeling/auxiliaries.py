@@ -345,12 +345,19 @@ def voronoi_owners(
     widths = None if compiling else open_count[order].tolist()  # non-decreasing
     start = 0
     if widths is not None:
-        # A position with one open candidate (its probability rounds to all N auxiliaries) needs no fit: that
-        # candidate owns the whole bank. Low-entropy text (counting, copying) is mostly such positions at decode.
+        # Positions with one or two open candidates need no iterative fit (low-entropy text, e.g. counting or
+        # copying, is mostly such positions at decode): one candidate owns the whole bank, and two split it exactly.
         start = bisect.bisect_right(widths, 1)
         rows = order[:start]
         owners[rows] = candidates[rows, :1]
         total_variation[rows] = 0.0
+        end = bisect.bisect_right(widths, 2)
+        if end > start:
+            rows = order[start:end]
+            cand = candidates[rows, :2]
+            owners[rows] = cand.gather(1, _two_cell_split(all_scores, cand, capacities[rows, 0]))
+            total_variation[rows] = 0.0
+            start = end
     while start < num_pos:
         if order is None:
             # Under torch.compile keep every column and the batch order: the trimmed width is data-dependent (a graph
@@ -382,7 +389,29 @@ def voronoi_owners(
         owners[rows] = cand.gather(1, local)
         cell_sizes = torch.zeros_like(caps).scatter_add_(1, local, torch.ones_like(local))
         total_variation[rows] = 0.5 * (cell_sizes - caps).abs().sum(dim=-1).float() / num_aux
+    if order is None:
+        # Same owners as the eager path for two-candidate positions (no data-dependent shapes: computed for every
+        # position, kept where exactly two candidates are open).
+        two = (open_count == 2)[:, None]
+        exact = candidates[:, :2].gather(1, _two_cell_split(all_scores, candidates[:, :2], capacities[:, 0]))
+        owners = torch.where(two, exact, owners)
+        total_variation = torch.where(two[:, 0], torch.zeros_like(total_variation), total_variation)
     return VoronoiAssignment(owners, candidates, capacities, total_variation)
+
+
+def _two_cell_split(all_scores: torch.Tensor, cand: torch.Tensor, first_capacity: torch.Tensor) -> torch.Tensor:
+    """Exact Laguerre cells of two candidates: local owner (0 or 1) `[P, N]` of every auxiliary.
+
+    With two sites the balanced assignment is a threshold on d_u = s_u0 - s_u1: candidate 0 takes the n_0
+    auxiliaries with the largest d_u (any other split can swap a pair and gain), which are the cells of the offset
+    w_0 - w_1 = -(a value between the n_0-th and (n_0+1)-th largest d_u). Ties in d_u go to the lower bank index.
+    So the cell masses are exactly the capacities, where the iterative fit only approaches them.
+    """
+    diff = all_scores[cand[:, 0]] - all_scores[cand[:, 1]]  # [P, N]
+    ranking = torch.argsort(diff, dim=1, descending=True, stable=True)
+    rank = torch.empty_like(ranking).scatter_(1, ranking, torch.arange(diff.shape[1], device=diff.device)
+                                              .expand_as(ranking).contiguous())
+    return (rank >= first_capacity[:, None]).long()
 
 
 def mean_total_variation(assignment: VoronoiAssignment) -> float:

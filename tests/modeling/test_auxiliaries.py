@@ -240,6 +240,33 @@ def test_positions_with_one_open_candidate_give_it_the_whole_bank_without_a_fit(
     assert calls and torch.equal(fitted.owners, fast.owners)
 
 
+def test_two_open_candidates_split_the_bank_exactly_and_optimally(monkeypatch):
+    """Two open candidates: cells hold exactly their capacities, and the split has the largest total score of all
+    splits with those sizes (brute force over a 10-auxiliary bank); the untrimmed compile path agrees."""
+    import itertools
+
+    head, bank = _lm_head(3), sample_auxiliary_bank(10, D, seed=4)
+    logits = torch.full((5, V), -1e4)
+    pairs = [(3, 9, 0.3), (40, 2, 1.2), (7, 8, 2.0), (100, 200, 0.05), (11, 12, 0.7)]
+    for p, (a, b, gap) in enumerate(pairs):
+        logits[p, a], logits[p, b] = 0.0, -gap  # two tokens share all the mass
+    result = voronoi_owners(logits, head, bank, top_m=8)
+    scores = head @ bank.T  # [V, N]
+    for p, (a, b, _) in enumerate(pairs):
+        capacity = int(result.capacities[p, 0])
+        assert result.candidates[p, 0] == a and (result.capacities[p, 2:] == 0).all() and 0 < capacity < 10
+        owned = {u for u in range(10) if result.owners[p, u] == a}
+        assert len(owned) == capacity and all(result.owners[p, u] == b for u in set(range(10)) - owned)
+        best = max(itertools.combinations(range(10), capacity),
+                   key=lambda cell: float(scores[a, list(cell)].sum() - scores[b, list(cell)].sum()))
+        assert owned == set(best)
+    assert torch.equal(result.total_variation, torch.zeros(5))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    untrimmed = voronoi_owners(logits, head, bank, top_m=8)
+    assert torch.equal(untrimmed.owners, result.owners)
+    assert torch.equal(untrimmed.total_variation, result.total_variation)
+
+
 def test_scores_use_unnormalised_lm_head_rows():
     # One token with a 3x longer row wins more of the bank at equal offsets: check that the fit still hits capacities
     # and that scaling the whole head (same geometry, scaled scores) leaves the owners unchanged (sigma-relative fit).
