@@ -1,4 +1,4 @@
-"""AR vs PLM (k_pred=8) after SFT on the count task, batch 1, one process: the first 8 test prompts as bench_post_training.
+"""AR vs PLM (k_pred=8) after SFT on the count task, batch 1, in one process (first 8 test prompts, as the bench).
 
     python scripts/speed_post_training_count.py   # needs runs/count2/{ar,plm}/sft (docs/post_training.md)
 """
