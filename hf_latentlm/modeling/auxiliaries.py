@@ -27,8 +27,6 @@ deterministic and do not depend on how positions are batched or chunked.
 
 from __future__ import annotations
 
-import bisect
-
 from typing import NamedTuple
 
 import torch
@@ -347,11 +345,11 @@ def voronoi_owners(
     if widths is not None:
         # Positions with one or two open candidates need no iterative fit (low-entropy text, e.g. counting or
         # copying, is mostly such positions at decode): one candidate owns the whole bank, and two split it exactly.
-        start = bisect.bisect_right(widths, 1)
+        start = sum(w <= 1 for w in widths)  # widths are sorted: the rows of width 1 come first
         rows = order[:start]
         owners[rows] = candidates[rows, :1]
         total_variation[rows] = 0.0
-        end = bisect.bisect_right(widths, 2)
+        end = sum(w <= 2 for w in widths)
         if end > start:
             rows = order[start:end]
             cand = candidates[rows, :2]
