@@ -12,17 +12,16 @@ consecutive verse lines and asks for it back:
   of the prompt, but the model must attend to the instruction and rearrange, not only copy.
 
 :data:`VERSE_TASKS` names three task sets: ``verse-repeat`` (the default), ``verse-reverse`` and ``verse-mixed``
-(half of each, so the instruction decides the answer).
-
-``count`` ("Count from 37 to 52:") needs no copying circuit: every answer token follows from the one or two numbers
-before it and the stopping number in the prompt, so a small model learns it in a few hundred SFT steps and exact
-match is informative where the verse tasks still score 0 (docs/post_training.md). Its (start, stop) pairs are split
-between "train", "validation" and "test" by a stable hash, so test prompts never appear in training (the numbers in
-them do; the answer is the same rule everywhere). A passage grows line by line until its response is at least
-``min_response_tokens`` (default 24) tokens of the default tokenizer, so every response is long (a count grows by
-one number at a time the same way). Train examples
+(half of each, so the instruction decides the answer). A passage grows line by line until its response is at least
+``min_response_tokens`` (default 24) tokens of the default tokenizer, so every response is long. Train examples
 come from the corpus ``train`` split (37 works) and a ``test`` split from the corpus ``test`` works (Macbeth, Much
 Ado), so test prompts are unseen; any split name of the corpus can be requested.
+
+``count`` ("Count from 37 to 52:") needs no copying circuit: every answer token follows from the one or two numbers
+before it and the stopping number in the prompt. Its (start, length) pairs are split between "train",
+"validation" and "test" by a stable hash, so test prompts never appear in training (the numbers in them do; the
+answer is the same rule everywhere). A count too short for ``min_response_tokens`` grows one number at a time.
+Measured (docs/post_training.md): small models learn to count exactly but not where to stop.
 
 Formats (TRL's plain-text "prompt/completion" and "preference" formats, not conversational):
 
