@@ -7,6 +7,7 @@ A corpus too large for memory (`train --dataset`) is packed the same way on the 
 
 from __future__ import annotations
 
+import collections
 import itertools
 from pathlib import Path
 from typing import Sequence
@@ -94,7 +95,9 @@ class StreamingRows:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.document, self.offset = state["epoch"], state["document"], state["offset"]
         self._tokens = self._token_stream(self.document, self.offset)
-        self._pending: list[tuple[int, int, list[int]]] = []  # (document, offset of the first token, tokens)
+        # (document, offset of the first token, tokens) pieces read but not yet in a row, and their token count
+        self._pending: collections.deque[tuple[int, int, list[int]]] = collections.deque()
+        self._pending_tokens = 0
 
     def _token_stream(self, first_document: int, offset: int):
         """(document index, offset, ids) pieces of this rank's documents from `first_document`, the first `offset`
@@ -112,7 +115,7 @@ class StreamingRows:
             offset = 0
 
     def _next_row(self) -> list[int]:
-        while sum(len(ids) for _, _, ids in self._pending) < self.seq_len:
+        while self._pending_tokens < self.seq_len:
             piece = next(self._tokens, None)
             if piece is None:  # end of the corpus: the remainder is dropped, the next epoch starts
                 if self.document == 0 and self.offset == 0:
@@ -121,13 +124,15 @@ class StreamingRows:
                 self.load_state_dict({"epoch": self.epoch + 1, "document": 0, "offset": 0})
                 continue
             self._pending.append(piece)
+            self._pending_tokens += len(piece[2])
         row: list[int] = []
         while len(row) < self.seq_len:
             document, offset, ids = self._pending[0]
             used = ids[: self.seq_len - len(row)]
             row += used
+            self._pending_tokens -= len(used)
             if len(used) == len(ids):
-                self._pending.pop(0)
+                self._pending.popleft()
             else:
                 self._pending[0] = (document, offset + len(used), ids[len(used):])
         if self._pending:
