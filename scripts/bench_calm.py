@@ -6,13 +6,15 @@
 Runs the shared side-by-side benchmark (`hf_latentlm.eval.bench`: generation tokens/s at batch 1/8, model calls
 per token, Brier-1..4 with intervals, BrierLM-2, MAUVE) and adds what only CALM has: the autoencoder's token
 accuracy decoding the posterior mean and a SAMPLED z on the validation split with the mean posterior σ, CALM's
-speed and Brier at lower temperatures, and training step time CALM/AR for fresh models of the preset. Writes JSON
-(--output) and prints Markdown.
+speed and Brier at lower temperatures next to AR's Brier at the same temperatures, FLOPs per token of both models
+(counted with `hf_latentlm.eval.flops`), and training step time CALM/AR for models of the two checkpoints' own
+configurations. Writes JSON (--output) and prints Markdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import torch
 
 from hf_latentlm.eval.bench import benchmark_models, markdown_table
 from hf_latentlm.eval.brier import evaluate_brier, headline
+from hf_latentlm.eval.flops import inference_flops_per_token, parameter_counts, training_flops_per_token
 from hf_latentlm.eval.harness import nll_rows, split_stream
 from hf_latentlm.eval.sampling import evaluation_windows, sample_continuations
 from hf_latentlm.eval.speed import measure_generation_speed, speed_versus_fresh_baseline, training_step_time
@@ -45,6 +48,8 @@ def main():
     parser.add_argument("--mauve", action="store_true")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--train-steps", type=int, default=5)
+    parser.add_argument("--flops-context", type=int, default=256,
+                        help="tokens in the cache when counting inference FLOPs (training: rows of the preset's seq_len)")
     parser.add_argument("--speed-preset", action="append", default=[],
                         help="also time fresh (untrained) AR and CALM models of this preset: speed does not depend "
                              "on the weights when EOS is ignored (repeatable, e.g. --speed-preset base)")
@@ -54,6 +59,7 @@ def main():
     report = benchmark_models({"ar": args.ar, "calm": args.calm}, "ar", num_positions=args.num_positions,
                               mauve=args.mauve)
     calm, tokenizer = load_model_and_tokenizer(args.calm)
+    ar, _ = load_model_and_tokenizer(args.ar)
     ae, _ = load_model_and_tokenizer(args.autoencoder, language_model=False)
     stream = split_stream(tokenizer, "validation")
     k = ae.config.chunk_size
@@ -67,6 +73,9 @@ def main():
                                                                    generate_kwargs=kwargs)["tokens_per_s"]
                for b in (1, 8)}
         row["brier"] = evaluate_brier(calm, stream, args.temperature_positions, generate_kwargs=kwargs)
+        # The AR baseline at the same temperature and positions (an AR step has no sampler options beyond T).
+        row["ar_brier"] = evaluate_brier(ar, stream, args.temperature_positions,
+                                         generate_kwargs={"temperature": kwargs["temperature"]})
         extras["temperature"][name] = row
 
     contexts, _ = evaluation_windows(stream, 1000, 128, 4)
@@ -74,14 +83,23 @@ def main():
     agree = (draws[:len(contexts)] == draws[len(contexts):]).all(1).float()
     extras["exact_acceptance"] = {"two_draws_agree_per_chunk": agree.mean().item(), "contexts": len(contexts)}
 
-    train_rows = nll_rows(split_stream(tokenizer, "train"), get_preset(args.preset).seq_len)
+    seq_len = get_preset(args.preset).seq_len
+    extras["flops"] = {name: {"inference": inference_flops_per_token(model, args.flops_context),
+                              "training": training_flops_per_token(model, seq_len),
+                              "parameters": parameter_counts(model)}
+                       for name, model in (("ar", ar), ("calm", calm))}
+    extras["flops"]["calm_over_ar"] = {
+        part: extras["flops"]["calm"][part]["per_token"] / extras["flops"]["ar"][part]["per_token"]
+        for part in ("inference", "training")}
+
+    # Step time does not depend on the weights: time copies of the two checkpoints (their own configurations).
+    train_rows = nll_rows(split_stream(tokenizer, "train"), seq_len)
     extras["training"] = {}
-    for family in ("ar", "calm"):
+    for name, model in (("ar", ar), ("calm", calm)):
         torch.manual_seed(0)
-        model = build_model(family, args.preset, tokenizer,
-                            **({"autoencoder": args.autoencoder} if family == "calm" else {}))
+        model = copy.deepcopy(model)
         optimizer = make_optimizer(model, TrainConfig(preset=args.preset).resolved())
-        extras["training"][family] = training_step_time(model, train_rows, args.train_steps, 16, optimizer)
+        extras["training"][name] = training_step_time(model, train_rows, args.train_steps, 16, optimizer)
     extras["training"]["calm_over_ar_tokens_per_s"] = (extras["training"]["calm"]["tokens_per_s"]
                                                        / extras["training"]["ar"]["tokens_per_s"])
     extras["speed_by_preset"] = {preset: fresh_model_speed(preset, tokenizer, prompts, args.new_tokens)
@@ -91,12 +109,14 @@ def main():
     Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
     print(markdown_table(report))
     print(json.dumps({k: extras[k] for k in ("autoencoder", "training", "exact_acceptance")}, indent=1))
+    print(f"FLOPs per token CALM/AR: inference {extras['flops']['calm_over_ar']['inference']:.2f}x, "
+          f"training {extras['flops']['calm_over_ar']['training']:.2f}x")
     for preset, row in extras["speed_by_preset"].items():
         print(f"{preset} (untrained, speed only): CALM/AR tokens/s {row['calm_over_ar_batch_1']:.2f}x at batch 1, "
               f"{row['calm_over_ar_batch_8']:.2f}x at batch 8")
     for name, row in extras["temperature"].items():
         print(f"{name}: {row['tokens_per_s_batch_1']:.0f} / {row['tokens_per_s_batch_8']:.0f} tok/s (b1/b8); "
-              f"{headline(row['brier'])}")
+              f"{headline(row['brier'])}; AR at the same T: {headline(row['ar_brier'])}")
 
 
 def fresh_model_speed(preset: str, tokenizer, prompts: torch.Tensor, new_tokens: int) -> dict:
