@@ -3,6 +3,8 @@
     python scripts/calm_probes.py params                       # parameter counts of the `small` CALM, both heads
     python scripts/calm_probes.py ae-init --steps 80           # autoencoder: embedding init std 0.02 vs 1.0
     python scripts/calm_probes.py ae-recipe --steps 1500       # autoencoder: this project's recipe vs the reference's
+    python scripts/calm_probes.py ae-recipe --trained project=runs/calm-ae-small --trained reference=runs/calm-ae-ref
+                                                               # the same accuracies for autoencoders already trained
     python scripts/calm_probes.py lr --autoencoder runs/calm-ae-small --steps 150   # CALM learning rate / head size
     python scripts/calm_probes.py heads --autoencoder runs/calm-ae-small --steps 600  # energy heads × 1, 2, 4 blocks
     python scripts/calm_probes.py ae-accuracy runs/calm-ae-small   # accuracy (μ, sampled z) and σ, 20k val tokens
@@ -22,6 +24,7 @@ from hf_latentlm.eval.autoencoder import autoencoder_report
 from hf_latentlm.eval.brier import evaluate_brier
 from hf_latentlm.eval.harness import nll_rows, split_stream
 from hf_latentlm.families import build_model
+from hf_latentlm.loading import load_model_and_tokenizer
 from hf_latentlm.modeling.configuration_calm import ENERGY_HEAD_TYPES, REFERENCE_AUTOENCODER_RECIPE
 from hf_latentlm.modeling.energy import pool_temperature_choice
 from hf_latentlm.modeling.modeling_calm import energy_head_parameter_count
@@ -79,13 +82,19 @@ def seen_unseen_accuracy(model, tokens: torch.Tensor, seen_ids: torch.Tensor) ->
 def ae_recipe(args, tokenizer):
     """This project's autoencoder recipe (2 + 2 blocks per side, N(0, 1) embeddings, random replacement ids) vs the
     reference's (1 + 1, std 0.02, replacement id 0); accuracy from a sampled z on the whole validation split, on
-    token ids that occur in the train split and on those that do not (runs of ≥ 1 epoch see every train row)."""
+    token ids that occur in the train split and on those that do not (runs of ≥ 1 epoch see every train row).
+    `--trained NAME=DIR` (repeatable): measure those trained autoencoders instead of training two here."""
     rows = nll_rows(split_stream(tokenizer, "train"), 256)
     validation = split_stream(tokenizer, "validation")
     seen_ids = rows.unique()
-    recipes = {"project": {}, "reference": REFERENCE_AUTOENCODER_RECIPE}
-    return {name: seen_unseen_accuracy(train_autoencoder(tokenizer, rows, args.steps, name, **overrides),
-                                       validation, seen_ids) for name, overrides in recipes.items()}
+    if args.trained:
+        models = {name: load_model_and_tokenizer(folder, language_model=False)[0].eval()
+                  for name, folder in (item.split("=", 1) for item in args.trained)}
+    else:
+        recipes = {"project": {}, "reference": REFERENCE_AUTOENCODER_RECIPE}
+        models = {name: train_autoencoder(tokenizer, rows, args.steps, name, **overrides)
+                  for name, overrides in recipes.items()}
+    return {name: seen_unseen_accuracy(model, validation, seen_ids) for name, model in models.items()}
 
 
 def learning_rate(args, tokenizer):
@@ -206,6 +215,8 @@ def main():
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--positions", type=int, default=2000, help="heads: BrierLM positions")
     parser.add_argument("--autoencoder", default="runs/calm-ae-small")
+    parser.add_argument("--trained", action="append", default=[], metavar="NAME=DIR",
+                        help="ae-recipe: a trained autoencoder folder to measure (repeatable)")
     parser.add_argument("--context", type=int, default=256, help="flops: tokens in the cache at inference")
     parser.add_argument("--seq-len", type=int, default=256, help="flops: tokens per training row")
     parser.add_argument("--hidden", type=int, nargs="+", default=[256, 384, 512], help="flops: CALM widths")
