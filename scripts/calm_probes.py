@@ -8,6 +8,7 @@
     python scripts/calm_probes.py lr --autoencoder runs/calm-ae-small --steps 150   # CALM learning rate / head size
     python scripts/calm_probes.py heads --autoencoder runs/calm-ae-small --steps 600  # energy heads × 1, 2, 4 blocks
     python scripts/calm_probes.py ae-accuracy runs/calm-ae-small   # accuracy (μ, sampled z) and σ, 20k val tokens
+    python scripts/calm_probes.py context-spread runs/calm-small-600 [more folders]   # does the backbone use context?
     python scripts/calm_probes.py pool-bias                    # pool sampler vs p^(1/T)/Σ on known laws (no model)
     python scripts/calm_probes.py flops                        # FLOPs/token (inference, training): AR vs CALM small,
                                                                # and CALM backbones within AR small's FLOPs
@@ -130,6 +131,20 @@ def heads(args, tokenizer):
     return result
 
 
+@torch.no_grad()
+def context_spread(folder: str, rows: int = 32, length: int = 64) -> dict:
+    """How much the backbone's hidden states differ between positions: for each recorded hidden state (the chunk
+    embeddings, then after each layer; the last one is after the final norm, what the energy head reads), the
+    feature-wise standard deviation over `rows` × `length`/K validation positions, averaged over features, and the
+    RMS. A last-layer spread near 0 at RMS 1 means every position hands the head the same vector: the model
+    ignores its context."""
+    model, tokenizer = load_model_and_tokenizer(folder)
+    ids = split_stream(tokenizer, "validation")[: rows * length].view(rows, length)
+    states = model.eval()(input_ids=ids, output_hidden_states=True).hidden_states
+    return {"spread_over_positions": [round(h.flatten(0, 1).std(0).mean().item(), 4) for h in states],
+            "rms": [round(h.pow(2).mean().sqrt().item(), 2) for h in states]}
+
+
 def pool_bias(args, tokenizer=None):
     """Law of the pool sampler against the tempered law p^(1/T)/Σ for a fake model with a known categorical law:
     the largest |frequency − target| over outcomes (pool bias + sampling error, whose sd is given)."""
@@ -210,8 +225,9 @@ def flops(args, tokenizer):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("probe", choices=["params", "ae-init", "ae-recipe", "lr", "heads", "ae-accuracy", "pool-bias",
-                                          "flops"])
-    parser.add_argument("folder", nargs="?", help="ae-accuracy: the autoencoder (or checkpoint) folder")
+                                          "flops", "context-spread"])
+    parser.add_argument("folder", nargs="*", help="ae-accuracy: the autoencoder (or checkpoint) folder; "
+                                                  "context-spread: CALM folders")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--positions", type=int, default=2000, help="heads: BrierLM positions")
     parser.add_argument("--autoencoder", default="runs/calm-ae-small")
@@ -224,7 +240,10 @@ def main():
                         help="flops: CALM depths")
     args = parser.parse_args()
     if args.probe == "ae-accuracy":
-        print(autoencoder_report(args.folder))
+        print(autoencoder_report(args.folder[0]))
+        return
+    if args.probe == "context-spread":
+        print(json.dumps({folder: context_spread(folder) for folder in args.folder}, indent=1))
         return
     if args.probe == "pool-bias":
         print(json.dumps(pool_bias(args), indent=1))

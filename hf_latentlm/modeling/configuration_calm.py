@@ -142,15 +142,16 @@ class CALMConfig(BackboneConfig):
     Energy head:
         noise_size (`int`, 64): d_noise, noise ε ~ U[-0.5, 0.5]^{d_noise}.
         num_head_blocks (`int`, None -> ceil(num_hidden_layers / 4)): residual blocks of the head.
-        energy_head_type (`str`, "reference"): the head's architecture, one of `ENERGY_HEAD_TYPES`.
+        energy_head_type (`str`, "swiglu"): the head's architecture, one of `ENERGY_HEAD_TYPES`.
+            "swiglu" (this project's head): x = Linear(ε), c = Linear(h); each block
+            x + SwiGLU(RMSNorm(W_x x + W_h c)) with intermediate size d, 5d² weights; out = Linear_{d,l}(RMSNorm(x)).
             "reference" (the reference code's MLPGenerator): x = LayerNorm(Linear(ε)), c = LayerNorm(Linear(h));
             each block x + Linear_{d,d}(SiLU(g) ⊙ u), [g, u] = Linear_{d,2d}(SiLU(Linear_{d,d}(SiLU(
             Linear_{2d,d}([LayerNorm(x), c]))))), ≈ 6d² weights; out = Linear_{d,l}(SiLU(Linear_{d,d}(LayerNorm(x)))).
-            "swiglu" (this project's first head): x = Linear(ε), c = Linear(h); each block
-            x + SwiGLU(RMSNorm(W_x x + W_h c)) with intermediate size d, 5d² weights; out = Linear_{d,l}(RMSNorm(x)).
-            The last linear layer is zero-initialised in both (paper). A saved config without this field predates
-            it and describes the "swiglu" head: `from_dict` (which `from_pretrained` uses) fills that in, not the
-            `__init__` default.
+            Not the default: at `small` (lr 2e-3 or 5e-4, batch 16 × 256) it drives the backbone's output to the
+            same vector at every position and the model stops using its context (docs/benchmarks.md, "Energy
+            heads"). The last linear layer is zero-initialised in both (paper). A saved config without this field
+            predates it and describes the "swiglu" head: `from_dict` (which `from_pretrained` uses) fills that in.
     Energy loss (Eq. 10, α = 1):
         num_model_samples (`int`, 8): N head samples per step; num_target_samples (`int`, 100): M posterior
         samples of the target latent per step.
@@ -180,7 +181,7 @@ class CALMConfig(BackboneConfig):
         chunk_size: int = 4,
         noise_size: int = 64,
         num_head_blocks: int | None = None,
-        energy_head_type: str = "reference",
+        energy_head_type: str = "swiglu",
         num_model_samples: int = 8,
         num_target_samples: int = 100,
         autoencoder_config: CALMAutoencoderConfig | dict | None = None,
@@ -214,8 +215,8 @@ class CALMConfig(BackboneConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> "CALMConfig":
-        # A config saved before `energy_head_type` existed has no such key and holds "swiglu" head weights; the
-        # `__init__` default would build the reference head and leave those weights unused (and the head random).
+        # A config saved before `energy_head_type` existed has no such key and holds "swiglu" head weights; filled in
+        # explicitly so that such a checkpoint keeps its head whatever the `__init__` default is.
         if "energy_head_type" not in config_dict:
             config_dict = {**config_dict, "energy_head_type": "swiglu"}
         return super().from_dict(config_dict, **kwargs)

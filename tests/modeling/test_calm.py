@@ -289,10 +289,10 @@ def test_energy_head_parameter_count_formula(head_type, blocks):
 
 
 def test_reference_head_matches_its_written_formula():
-    """The default head computes, from ε and h, exactly the reference code's MLP generator, written out here with
-    torch.nn.functional: input Linear + LayerNorm for each, blocks, final LayerNorm -> Linear -> SiLU -> Linear."""
+    """The "reference" head computes, from ε and h, exactly the reference code's MLP generator, written out here
+    with torch.nn.functional: input Linear + LayerNorm for each, blocks, final LayerNorm -> Linear -> SiLU -> Linear."""
     torch.manual_seed(0)
-    config = tiny_calm_config(num_head_blocks=2, noise_size=16)
+    config = tiny_calm_config(energy_head_type="reference", num_head_blocks=2, noise_size=16)
     head = CALMForCausalLM(config).energy_head
     assert config.energy_head_type == "reference" and isinstance(head, ReferenceEnergyHead)
     assert head.out.weight.abs().sum() == 0 and head.out.bias.abs().sum() == 0  # zero-initialised last layer
@@ -316,10 +316,10 @@ def test_reference_head_matches_its_written_formula():
 
 
 def test_a_config_saved_before_the_head_option_loads_the_swiglu_head(tmp_path):
-    """transformers fills a key missing from config.json with the `__init__` default ("reference"); a checkpoint
-    saved before the option existed holds SwiGLU-head weights, so it must load as "swiglu", with its weights and
-    identical outputs, through from_pretrained and the Auto classes. A new default model still reloads as
-    "reference"."""
+    """transformers fills a key missing from config.json with the `__init__` default; a checkpoint saved before
+    the option existed holds SwiGLU-head weights, so it must load as "swiglu", with its weights and identical
+    outputs, through from_pretrained and the Auto classes, whatever the default. A "reference" model reloads as
+    "reference", and the default model as "swiglu"."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -342,8 +342,8 @@ def test_a_config_saved_before_the_head_option_loads_the_swiglu_head(tmp_path):
             assert torch.equal(loaded.state_dict()[name], value), name
         torch.testing.assert_close(loaded.eval().energy_head(hidden, noise), old.energy_head(hidden, noise))
 
-    assert CALMConfig().energy_head_type == "reference"
-    new = CALMForCausalLM(tiny_calm_config())
+    assert CALMConfig().energy_head_type == "swiglu"
+    new = CALMForCausalLM(tiny_calm_config(energy_head_type="reference"))
     new.save_pretrained(tmp_path / "new")
     assert json.loads((tmp_path / "new" / "config.json").read_text())["energy_head_type"] == "reference"
     assert isinstance(CALMForCausalLM.from_pretrained(tmp_path / "new").energy_head, ReferenceEnergyHead)
