@@ -79,13 +79,15 @@ class CALMAutoencoderOutput(ModelOutput):
 @dataclass
 class CALMOutput(ModelOutput):
     """`last_hidden_state` [B, L, d]: one vector per chunk step (h_i conditions the latent of chunk i+1).
-    With labels: `loss` = mean energy loss over scored steps = `energy_fidelity` − `energy_diversity`."""
+    With labels: `loss` = mean energy loss over scored steps = `energy_fidelity` − `energy_diversity`, and
+    `context_spread`, how much the energy head's input differs between the scored steps (see `context_spread`)."""
 
     loss: torch.Tensor | None = None
     last_hidden_state: torch.Tensor | None = None
     cache: DynamicCache | None = None
     energy_fidelity: torch.Tensor | None = None
     energy_diversity: torch.Tensor | None = None
+    context_spread: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
 
@@ -406,6 +408,20 @@ def energy_head_parameter_count(config: CALMConfig) -> int:
     return inputs + blocks * block + final
 
 
+@torch.no_grad()
+def context_spread(hidden: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """Feature-wise standard deviation of `hidden` [B, L, d] over the scored steps (`scored` [B, L] bool), averaged
+    over features: a training diagnostic. The energy head sees the context only through this state (RMS 1 after the
+    final norm); a spread near 0 means every step hands it the same vector and the model has stopped using its
+    context, which the loss alone does not show (docs/benchmarks.md, "Energy heads"). 0 with under two steps."""
+    weight = scored.to(torch.float32)[..., None]
+    count = weight.sum()
+    h = hidden.detach().float()
+    mean = (h * weight).sum((0, 1)) / count.clamp(min=1)
+    variance = ((h - mean) ** 2 * weight).sum((0, 1)) / (count - 1).clamp(min=1)
+    return torch.where(count >= 2, variance.sqrt().mean(), 0.0)
+
+
 class CALMPreTrainedModel(BackbonePreTrainedModel):
     config_class = CALMConfig
     _can_record_outputs = {"hidden_states": DecoderBlock, "attentions": OutputRecorder(AttentionProbs)}
@@ -585,7 +601,8 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
                                  dtype=hidden.dtype) - 0.5
         loss, fidelity, diversity = self.masked_energy_loss(hidden, targets, scored, target_noise, model_noise)
         return CALMOutput(loss=loss, last_hidden_state=hidden, energy_fidelity=fidelity.detach(),
-                          energy_diversity=diversity.detach(), hidden_states=out.hidden_states,
+                          energy_diversity=diversity.detach(), context_spread=context_spread(hidden, scored),
+                          hidden_states=out.hidden_states,
                           attentions=out.attentions)
 
     def masked_energy_loss(self, hidden: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor,
@@ -694,4 +711,4 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
 
 __all__ = ["CALMAutoencoder", "CALMAutoencoderOutput", "CALMForCausalLM", "CALMModel", "CALMPreTrainedModel",
            "CALMOutput", "CALMGenerateOutput", "CALMGenerationOptions", "CALMDecodingState", "ENERGY_HEADS", "ReferenceEnergyHead",
-           "SwiGLUEnergyHead", "chunk_tokens", "energy_head_parameter_count"]
+           "SwiGLUEnergyHead", "chunk_tokens", "context_spread", "energy_head_parameter_count"]

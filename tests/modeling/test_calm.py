@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from hf_latentlm.families import build_model
 from hf_latentlm.modeling import CALMAutoencoder, CALMAutoencoderConfig, CALMConfig, CALMForCausalLM
 from hf_latentlm.modeling.configuration_calm import REFERENCE_AUTOENCODER_RECIPE
-from hf_latentlm.modeling.modeling_calm import ReferenceEnergyHead, SwiGLUEnergyHead, energy_head_parameter_count
+from hf_latentlm.modeling.modeling_calm import (ReferenceEnergyHead, SwiGLUEnergyHead, context_spread,
+                                               energy_head_parameter_count)
 from hf_latentlm.training.loop import TrainConfig, train
 
 
@@ -406,6 +407,37 @@ def test_ignored_labels_remove_their_steps(trained_autoencoder, tokenizer, tiny_
     torch.testing.assert_close(masked, alone)
     masked[0].backward()
     assert torch.isfinite(hidden.grad).all() and (hidden.grad[~scored] == 0).all()
+
+
+def test_context_spread_is_the_std_over_scored_steps_only():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 8)
+    scored = torch.tensor([[True, True, False, True, True], [False, True, True, True, False]])
+    expected = hidden[scored].std(0).mean()  # independent reference: boolean selection, torch.std (n - 1)
+    torch.testing.assert_close(context_spread(hidden, scored), expected)
+    wild = hidden.clone()
+    wild[~scored] = 1e4  # unscored (padding) steps do not count
+    torch.testing.assert_close(context_spread(wild, scored), expected)
+    same = torch.randn(8).expand(2, 5, 8)  # one vector at every step: the collapse it is meant to show
+    assert context_spread(same, scored).item() < 1e-6
+    assert context_spread(hidden, torch.zeros_like(scored)).item() == 0  # nothing scored: 0, not NaN
+    assert context_spread(hidden, scored & torch.tensor([[True] + [False] * 4] * 2)).item() == 0  # one step
+
+
+def test_forward_reports_the_context_spread_and_training_logs_it(trained_autoencoder, tokenizer, tiny_rows):
+    from hf_latentlm.training.loop import step_losses
+
+    torch.manual_seed(0)
+    model = build_model("calm", "tiny", tokenizer, autoencoder=str(trained_autoencoder))
+    ids = tiny_rows[:2]
+    labels = ids.clone()
+    labels[1, 12:] = -100
+    out = model(input_ids=ids, labels=labels)
+    hidden = model(input_ids=ids[:, :-4]).last_hidden_state
+    scored = (labels.view(2, -1, 4)[:, 1:] != -100).all(-1)
+    torch.testing.assert_close(out.context_spread, hidden[scored].std(0).mean())
+    assert out.context_spread.item() > 0.1 and not out.context_spread.requires_grad
+    assert step_losses(out)["context_spread"] == out.context_spread
 
 
 def test_backbone_is_causal_over_chunks_and_cache_matches(trained_calm, tiny_rows):
