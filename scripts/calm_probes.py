@@ -28,7 +28,7 @@ from hf_latentlm.families import build_model
 from hf_latentlm.loading import load_model_and_tokenizer
 from hf_latentlm.modeling.configuration_calm import ENERGY_HEAD_TYPES, REFERENCE_AUTOENCODER_RECIPE
 from hf_latentlm.modeling.energy import pool_temperature_choice
-from hf_latentlm.modeling.modeling_calm import energy_head_parameter_count
+from hf_latentlm.modeling.modeling_calm import context_spread, energy_head_parameter_count
 from hf_latentlm.training.corpus import load_default_tokenizer
 from hf_latentlm.training.loop import TrainConfig, train
 
@@ -132,16 +132,17 @@ def heads(args, tokenizer):
 
 
 @torch.no_grad()
-def context_spread(folder: str, rows: int = 32, length: int = 64) -> dict:
+def hidden_state_spread(folder: str, rows: int = 32, length: int = 64) -> dict:
     """How much the backbone's hidden states differ between positions: for each recorded hidden state (the chunk
     embeddings, then after each layer; the last one is after the final norm, what the energy head reads), the
-    feature-wise standard deviation over `rows` × `length`/K validation positions, averaged over features, and the
-    RMS. A last-layer spread near 0 at RMS 1 means every position hands the head the same vector: the model
-    ignores its context."""
+    spread that CALM's training logs (`modeling_calm.context_spread`: feature-wise standard deviation over
+    positions, averaged over features) over `rows` × `length`/K validation positions, and the RMS. A last-layer
+    spread near 0 at RMS 1 means every position hands the head the same vector: the model ignores its context."""
     model, tokenizer = load_model_and_tokenizer(folder)
     ids = split_stream(tokenizer, "validation")[: rows * length].view(rows, length)
     states = model.eval()(input_ids=ids, output_hidden_states=True).hidden_states
-    return {"spread_over_positions": [round(h.flatten(0, 1).std(0).mean().item(), 4) for h in states],
+    every_step = torch.ones(states[0].shape[:2], dtype=torch.bool)
+    return {"spread_over_positions": [round(context_spread(h, every_step).item(), 4) for h in states],
             "rms": [round(h.pow(2).mean().sqrt().item(), 2) for h in states]}
 
 
@@ -239,11 +240,13 @@ def main():
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 6, 8, 10, 12, 16],
                         help="flops: CALM depths")
     args = parser.parse_args()
+    if args.probe in ("ae-accuracy", "context-spread") and not args.folder:
+        parser.error(f"{args.probe} needs at least one model folder")
     if args.probe == "ae-accuracy":
         print(autoencoder_report(args.folder[0]))
         return
     if args.probe == "context-spread":
-        print(json.dumps({folder: context_spread(folder) for folder in args.folder}, indent=1))
+        print(json.dumps({folder: hidden_state_spread(folder) for folder in args.folder}, indent=1))
         return
     if args.probe == "pool-bias":
         print(json.dumps(pool_bias(args), indent=1))
