@@ -23,6 +23,12 @@ before it and the stopping number in the prompt. Its (start, length) pairs are s
 answer is the same rule everywhere). A count too short for ``min_response_tokens`` grows one number at a time.
 Measured (docs/post_training.md): small models learn to count exactly but not where to stop.
 
+``count-tens`` asks the same question, but every count starts on a number ending in 1, 2 or 3 and stops at the
+first multiple of ten after it ("Count from 2131 to 2140:"), so where to stop can also be read off the last digit
+just written: the first number ending in 0 ends the answer. Starts run from 11 to 9993 (8-10 numbers, at least
+``min_response_tokens`` tokens; a count shorter than that is left out, never grown past a multiple of ten), split
+by the same hash.
+
 Formats (TRL's plain-text "prompt/completion" and "preference" formats, not conversational):
 
 * the full text of an example is the paper's template ``User: {instruction}\\n\\nAssistant: {response}<|endoftext|>``;
@@ -119,10 +125,14 @@ COUNT_STARTS = (1, 499)
 """Smallest and largest first number of a count."""
 COUNT_LENGTHS = (8, 20)
 """Fewest and most numbers in a count (before growing it to ``min_response_tokens``)."""
+COUNT_TENS_TASK = "count-tens"
+COUNT_TENS_STARTS = (11, 9993)
+"""Smallest and largest first number of a ``count-tens`` count; only starts ending in 1, 2 or 3 are used."""
+COUNT_TASKS: tuple[str, ...] = (COUNT_TASK, COUNT_TENS_TASK)
 _COUNT_SPLIT_BUCKETS = {"test": 0, "validation": 1}
 """A (start, length) pair belongs to split s when its stable hash mod 10 is this; every other bucket is "train"."""
 
-TASKS: tuple[str, ...] = (*VERSE_TASKS, COUNT_TASK)
+TASKS: tuple[str, ...] = (*VERSE_TASKS, *COUNT_TASKS)
 """Every task name :func:`load_task` and :func:`load_preference_task` accept."""
 
 
@@ -302,21 +312,36 @@ def count_split(start: int, length: int) -> str:
     return next((split for split, b in _COUNT_SPLIT_BUCKETS.items() if b == bucket), "train")
 
 
-def _sample_count_examples(split: str, size: int, rng: random.Random, tokenizer, min_response_tokens: int,
-                           excluded: set[tuple]) -> list[_Example]:
+def _count_pool(name: str, split: str) -> list[tuple[int, int]]:
+    """The (start, stop) pairs a counting task may draw for ``split``, in a fixed order (before shuffling)."""
+    if name == COUNT_TASK:
+        return [(start, start + length - 1) for start in range(COUNT_STARTS[0], COUNT_STARTS[1] + 1)
+                for length in range(COUNT_LENGTHS[0], COUNT_LENGTHS[1] + 1) if count_split(start, length) == split]
+    # count-tens: the stop is the first multiple of ten after the start.
+    pairs = [(start, start - start % 10 + 10) for start in range(COUNT_TENS_STARTS[0], COUNT_TENS_STARTS[1] + 1)
+             if start % 10 in (1, 2, 3)]
+    return [(start, stop) for start, stop in pairs if count_split(start, stop - start + 1) == split]
+
+
+def _sample_count_examples(name: str, split: str, size: int, rng: random.Random, tokenizer,
+                           min_response_tokens: int, excluded: set[tuple]) -> list[_Example]:
     """``size`` distinct counts of ``split`` in a seeded order (a shuffle of the split's pool, so a larger ``size``
-    extends a smaller one's examples)."""
-    pool = [(start, length) for start in range(COUNT_STARTS[0], COUNT_STARTS[1] + 1)
-            for length in range(COUNT_LENGTHS[0], COUNT_LENGTHS[1] + 1) if count_split(start, length) == split]
+    extends a smaller one's examples). A ``count`` too short grows one number at a time; a ``count-tens`` one is
+    left out, since growing it would carry it past its multiple of ten."""
+    pool = _count_pool(name, split)
     rng.shuffle(pool)
     examples: list[_Example] = []
     used = set(excluded)
-    for start, length in pool:
+    for start, stop in pool:
         if len(examples) == size:
             break
-        stop = start + length - 1
-        while _token_count(tokenizer, format_completion(count_response(start, stop)).removesuffix(EOS_TEXT)) \
-                < min_response_tokens:
+        def too_short(stop: int) -> bool:
+            return _token_count(tokenizer, format_completion(count_response(start, stop)).removesuffix(EOS_TEXT)) \
+                < min_response_tokens
+
+        if name == COUNT_TENS_TASK and too_short(stop):
+            continue
+        while too_short(stop):
             stop += 1
         if (start, stop) in used:
             continue  # two lengths that grew to the same stop
@@ -324,7 +349,7 @@ def _sample_count_examples(split: str, size: int, rng: random.Random, tokenizer,
         examples.append(_Example(COUNT_TASK, COUNT_INSTRUCTION.format(start=start, stop=stop),
                                  (count_response(start, stop),), count_response(start, stop + 1), (start, stop)))
     if len(examples) < size:
-        raise ValueError(f"the {COUNT_TASK!r} task has {len(examples)} distinct {split!r} examples, "
+        raise ValueError(f"the {name!r} task has {len(examples)} distinct {split!r} examples, "
                          f"{size} were asked for")
     return examples
 
@@ -366,8 +391,8 @@ def _build_examples(name: str, sizes: Mapping[str, int], seed: int, min_response
     used: set[tuple] = set()
     examples = {}
     for split in order:
-        if name == COUNT_TASK:
-            examples[split] = _sample_count_examples(split, sizes[split], _split_rng(name, split, seed, "counts"),
+        if name in COUNT_TASKS:
+            examples[split] = _sample_count_examples(name, split, sizes[split], _split_rng(name, split, seed, "counts"),
                                                      tokenizer, min_response_tokens, used)
         else:
             examples[split] = _sample_examples(

@@ -15,6 +15,7 @@ from hf_latentlm.training.tasks import (
     REJECTED_KINDS,
     SHORTER_REJECTED_KINDS,
     COUNT_TASK,
+    COUNT_TENS_TASK,
     TASK_KINDS,
     TASKS,
     VERSE_TASKS,
@@ -42,6 +43,18 @@ def mixed_preferences(tokenizer):
 def count_preferences(tokenizer):
     return load_preference_task(COUNT_TASK, split_sizes={"train": 400, "validation": 50, "test": 100},
                                 tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def count_tens_preferences(tokenizer):
+    return load_preference_task(COUNT_TENS_TASK, split_sizes={"train": 400, "validation": 50, "test": 100},
+                                tokenizer=tokenizer)
+
+
+@pytest.fixture(params=[COUNT_TASK, COUNT_TENS_TASK])
+def any_count_preferences(request):
+    """The preference data of each counting task (they share the answer, split and rejection rules)."""
+    return request.getfixturevalue("count_preferences" if request.param == COUNT_TASK else "count_tens_preferences")
 
 
 @pytest.fixture(params=["verse-mixed", COUNT_TASK])
@@ -187,8 +200,8 @@ def _count_bounds(instruction: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-def test_count_answers_list_every_number_from_start_to_stop(count_preferences, tokenizer):
-    for split, rows in count_preferences.items():
+def test_count_answers_list_every_number_from_start_to_stop(any_count_preferences, tokenizer):
+    for split, rows in any_count_preferences.items():
         for row, length in zip(rows, response_lengths(rows, tokenizer, "chosen")):
             start, stop = _count_bounds(row["instruction"])
             numbers = [int(word) for word in row["response"].split(" ")]
@@ -197,8 +210,8 @@ def test_count_answers_list_every_number_from_start_to_stop(count_preferences, t
             assert row["kind"] == COUNT_TASK
 
 
-def test_count_splits_hold_disjoint_prompts(count_preferences):
-    prompts = {split: rows["prompt"] for split, rows in count_preferences.items()}
+def test_count_splits_hold_disjoint_prompts(any_count_preferences):
+    prompts = {split: rows["prompt"] for split, rows in any_count_preferences.items()}
     for split, rows in prompts.items():
         assert len(set(rows)) == len(rows), split
     assert set(prompts["train"]).isdisjoint(prompts["test"])
@@ -206,8 +219,8 @@ def test_count_splits_hold_disjoint_prompts(count_preferences):
     assert set(prompts["validation"]).isdisjoint(prompts["test"])
 
 
-def test_count_rejections_skip_repeat_stop_early_or_run_past_the_stop(count_preferences):
-    for row in count_preferences["train"]:
+def test_count_rejections_skip_repeat_stop_early_or_run_past_the_stop(any_count_preferences):
+    for row in any_count_preferences["train"]:
         chosen = [int(word) for word in row["chosen"].removesuffix(EOS_TEXT).split()]
         wrong = [int(word) for word in row["rejected"].removesuffix(EOS_TEXT).split()]
         kind = row["rejected_kind"]
@@ -221,9 +234,28 @@ def test_count_rejections_skip_repeat_stop_early_or_run_past_the_stop(count_pref
             assert kind == "truncated" and wrong == chosen[: len(wrong)] and len(wrong) < len(chosen)
 
 
+def test_count_tens_stops_at_the_first_number_ending_in_zero(count_tens_preferences):
+    # The stop is local: no number before the last one ends in 0, and the start ends in 1, 2 or 3.
+    for split, rows in count_tens_preferences.items():
+        for row in rows:
+            numbers = [int(word) for word in row["response"].split(" ")]
+            assert numbers[-1] % 10 == 0 and all(n % 10 for n in numbers[:-1]), row["response"]
+            assert numbers[0] % 10 in (1, 2, 3) and 8 <= len(numbers) <= 10
+
+
+def test_count_tens_leaves_short_counts_out_instead_of_growing_them(tokenizer):
+    # With a minimum of 45 tokens only 9-10 number counts of 4-digit numbers qualify; none may run past its ten.
+    rows = load_task(COUNT_TENS_TASK, split_sizes={"train": 50}, min_response_tokens=45, tokenizer=tokenizer)["train"]
+    for row, length in zip(rows, response_lengths(rows, tokenizer)):
+        numbers = [int(word) for word in row["response"].split(" ")]
+        assert length >= 45 and numbers[-1] % 10 == 0 and all(n % 10 for n in numbers[:-1])
+
+
 def test_asking_for_more_counts_than_a_split_holds_is_a_clear_error(tokenizer):
     with pytest.raises(ValueError, match="'count' task has .* distinct 'test' examples, 100000 were asked"):
         load_task(COUNT_TASK, split_sizes={"test": 100_000}, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="'count-tens' task has 298 distinct 'test' examples, 1000 were asked"):
+        load_task(COUNT_TENS_TASK, split_sizes={"test": 1000}, tokenizer=tokenizer)
 
 
 @pytest.mark.parametrize("loader", [load_task, load_preference_task])
