@@ -323,6 +323,12 @@ def _count_pool(name: str, split: str) -> list[tuple[int, int]]:
     return [(start, stop) for start, stop in pairs if count_split(start, stop - start + 1) == split]
 
 
+def _count_too_short(tokenizer, start: int, stop: int, min_response_tokens: int) -> bool:
+    """Whether the answer counting from ``start`` to ``stop`` has fewer than ``min_response_tokens`` tokens."""
+    answer = format_completion(count_response(start, stop)).removesuffix(EOS_TEXT)
+    return _token_count(tokenizer, answer) < min_response_tokens
+
+
 def _sample_count_examples(name: str, split: str, size: int, rng: random.Random, tokenizer,
                            min_response_tokens: int, excluded: set[tuple]) -> list[_Example]:
     """``size`` distinct counts of ``split`` in a seeded order (a shuffle of the split's pool, so a larger ``size``
@@ -335,13 +341,9 @@ def _sample_count_examples(name: str, split: str, size: int, rng: random.Random,
     for start, stop in pool:
         if len(examples) == size:
             break
-        def too_short(stop: int) -> bool:
-            return _token_count(tokenizer, format_completion(count_response(start, stop)).removesuffix(EOS_TEXT)) \
-                < min_response_tokens
-
-        if name == COUNT_TENS_TASK and too_short(stop):
+        if name == COUNT_TENS_TASK and _count_too_short(tokenizer, start, stop, min_response_tokens):
             continue
-        while too_short(stop):
+        while _count_too_short(tokenizer, start, stop, min_response_tokens):
             stop += 1
         if (start, stop) in used:
             continue  # two lengths that grew to the same stop
