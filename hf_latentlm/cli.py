@@ -357,6 +357,17 @@ def main(argv: list[str] | None = None) -> int:
         # One line, whatever the message: transformers' own messages span several.
         print(f"hf-latentlm {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    finally:
+        end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy the process group a multi-process command joined (Accelerate's `end_training` step). Left to the
+    interpreter's exit, gloo's threads can be torn down while still joinable, and a rank then aborts (SIGABRT,
+    "terminate called without an active exception") after its work is done."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -12,11 +12,11 @@ import argparse
 import json
 import os
 
-import torch
 from datasets import Dataset
 from safetensors.torch import save_file
 from transformers import TrainerCallback
 
+from hf_latentlm.cli import end_process_group
 from hf_latentlm.training.post_training import PAIR_KEY, REF_CHOSEN, REF_REJECTED, run_dpo, run_sft
 
 parser = argparse.ArgumentParser()
@@ -62,5 +62,4 @@ def stage(name, run, model_dir, **kwargs):
 
 stage("sft", run_sft, args.model_dir, learning_rate=1e-3)
 stage("dpo", run_dpo, os.path.join(args.out, "sft"), lora=True, learning_rate=1e-2)
-if torch.distributed.is_initialized():
-    torch.distributed.destroy_process_group()
+end_process_group()

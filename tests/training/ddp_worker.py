@@ -11,6 +11,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from hf_latentlm.cli import end_process_group
 from hf_latentlm.families import build_model
 from hf_latentlm.training.corpus import load_default_tokenizer
 from hf_latentlm.training.loop import TrainConfig, train
@@ -49,3 +50,4 @@ train(cfg, model=model, tokenizer=tokenizer, train_rows=rows, on_step=rank_draws
 # (A DTensor under FSDP, run by fsdp_worker.py: gathered, on every rank.)
 save_file({k: (v.full_tensor() if hasattr(v, "full_tensor") else v).contiguous() for k, v in model.state_dict().items()},
           f"{args.out}/rank{rank}.safetensors")
+end_process_group()  # as the CLI does: a rank left to tear gloo down at exit can abort
