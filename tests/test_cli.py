@@ -30,6 +30,21 @@ def test_argparse_errors_are_one_line(capsys):
     assert "invalid int value" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_command_destroys_the_process_group_it_ran_in(tmp_path, run_cli):
+    """Accelerate's `end_training` step, done by the CLI whether the command succeeds or fails (here: fails): a
+    rank that leaves gloo to the interpreter's exit can abort after its work is saved."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        code, _, err = run_cli("sft", "--model", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "out"))
+        assert code == 2 and "missing" in err
+        assert not dist.is_initialized(), "the command left the process group up"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_train_generate_eval_round_trip(tmp_path, run_cli):
     out = tmp_path / "ar-tiny"
     code, stdout, _ = run_cli("train", "--family", "ar", "--preset", "tiny", "--output-dir", str(out),
