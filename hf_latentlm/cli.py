@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "2 kept; also saved at the last step)")
         p.add_argument("--resume", action="store_true",
                        help="continue from the newest checkpoint in --output-dir (give the interrupted run's options)")
+        if name == "dpo":
+            p.add_argument("--policy-rejections", action="store_true",
+                           help="reject the model's own wrong answers (sampled once, before training) instead of "
+                                "the task's made-up ones, wherever the model answers wrong")
 
     r = sub.add_parser("report", help="every model and decoding setting against the AR baseline in one run: "
                                       "Markdown table, JSON and a speed-versus-quality plot")
@@ -317,11 +321,13 @@ def cmd_post_train(args) -> int:
             raise ValueError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
     if args.learning_rate is not None and args.learning_rate <= 0:
         raise ValueError(f"--learning-rate must be positive, got {args.learning_rate}")
-    run = run_sft if args.command == "sft" else run_dpo
+    run, options = run_sft, {}
+    if args.command == "dpo":
+        run, options = run_dpo, {"policy_rejections": args.policy_rejections}
     try:
         summary = run(args.model, args.output_dir, task=args.task, max_steps=args.max_steps, lora=args.lora,
                       learning_rate=args.learning_rate, batch_size=args.batch_size, train_size=args.train_size,
-                      seed=args.seed, save_every=args.save_every, resume=args.resume)
+                      seed=args.seed, save_every=args.save_every, resume=args.resume, **options)
     except NotImplementedError as err:  # a family without a response scorer yet
         raise ValueError(str(err)) from err
     if int(os.environ.get("RANK", "0")) == 0:

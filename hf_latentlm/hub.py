@@ -28,7 +28,8 @@ NEVER_UPLOAD = ("optimizer*", "scheduler*", "rng_state*", "rng_rank*", "trainer_
 #: The checkpoint's own `hf-latentlm eval` JSON, read when `push` gets no `--eval-results`
 #: (`hf-latentlm eval --model DIR > DIR/eval_results.json`).
 EVAL_RESULTS_FILE = "eval_results.json"
-#: Written by `hf-latentlm sft` / `dpo` (training/post_training.py): {"stage", "base_model", "lora", "task"}.
+#: Written by `hf-latentlm sft` / `dpo` (training/post_training.py): {"stage", "base_model", "lora", "task"}, and
+#: "policy_rejections" for a DPO run on the model's own wrong samples.
 POST_TRAINING_RECORD = "post_training.json"
 #: What the models are trained and evaluated on unless `--train-file` says otherwise (docs/corpus.md).
 EMBEDDED_CORPUS = "the Project Gutenberg Shakespeare corpus embedded in hf-latentlm (42 works, public domain)"
@@ -372,7 +373,8 @@ def post_training_origin(folder: Path, base_model: str | None) -> tuple[str | No
     if record is not None:
         lora = " with LoRA, merged" if record.get("lora") else ""
         task = f"the `{record['task']}` task" if record.get("task") else "a dataset of its own"
-        stage = f"{record['stage'].upper()}{lora} on {task}"
+        rejections = " (rejected answers: the model's own wrong samples)" if record.get("policy_rejections") else ""
+        stage = f"{record['stage'].upper()}{lora} on {task}{rejections}"
     source = base_model or str(record["base_model"])
     if not is_hub_repo_id(source):
         if base_model is not None:

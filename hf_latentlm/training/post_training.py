@@ -617,6 +617,7 @@ def run_sft(model_dir, output_dir, task: str | None = None, max_steps: int | Non
     LoRA adapter, then save the merged model. `callbacks`: extra `TrainerCallback`s. Checkpoints every `save_every`
     steps into `output_dir/checkpoint-<step>/`; `resume` continues from the newest (ValueError if there is none; a
     fresh run refuses a folder that holds checkpoints). Call with the same arguments as the interrupted run.
+    `policy_rejections`: the rejected answers are the model's own wrong samples (`with_policy_rejections`).
     Returns a summary (steps, losses)."""
     from ..loading import load_model_and_tokenizer
     from . import tasks
@@ -640,16 +641,59 @@ def run_sft(model_dir, output_dir, task: str | None = None, max_steps: int | Non
     return _summary("sft", trainer, result, output_dir, _family_name(model))
 
 
+#: `rejected_kind` of a pair whose rejected answer the model itself sampled (`with_policy_rejections`).
+SAMPLED_REJECTION = "sampled"
+
+
+@torch.no_grad()
+def with_policy_rejections(pairs: Dataset, model, tokenizer, batch_size: int = 8, seed: int = 0,
+                           max_new_tokens: int | None = None) -> Dataset:
+    """`pairs` (prompt / chosen / rejected) with every rejected answer replaced by the model's own answer to the
+    prompt, sampled as `hf_latentlm.eval.task` samples (temperature 1, per-row seeds), wherever that answer is wrong
+    (not an exact match of `chosen`); its `rejected_kind` becomes `SAMPLED_REJECTION`. Where the model answers
+    right, the given rejected answer stays. On-policy rejections put DPO's push-down on the mistakes the model
+    actually makes. An answer that ended with end-of-text keeps it, as the chosen answers do; one cut off at the
+    token limit (`max_new_tokens`; default: the batch's longest chosen answer plus 8) has none. The samples depend
+    only on the model, the prompts, `batch_size` and `seed`, so a resumed run (and every rank of a multi-process
+    one) rebuilds the same pairs."""
+    from ..eval.task import generate_answers
+    from .tasks import exact_match
+
+    if len(pairs) == 0:
+        raise ValueError("no preference pairs to sample rejections for")
+    eos = tokenizer.eos_token
+    was_training = model.training
+    model.eval()
+    try:
+        rejected = list(pairs["rejected"])
+        kinds = list(pairs["rejected_kind"]) if "rejected_kind" in pairs.column_names else [None] * len(pairs)
+        for start in range(0, len(pairs), batch_size):
+            rows = pairs.select(range(start, min(start + batch_size, len(pairs))))
+            limit = max_new_tokens or max(len(tokenizer(c, add_special_tokens=False)["input_ids"])
+                                          for c in rows["chosen"]) + 8
+            answers, _ = generate_answers(model, tokenizer, list(rows["prompt"]), limit, seed + start)
+            for offset, (answer, chosen) in enumerate(zip(answers, rows["chosen"])):
+                text = tokenizer.decode(answer) + (eos if len(answer) < limit else "")
+                if not exact_match(text, chosen):
+                    rejected[start + offset], kinds[start + offset] = text, SAMPLED_REJECTION
+    finally:
+        model.train(was_training)
+    columns = [c for c in ("rejected", "rejected_kind") if c in pairs.column_names]
+    return pairs.remove_columns(columns).add_column("rejected", rejected).add_column("rejected_kind", kinds)
+
+
 def run_dpo(model_dir, output_dir, task: str | None = None, max_steps: int | None = None, lora: bool = False, *,
             learning_rate: float | None = None, batch_size: int = 8, seed: int = 0, train_size: int | None = None,
             beta: float = DPO_BETA, dataset: Dataset | None = None, callbacks: Sequence | None = None,
-            save_every: int = SAVE_EVERY, resume: bool = False, **config_overrides) -> dict:
+            save_every: int = SAVE_EVERY, resume: bool = False, policy_rejections: bool = False,
+            **config_overrides) -> dict:
     """DPO of the (SFT) model in `model_dir` on `task` (`tasks.load_preference_task`; or `dataset`, prompt / chosen /
     rejected rows), the model itself being the frozen reference, and a normal checkpoint in `output_dir`. AR: stock
     `DPOTrainer` with `sigmoid_norm`; other families: `LatentDPOTrainer`. `lora`: train a LoRA adapter (the reference
     is then the adapter-disabled model), then save the merged model. `callbacks`: extra `TrainerCallback`s.
     Checkpoints and `resume` as `run_sft`; a resumed run rebuilds the draws and reference scores from `model_dir`
     (the frozen start) before the checkpoint's weights are loaded, so its reference is the uninterrupted run's.
+    `policy_rejections`: the rejected answers are the model's own wrong samples (`with_policy_rejections`).
     Returns a summary (steps, losses)."""
     from ..loading import load_model_and_tokenizer
     from . import tasks
@@ -662,6 +706,9 @@ def run_dpo(model_dir, output_dir, task: str | None = None, max_steps: int | Non
         dataset = tasks.load_preference_task(task or tasks.DEFAULT_TASK, tokenizer=tokenizer, seed=seed,
                                              split_sizes={"train": train_size or tasks.DEFAULT_SPLIT_SIZES["train"]}
                                              )["train"]
+    if policy_rejections:
+        dataset = with_policy_rejections(dataset, model, tokenizer, batch_size=batch_size, seed=seed)
+        origin["policy_rejections"] = True
     if learning_rate is None:
         learning_rate = DPO_LEARNING_RATE * (LORA_LEARNING_RATE_FACTOR if lora else 1.0)
     autoregressive = is_autoregressive(model)

@@ -452,6 +452,32 @@ def test_bad_inputs_are_refused_clearly(tmp_path, tokenizer, monkeypatch):
         PLMResponseScorer().draws(model, ids, torch.ones_like(ids), torch.zeros_like(ids), ["a", "b"])
 
 
+def test_policy_rejections_replace_exactly_the_wrong_answers_with_the_models_own(tokenizer):
+    """Rows the model answers wrong get its sampled answer as `rejected` (kind "sampled"); rows it answers right
+    keep theirs. The right answers are made so by taking the model's own samples (same seed, batch and limit, from
+    `generate_answers` called directly) as the chosen answers of rows 0 and 3."""
+    from hf_latentlm.eval.task import generate_answers
+    from hf_latentlm.training.post_training import SAMPLED_REJECTION, with_policy_rejections
+
+    model, limit = build_tiny("ar", tokenizer), 6
+    rows = [dict(row, rejected_kind="truncated") for row in toy_preference_rows(5)]
+    samples, _ = generate_answers(model, tokenizer, [r["prompt"] for r in rows], limit, seed=0)
+    texts = [tokenizer.decode(a) + (EOS if len(a) < limit else "") for a in samples]
+    for i in (0, 3):
+        rows[i]["chosen"] = texts[i]
+    out = with_policy_rejections(Dataset.from_list(rows), model, tokenizer, batch_size=8, seed=0,
+                                 max_new_tokens=limit)
+    assert out["prompt"] == [r["prompt"] for r in rows] and out["chosen"] == [r["chosen"] for r in rows]
+    for i, row in enumerate(rows):
+        if i in (0, 3):
+            assert (out[i]["rejected"], out[i]["rejected_kind"]) == (row["rejected"], "truncated")
+        else:
+            assert (out[i]["rejected"], out[i]["rejected_kind"]) == (texts[i], SAMPLED_REJECTION)
+            assert out[i]["rejected"] != row["chosen"]
+    with pytest.raises(ValueError, match="no preference pairs"):
+        with_policy_rejections(Dataset.from_list(rows).select([]), model, tokenizer)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # (6) CLI runs (LoRA SFT, full DPO) and 2-process DDP runs (full SFT, LoRA DPO)
 # ---------------------------------------------------------------------------------------------------------------------
@@ -485,9 +511,10 @@ def test_cli_sft_with_lora_then_dpo_write_loadable_checkpoints(tmp_path, run_cli
     assert code == 0, err
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["stage"] == "sft" and summary["family"] == "plm" and summary["steps"] == 2 and summary["finite"]
-    code, out, err = run_cli("dpo", "--model", str(sft), "--output-dir", str(dpo), *common)
+    code, out, err = run_cli("dpo", "--model", str(sft), "--output-dir", str(dpo), "--policy-rejections", *common)
     assert code == 0, err
     assert json.loads(out.strip().splitlines()[-1])["finite"]
+    assert json.loads((dpo / "post_training.json").read_text())["policy_rejections"] is True
     # LoRA merged: only the adapted projections moved in SFT; full DPO moved weights too.
     assert moved(weights(plm_folder), weights(sft)) and all("_proj" in n for n in moved(weights(plm_folder),
                                                                                         weights(sft)))
