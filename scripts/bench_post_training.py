@@ -9,8 +9,9 @@ can be split over several sessions; `--sft-only` stops after SFT.
 
 For each model: exact-match accuracy on the task's held-out split, mean answer length, batch-1 tokens per call and
 tokens/s (`hf_latentlm.eval.task.evaluate_task`) before SFT, after SFT (`run_sft`, full fine-tune), after DPO
-(`run_dpo`, length-normalised: TRL's `sigmoid_norm` for AR, the family's normalised score otherwise) and after the
-unnormalised DPO ablation (`loss_type=["sigmoid"]`, from the same SFT model). The DPO reward-margin curve is read
+(`run_dpo`, length-normalised: TRL's `sigmoid_norm` for AR, the family's normalised score otherwise), after the
+unnormalised DPO ablation (`loss_type=["sigmoid"]`, from the same SFT model) and, with `--policy-rejections`, after
+both DPO runs again on pairs whose rejected answers are the SFT model's own wrong samples. The DPO reward-margin curve is read
 from the trainer's log. A family's `speed_variants` (PLM: nucleus acceptance) are evaluated after every stage too.
 Speed ratios are to the model labelled `ar`, measured in this process on the same prompts. Writes JSON and prints
 Markdown.
@@ -35,8 +36,8 @@ def evaluate_folder(folder: str, test, args) -> dict:
     model, tokenizer = load_model_and_tokenizer(folder)
     spec = family_of_model_type(model.config.model_type)
     variants = {"default": {}, **(dict(spec.speed_variants) if spec is not None else {})}
-    if spec is not None and spec.name != "ar":
-        variants.update(args.variant)
+    if spec is not None:
+        variants.update({label: options for (family, label), options in args.variant.items() if family == spec.name})
     report = {}
     for label, options in variants.items():
         result = evaluate_task(model, tokenizer, test, batch_size=args.batch_size, seed=args.seed,
@@ -88,22 +89,30 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="docs/post_training.json")
     parser.add_argument("--sft-only", action="store_true", help="stop after SFT and its evaluation (no DPO)")
-    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
-                        help='extra generate() options evaluated for every non-AR model, e.g. '
-                             '\'k8 nucleus={"k_pred": 8, "acceptance": "nucleus"}\'')
+    parser.add_argument("--policy-rejections", action="store_true",
+                        help="two more DPO runs (normalised and not) whose rejected answers are the SFT model's own "
+                             "wrong samples (run_dpo(policy_rejections=True))")
+    parser.add_argument("--variant", action="append", default=[], metavar="FAMILY:LABEL=JSON",
+                        help='extra generate() options evaluated for every model of FAMILY, e.g. '
+                             '\'plm:k8 nucleus={"k_pred": 8, "acceptance": "nucleus"}\'')
     args = parser.parse_args()
     try:
-        args.variant = {label: json.loads(options) for label, options in (v.split("=", 1) for v in args.variant)}
+        args.variant = {tuple(name.split(":", 1)): json.loads(options)
+                        for name, options in (v.split("=", 1) for v in args.variant)}
+        if any(len(key) != 2 for key in args.variant):
+            raise ValueError("no FAMILY: before the label")
     except ValueError as error:
-        parser.error(f"--variant takes LABEL=JSON: {error}")
+        parser.error(f"--variant takes FAMILY:LABEL=JSON: {error}")
     models = dict(m.split("=", 1) for m in args.model)
     started = time.perf_counter()
     test = load_task(args.task, split_sizes={"train": 1, "test": args.test_size}, seed=args.seed)["test"]
-    results = {"settings": vars(args), "models": {}}
+    variants = {f"{family}:{label}": options for (family, label), options in args.variant.items()}
+    results = {"settings": {**vars(args), "variant": variants}, "models": {}}
     for label, folder in models.items():
         out = Path(args.out) / label
         stage = {"base": folder, "sft": str(out / "sft"), "dpo": str(out / "dpo"),
-                 "dpo_unnormalised": str(out / "dpo-unnormalised")}
+                 "dpo_unnormalised": str(out / "dpo-unnormalised"), "dpo_policy": str(out / "dpo-policy"),
+                 "dpo_policy_unnormalised": str(out / "dpo-policy-unnormalised")}
         record = {"folders": stage, "evaluation": {}, "training": {}}
         print(f"== {label}: before post-training", flush=True)
         record["evaluation"]["base"] = evaluate_folder(folder, test, args)
@@ -113,12 +122,15 @@ def main():
                                                 batch_size=args.sft_batch_size or args.batch_size)
         print(f"== {label}: after SFT ({args.sft_steps} steps)", flush=True)
         record["evaluation"]["sft"] = evaluate_folder(stage["sft"], test, args)
-        dpo_runs = () if args.sft_only else (("dpo", "sigmoid_norm"), ("dpo_unnormalised", "sigmoid"))
-        for name, loss_type in dpo_runs:
+        dpo_runs = [("dpo", "sigmoid_norm", False), ("dpo_unnormalised", "sigmoid", False)]
+        if args.policy_rejections:
+            dpo_runs += [("dpo_policy", "sigmoid_norm", True), ("dpo_policy_unnormalised", "sigmoid", True)]
+        for name, loss_type, policy_rejections in ([] if args.sft_only else dpo_runs):
             record["training"][name] = train_stage(run_dpo, stage["sft"], stage[name], task=args.task,
                                                    max_steps=args.dpo_steps, seed=args.seed, train_size=args.dpo_pairs,
                                                    learning_rate=args.dpo_learning_rate, batch_size=args.batch_size,
-                                                   loss_type=[loss_type], logging_steps=5)
+                                                   loss_type=[loss_type], logging_steps=5,
+                                                   policy_rejections=policy_rejections)
             record["training"][name]["margin_curve"] = margin_curve(stage[name])
             print(f"== {label}: after {name} ({args.dpo_steps} steps)", flush=True)
             record["evaluation"][name] = evaluate_folder(stage[name], test, args)
@@ -143,8 +155,8 @@ def markdown(results: dict) -> str:
                              f"{r['tokens_per_call_batch_1']:.2f} | {r['tokens_per_s_batch_1']:.1f} | {ratio} |")
     lines += ["", "| model | DPO | step | loss | margin | reward accuracy |", "|---|---|---|---|---|---|"]
     for label, record in results["models"].items():
-        for name in ("dpo", "dpo_unnormalised"):
-            for point in record["training"].get(name, {}).get("margin_curve", []):
+        for name, summary in record["training"].items():
+            for point in summary.get("margin_curve", []):
                 lines.append(f"| {label} | {name} | {point.get('step')} | {point.get('loss', float('nan')):.4f} | "
                              f"{point['rewards/margins']:.4f} | {point.get('rewards/accuracies', float('nan')):.2f} |")
     return "\n".join(lines)
