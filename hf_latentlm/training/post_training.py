@@ -709,6 +709,7 @@ def run_dpo(model_dir, output_dir, task: str | None = None, max_steps: int | Non
     if policy_rejections:
         dataset = with_policy_rejections(dataset, model, tokenizer, batch_size=batch_size, seed=seed)
         origin["policy_rejections"] = True
+        origin["sampled_rejections"] = sum(kind == SAMPLED_REJECTION for kind in dataset["rejected_kind"])
     if learning_rate is None:
         learning_rate = DPO_LEARNING_RATE * (LORA_LEARNING_RATE_FACTOR if lora else 1.0)
     autoregressive = is_autoregressive(model)

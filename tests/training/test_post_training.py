@@ -514,7 +514,8 @@ def test_cli_sft_with_lora_then_dpo_write_loadable_checkpoints(tmp_path, run_cli
     code, out, err = run_cli("dpo", "--model", str(sft), "--output-dir", str(dpo), "--policy-rejections", *common)
     assert code == 0, err
     assert json.loads(out.strip().splitlines()[-1])["finite"]
-    assert json.loads((dpo / "post_training.json").read_text())["policy_rejections"] is True
+    record = json.loads((dpo / "post_training.json").read_text())
+    assert record["policy_rejections"] is True and record["sampled_rejections"] == 4  # an untrained model errs
     # LoRA merged: only the adapted projections moved in SFT; full DPO moved weights too.
     assert moved(weights(plm_folder), weights(sft)) and all("_proj" in n for n in moved(weights(plm_folder),
                                                                                         weights(sft)))
