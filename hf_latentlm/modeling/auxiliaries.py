@@ -119,6 +119,13 @@ def top_candidates(logits: torch.Tensor, top_m: int) -> tuple[torch.Tensor, torc
     return candidates, torch.softmax(logits.gather(1, candidates), dim=-1)
 
 
+def open_candidate_counts(logits: torch.Tensor, top_m: int, num_auxiliaries: int) -> torch.Tensor:
+    """Number `[P]` of candidates that get at least one auxiliary at each position. `voronoi_owners` needs no
+    iterative fit where it is at most 2 (one cell takes the whole bank; two split it exactly)."""
+    _, probs = top_candidates(logits, top_m)
+    return (largest_remainder_capacities(probs, num_auxiliaries) > 0).sum(dim=1)
+
+
 @torch.no_grad()
 def largest_remainder_capacities(probs: torch.Tensor, total: int) -> torch.Tensor:
     """Integer capacities `[P, M]` summing exactly to `total` per row (largest-remainder / Hamilton rounding).

@@ -27,6 +27,7 @@ from .auxiliaries import (
     decode_auxiliary,
     draw_auxiliary_in_cell,
     fixed_uniforms,
+    open_candidate_counts,
     quantile_owners,
     TokenScores,
     sample_auxiliary_bank,
@@ -630,6 +631,45 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         return DecodingCallLayout(offset=torch.cat([r - 1, m + k]), proposal_offset=m + k,
                                   local_mask=torch.cat([sees_verify, sees_proposal], dim=1))
 
+    def verify_pending(self, q: torch.Tensor, aux: torch.Tensor, state: PLMDecodingState
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Voronoi samples `[B, W]` of the verify rows (q `[B, W, V]`, their auxiliaries `aux` `[B, W]`) and the
+        number `m [B]` of pending tokens accepted before the first rejection.
+
+        Only the rows up to each row's first rejection are used: the accepted ones and the commit row m. A row with
+        three or more open candidates needs the iterative Voronoi fit (~10 ms at decode sizes on CPU), and such rows
+        mostly come after a wrong pending token, that is after the rejection. So those rows are fitted only when a
+        row's m reaches one (an unfitted row counts as not matching its pending token; the relaxed rules may still
+        accept it). The owners of a row depend only on its logits, so the committed tokens are those of fitting
+        every row; rows never needed keep -1."""
+        cfg = self.config
+        batch, width, _ = q.shape
+        flat_q, flat_aux = q.reshape(batch * width, -1), aux.reshape(-1)
+        sampled = torch.full_like(flat_aux, -1)
+        fitted = torch.zeros_like(flat_aux, dtype=torch.bool)
+
+        def sample(rows: torch.Tensor) -> None:
+            owners, _ = self.auxiliary_owners(flat_q[rows])
+            sampled[rows] = decode_auxiliary(owners, flat_aux[rows])
+            fitted[rows] = True
+
+        rows = torch.arange(batch * width, device=q.device)
+        if width > 1 and cfg.auxiliary_type == "voronoi":
+            rows = rows[open_candidate_counts(flat_q, cfg.auxiliary_top_m, cfg.num_auxiliaries) <= 2]
+        if rows.numel():
+            sample(rows)
+        commit_row = torch.arange(batch, device=q.device) * width
+        while True:
+            m_acc = torch.zeros(batch, dtype=torch.long, device=q.device)
+            if width > 1:
+                view = sampled.view(batch, width)
+                accept = state.acceptance.accepts(state.pending, view[:, :-1], q[:, :-1]) & state.pending_ok[:, None]
+                m_acc = accept.long().cumprod(1).sum(1)  # accepted pending tokens before the first rejection
+            missing = (commit_row + m_acc)[~fitted[commit_row + m_acc]]
+            if missing.numel() == 0:
+                return sampled.view(batch, width), m_acc
+            sample(missing)
+
     def _decoding_step(self, state: PLMDecodingState, new_tokens) -> DecodingStep:
         """One model call. Verify rows r = 0..width-1 read [last token, pending tokens] and give q_{i+r};
         proposal block m (if `state.propose`) decodes positions i+m .. i+m+width-1 from prefix x_<i+m and
@@ -649,13 +689,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
 
         q = logits[:, :width]  # [B, width, V]: q(. | x_<i+r)
         index = num_new[:, None] + torch.arange(width, device=q.device)  # generated index of each verify row
-        owners, _ = self.auxiliary_owners(q.reshape(batch * width, -1))
-        sampled = decode_auxiliary(owners, state.aux_table.gather(1, index).reshape(-1)).view(batch, width)
-        if width > 1:
-            accept = state.acceptance.accepts(state.pending, sampled[:, :-1], q[:, :-1]) & state.pending_ok[:, None]
-            m_acc = accept.long().cumprod(1).sum(1)  # accepted pending tokens before the first rejection
-        else:
-            m_acc = torch.zeros(batch, dtype=torch.long, device=q.device)
+        sampled, m_acc = self.verify_pending(q, state.aux_table.gather(1, index), state)
         committed = torch.cat([state.pending, state.pending.new_zeros(batch, 1)], dim=1)
         committed.scatter_(1, m_acc[:, None], sampled.gather(1, m_acc[:, None]))
 

@@ -97,11 +97,6 @@ def record_calls(model, patch) -> list[Call]:
     step, owners_of = model._decoding_step, model.auxiliary_owners
     seen = {}
 
-    def owners_spy(logits):
-        out = owners_of(logits)
-        seen.setdefault("owners", out[0].clone())
-        return out
-
     def step_spy(state, new_tokens):
         seen.clear()
         before = dict(count=new_tokens.count.clone(), finished=new_tokens.finished.clone(),
@@ -118,11 +113,14 @@ def record_calls(model, patch) -> list[Call]:
             hook.remove()
         batch, width = result.tokens.shape
         counts = result.counts if result.counts is not None else torch.full((batch,), width)
-        calls.append(Call(**before, logits=seen["logits"], owners=seen["owners"].view(batch, width, -1),
-                          tokens=result.tokens.clone(), counts=counts.clone()))
+        # The owners of EVERY verify row, fitted here from the call's logits (decoding itself fits only the rows it
+        # needs, up to each row's first rejection).
+        verify = seen["logits"][:, :width]
+        owners = owners_of(verify.reshape(batch * width, -1))[0].view(batch, width, -1)
+        calls.append(Call(**before, logits=seen["logits"], owners=owners, tokens=result.tokens.clone(),
+                          counts=counts.clone()))
         return result
 
-    patch.setattr(model, "auxiliary_owners", owners_spy)
     patch.setattr(model, "_decoding_step", step_spy)
     return calls
 
@@ -330,6 +328,27 @@ def test_exact_decoding_reproduces_voronoi_sampling_by_hand(trained, tiny_rows, 
         assert seq[b, width:].tolist() == expected.tolist(), b
     decoding_calls = out.model_calls - 1  # minus the prefill
     assert (decoding_calls < max_new).all() and int(decoding_calls.sum()) <= 0.9 * 2 * max_new
+
+
+def test_verify_rows_after_the_first_rejection_are_never_fitted(fresh, tiny_rows, tokenizer, left_pad, monkeypatch):
+    """The untrained model's q is nearly flat, so every verify row has many open candidates (an iterative fit). Exact
+    acceptance must then fit exactly the rows up to each row's commit row: m + 1 per unfinished row and call, never
+    all W (the committed tokens themselves are checked against fits of every row in the tests above)."""
+    ids, mask = left_pad(prompts(tiny_rows, (6, 9), first=1720), tokenizer.pad_token_id)
+    calls = record_calls(fresh, monkeypatch)
+    fitted_rows, owners_of = [], fresh.auxiliary_owners
+
+    def count_rows(logits):
+        fitted_rows.append(logits.shape[0])
+        return owners_of(logits)
+
+    monkeypatch.setattr(fresh, "auxiliary_owners", count_rows)
+    fresh.generate(ids, attention_mask=mask, max_new_tokens=12, auxiliary_seeds=[5, 6], eos_token_id=None,
+                   k_pred=K_PRED, acceptance="exact")
+    assert len(calls) > 1 and fitted_rows
+    expected = sum(int(call.counts.sum()) for call in calls)  # m + 1 rows of each of the 2 rows, every call
+    # (The recording spy fits all W rows for its reference with the unpatched method, so they are not counted.)
+    assert sum(fitted_rows) == expected < len(calls) * 2 * K_PRED
 
 
 # ---------------------------------------------------------------------------------------------- 6. training helps
