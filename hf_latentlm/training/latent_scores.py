@@ -171,6 +171,7 @@ class CALMResponseScorer:
     """
 
     draw_pad_values: ClassVar[dict[str, float]] = {"model_noise": 0.0, "target_noise": 0.0}
+    draws_from_keys: ClassVar[bool] = True  # seeded per pair: redrawn at every step, never stored
 
     def __init__(self, seed: int = DRAW_SEED, num_model_samples: int | None = None,
                  num_target_samples: int | None = None):
@@ -285,6 +286,7 @@ class BlockFlowResponseScorer:
     per-position error are."""
 
     draw_pad_values: ClassVar[dict[str, float]] = {"times": 0.0, "noise": 0.0}
+    draws_from_keys: ClassVar[bool] = True  # seeded per pair: redrawn at every step, never stored
     family: ClassVar[str] = ""
     draw_names: ClassVar[tuple[str, ...]] = ("times", "noise")
 

@@ -305,6 +305,8 @@ class ScoredPreferenceCollator:
             raise ValueError(f"preference examples lack the precomputed columns {missing}: build the dataset through "
                              f"LatentDPOTrainer, which adds them")
         batch = self.base(examples)
+        if PAIR_KEY in examples[0]:  # a scorer whose draws come from the pair keys makes them again from these
+            batch[PAIR_KEY] = [e[PAIR_KEY] for e in examples]
         for key in self.draw_keys:
             rows = [torch.as_tensor(e[f"{c}_draw_{key}"]) for c in CANDIDATES for e in examples]
             batch[f"draw_{key}"] = _pad_rows(rows, self.pad_values.get(key, 0))
@@ -443,9 +445,10 @@ class LatentDPOTrainer(DPOTrainer):
                 draws = self.scorer.draws(reference, ids, mask, completion, keys + keys)
                 scores = self.sequence_score(self.scorer.score(reference, ids, mask, completion, draws)).float().cpu()
                 n = len(indices)
+                stored = {} if getattr(self.scorer, "draws_from_keys", False) else draws
                 for j, index in enumerate(indices):
                     record = {PAIR_KEY: keys[j], REF_CHOSEN: float(scores[j]), REF_REJECTED: float(scores[n + j])}
-                    for key, value in draws.items():
+                    for key, value in stored.items():
                         record[f"chosen_draw_{key}"] = value[j].cpu().tolist()
                         record[f"rejected_draw_{key}"] = value[n + j].cpu().tolist()
                     records[index] = record
@@ -472,8 +475,13 @@ class LatentDPOTrainer(DPOTrainer):
         return score.normalised() if "sigmoid_norm" in self.args.loss_type else -score.loss_sum
 
     def policy_scores(self, model, inputs) -> torch.Tensor:
-        """[2B] s_θ of the stacked [chosen; rejected] rows of `inputs` under their stored draws."""
+        """[2B] s_θ of the stacked [chosen; rejected] rows of `inputs` under their stored draws (or, for a scorer
+        whose draws come from the pair keys alone, the same draws made again)."""
         draws = {k.removeprefix("draw_"): v for k, v in inputs.items() if k.startswith("draw_")}
+        keys = inputs.get(PAIR_KEY)
+        if not draws and keys is not None and getattr(self.scorer, "draws_from_keys", False):
+            draws = self.scorer.draws(model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"],
+                                      list(keys) + list(keys))
         if not draws or REF_CHOSEN not in inputs:
             raise ValueError("the batch lacks the precomputed draws / reference scores (use the trainer's collator)")
         with self.accelerator.autocast():  # as the reference scores were computed

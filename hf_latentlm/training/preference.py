@@ -68,9 +68,14 @@ class ResponseScorer(Protocol):
         with `draw_pad_values` by a collator).
     draw_pad_values: the value each draw is padded with along dim 1 when rows of different lengths are batched
         (a value the scorer treats as "nothing drawn here"); keys not listed pad with 0.
+    draws_from_keys: True when `draws` depends only on the pair keys, the config and the rows' layout (seeded noise,
+        not the reference model's outputs): the trainer then redraws them at every step instead of storing them
+        (CALM's posterior samples, 100 x 128 floats per chunk, would take gigabytes as dataset columns). Optional;
+        a scorer without it has its draws stored.
     """
 
     draw_pad_values: ClassVar[dict[str, float | int]]
+    draws_from_keys: ClassVar[bool]
 
     def draws(self, reference_model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               completion_mask: torch.Tensor, pair_keys: Sequence[str]) -> dict[str, torch.Tensor]: ...
@@ -214,6 +219,7 @@ class PLMResponseScorer:
     """
 
     draw_pad_values: ClassVar[dict[str, int]] = {"aux": -1, "phase": 0}
+    draws_from_keys: ClassVar[bool] = False  # u comes from the reference encoder's Voronoi cells
 
     def __init__(self, seed: int = DRAW_SEED):
         self.seed = seed

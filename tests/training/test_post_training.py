@@ -559,9 +559,10 @@ def test_two_process_ddp_sft_then_lora_dpo(tmp_path, plm_folder):
 
 @pytest.mark.parametrize("family", ["calm", "cola", "aurora"])
 def test_latent_families_train_with_the_same_sft_and_dpo_trainers(tmp_path, tokenizer, tiny_rows, family):
-    """The other families plug their scorer (`latent_scores.py`) into the same DPO trainer: their draws are stored and
-    collated like PLM's (multi-dimensional, padded along the term axis), δ = 0 at initialisation, a step trains; SFT
-    trains their own loss."""
+    """The other families plug their scorer (`latent_scores.py`) into the same DPO trainer. Their draws are seeded by
+    the pair key alone, so they are not stored (no `*_draw_*` columns) but made again at every step: δ = 0 at
+    initialisation shows the policy's redraws are the ones the reference was scored with. A step trains; SFT trains
+    their own loss."""
     pytest.importorskip("hf_latentlm.training.latent_scores")
     model = build_tiny(family, tokenizer)
     if hasattr(model, "prepare_training"):  # AURORA's latent statistics, as the training loop sets them
@@ -569,7 +570,8 @@ def test_latent_families_train_with_the_same_sft_and_dpo_trainers(tmp_path, toke
     trainer = dpo_trainer(tmp_path, tokenizer, model=model, pairs=2, args=dpo_args(tmp_path, max_steps=1))
     assert type(trainer.scorer).__name__ == type(scorer_for(model)).__name__ != "PLMResponseScorer"
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
-    assert {k for k in batch if k.startswith("draw_")} == {f"draw_{k}" for k in trainer._draw_keys}
+    assert trainer._draw_keys == [] and not any("_draw_" in c for c in trainer.train_dataset.column_names)
+    assert not any(k.startswith("draw_") for k in batch) and len(batch["pair_key"]) == 2
     assert trainer.compute_loss(trainer.model, batch).item() == pytest.approx(math.log(2), abs=1e-4)
     before = snapshot(model)
     trainer.train()
