@@ -135,8 +135,8 @@ def main():
             print(f"== {label}: after {name} ({args.dpo_steps} steps)", flush=True)
             record["evaluation"][name] = evaluate_folder(stage[name], test, args)
         results["models"][label] = record
-    results["seconds"] = time.perf_counter() - started
-    Path(args.output).write_text(json.dumps(results, indent=1) + "\n")
+        results["seconds"] = time.perf_counter() - started
+        Path(args.output).write_text(json.dumps(results, indent=1) + "\n")  # after every model: nothing is lost
     print(markdown(results))
 
 
