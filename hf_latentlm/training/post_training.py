@@ -625,7 +625,6 @@ def run_sft(model_dir, output_dir, task: str | None = None, max_steps: int | Non
     LoRA adapter, then save the merged model. `callbacks`: extra `TrainerCallback`s. Checkpoints every `save_every`
     steps into `output_dir/checkpoint-<step>/`; `resume` continues from the newest (ValueError if there is none; a
     fresh run refuses a folder that holds checkpoints). Call with the same arguments as the interrupted run.
-    `policy_rejections`: the rejected answers are the model's own wrong samples (`with_policy_rejections`).
     Returns a summary (steps, losses)."""
     from ..loading import load_model_and_tokenizer
     from . import tasks
