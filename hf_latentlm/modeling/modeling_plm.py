@@ -665,7 +665,8 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
                 view = sampled.view(batch, width)
                 accept = state.acceptance.accepts(state.pending, view[:, :-1], q[:, :-1]) & state.pending_ok[:, None]
                 m_acc = accept.long().cumprod(1).sum(1)  # accepted pending tokens before the first rejection
-            missing = (commit_row + m_acc)[~fitted[commit_row + m_acc]]
+            commit = commit_row + m_acc
+            missing = commit[~fitted[commit]]
             if missing.numel() == 0:
                 return sampled.view(batch, width), m_acc
             sample(missing)
