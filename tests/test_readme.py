@@ -1,8 +1,10 @@
-"""The README as a new user reads it.
+"""The README and the documentation pages it sends a new user to, as that user reads them.
 
-Every ```python block runs verbatim in a fresh interpreter, from a folder holding what the README's own
-`hf-latentlm train` commands write (run at the `tiny` preset for one step instead of their full length); a block
-followed by a ```text block must print exactly that. The command-line synopsis names exactly the parser's options.
+The documents are README.md, docs/guide.md and every docs/families/*.md. Every ```python block of them runs verbatim
+in a fresh interpreter, from one folder holding what their own `hf-latentlm train` commands write (run at the `tiny`
+preset for one step instead of their full length); a block followed by a ```text block must print exactly that.
+Every `hf-latentlm train` command in them parses. The README's command-line synopsis names exactly the parser's
+options, and every language-model family has its page under docs/families/.
 """
 
 import argparse
@@ -20,41 +22,58 @@ from hf_latentlm.cli import build_parser, component_names, config_overrides
 from hf_latentlm.families import FAMILIES
 from hf_latentlm.presets import PRESETS
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-# (code, the printed output the README shows right after it, or "")
-SNIPPETS = re.findall(r"```python\n(.*?)```(?:\n\n```text\n(.*?)```)?", README, flags=re.S)
+ROOT = Path(__file__).resolve().parents[1]
+FAMILY_PAGES = ROOT / "docs" / "families"
+# document (path from the repository root) -> its text
+DOCUMENTS = {path.relative_to(ROOT).as_posix(): path.read_text()
+             for path in [ROOT / "README.md", ROOT / "docs" / "guide.md", *sorted(FAMILY_PAGES.glob("*.md"))]}
+README = DOCUMENTS["README.md"]
+PYTHON_BLOCK = r"```python\n(.*?)```(?:\n\n```text\n(.*?)```)?"
+# (document, code, the printed output the document shows right after it, or "")
+SNIPPETS = [(document, code, expected) for document, text in DOCUMENTS.items()
+            for code, expected in re.findall(PYTHON_BLOCK, text, flags=re.S)]
 
 
 def snippet_id(index: int) -> str:
-    """The README section a snippet sits in, for the test id."""
-    position = README.index(SNIPPETS[index][0])
-    section = README[:position].rsplit("\n## ", 1)[-1].split("\n", 1)[0]
-    return f"{index}-{section.split(' (')[0].lower().replace(' ', '-')}"
+    """The document and section a snippet sits in, for the test id."""
+    document, code, _ = SNIPPETS[index]
+    text = DOCUMENTS[document]
+    before = text[:text.index(code)]
+    section = before.rsplit("\n## ", 1)[-1].split("\n", 1)[0] if "\n## " in before else ""
+    name = Path(document).stem.lower()
+    return f"{index}-{name}-{section.split(' (')[0].lower().replace(' ', '-')}".rstrip("-")
 
 
 def train_commands() -> dict[str, argparse.Namespace]:
     """--output-dir -> parsed arguments of every `hf-latentlm train ... --output-dir DIR` in a ```bash block or an
-    inline code span of the README, parsed by the real parser (an option that does not exist fails here)."""
-    text = README.replace("\\\n", " ")  # shell line continuations
-    bash = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-    prose = re.sub(r"```.*?```", "", text, flags=re.S)
-    pieces = [line for block in bash for line in block.splitlines()]
-    pieces += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
-    commands = {}
-    for piece in pieces:
-        for match in re.finditer(r"hf-latentlm (train\b[^&;|]*)", piece):
-            if "--output-dir" not in match.group(1):
-                continue  # a mention of the command, not a command
-            try:
-                args = build_parser().parse_args(shlex.split(match.group(1)))
-            except SystemExit:
-                pytest.fail(f"the README command `hf-latentlm {match.group(1).strip()}` does not parse")
-            commands[args.output_dir] = args
+    inline code span of the documents, parsed by the real parser (an option that does not exist fails here). Two
+    commands that write the same folder must agree on the family, its components and its config."""
+    commands, where = {}, {}
+    for document, text in DOCUMENTS.items():
+        text = text.replace("\\\n", " ")  # shell line continuations
+        bash = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        pieces = [line for block in bash for line in block.splitlines()]
+        pieces += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
+        for piece in pieces:
+            for match in re.finditer(r"hf-latentlm (train\b[^&;|]*)", piece):
+                if "--output-dir" not in match.group(1):
+                    continue  # a mention of the command, not a command
+                try:
+                    args = build_parser().parse_args(shlex.split(match.group(1)))
+                except SystemExit:
+                    pytest.fail(f"the {document} command `hf-latentlm {match.group(1).strip()}` does not parse")
+                made = (args.family, {name: getattr(args, name) for name in component_names()}, args.config)
+                if args.output_dir in where and where[args.output_dir][1] != made:
+                    pytest.fail(f"{document} and {where[args.output_dir][0]} train different models into "
+                                f"{args.output_dir!r}")
+                where[args.output_dir] = (document, made)
+                commands[args.output_dir] = args
     return commands
 
 
 class ReadmeFolders:
-    """Writes, under `root`, the folder a README command makes, after the folders it needs (its components)."""
+    """Writes, under `root`, the folder a documented command makes, after the folders it needs (its components)."""
 
     def __init__(self, root: Path, rows):
         self.root, self.rows, self.commands, self.made = root, rows, train_commands(), set()
@@ -65,10 +84,10 @@ class ReadmeFolders:
         if folder in self.made:
             return
         if folder not in self.commands:
-            pytest.fail(f"a README snippet loads {folder!r}, which no `hf-latentlm train` command of the README "
+            pytest.fail(f"a snippet loads {folder!r}, which no `hf-latentlm train` command of {sorted(DOCUMENTS)} "
                         f"writes (known: {sorted(self.commands)})")
         if Path(folder).is_absolute():
-            pytest.fail(f"a README snippet loads the absolute folder {folder!r}: use a folder relative to where the "
+            pytest.fail(f"a snippet loads the absolute folder {folder!r}: use a folder relative to where the "
                         f"command runs, so that snippets and commands work from any directory")
         args = self.commands[folder]
         components = {name: getattr(args, name) for name in component_names() if getattr(args, name)}
@@ -86,7 +105,7 @@ class ReadmeFolders:
 def snippet_runs(tmp_path_factory, tiny_rows) -> list[subprocess.CompletedProcess]:
     """Every snippet run as `python -c CODE` from a folder holding the models it loads, two at a time."""
     folders = ReadmeFolders(tmp_path_factory.mktemp("readme"), tiny_rows[:4].clone())
-    for code, _ in SNIPPETS:
+    for _, code, _ in SNIPPETS:
         saved = set(re.findall(r"save_pretrained\(\s*\"([^\"]+)\"", code))
         for folder in sorted(set(re.findall(r"from_pretrained\(\s*\"([^\"]+)\"", code)) - saved):
             folders.make(folder)
@@ -98,17 +117,29 @@ def snippet_runs(tmp_path_factory, tiny_rows) -> list[subprocess.CompletedProces
 
     # Each interpreter spends seconds importing torch and transformers: overlap them.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(run, [code for code, _ in SNIPPETS]))
+        return list(pool.map(run, [code for _, code, _ in SNIPPETS]))
 
 
 def test_every_python_block_is_collected():
-    assert len(SNIPPETS) == README.count("```python") >= 8
+    for document, text in DOCUMENTS.items():
+        assert sum(1 for d, _, _ in SNIPPETS if d == document) == text.count("```python"), document
+    assert len(SNIPPETS) >= 8
+
+
+def test_every_documented_train_command_parses():
+    assert len(train_commands()) >= 8
+
+
+def test_every_language_model_family_has_its_page():
+    missing = [name for name, spec in FAMILIES.items() if spec.language_model
+               and not (FAMILY_PAGES / f"{name}.md").is_file()]
+    assert not missing, f"no docs/families/<family>.md for {missing}"
 
 
 @pytest.mark.parametrize("index", range(len(SNIPPETS)), ids=snippet_id)
-def test_readme_snippet_runs_on_its_own(index, snippet_runs):
-    run, expected = snippet_runs[index], SNIPPETS[index][1]
-    assert run.returncode == 0, f"README snippet {snippet_id(index)} failed:\n{run.stderr[-3000:]}"
+def test_documented_snippet_runs_on_its_own(index, snippet_runs):
+    run, expected = snippet_runs[index], SNIPPETS[index][2]
+    assert run.returncode == 0, f"snippet {snippet_id(index)} failed:\n{run.stderr[-3000:]}"
     if expected:
         assert run.stdout.strip() == expected.strip()
 
