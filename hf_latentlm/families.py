@@ -1,10 +1,14 @@
-"""Family registry: the one place that says what each model family is and how to build it.
+"""Family registry: the one table of model families and how to build each.
 
 A family is one `FamilySpec`: its name, a builder (preset + tokenizer -> untrained `PreTrainedModel` whose forward
 returns `loss` for `input_ids`/`labels` batches), whether it is a language model, the trained components it needs
-(`{"autoencoder": "calm-ae"}`), its config overrides per preset name, and its transformers classes. The CLI,
-model loading, the training loop and the evaluation code read this registry and never name a family;
-`docs/adding_a_family.md` shows how a new one registers.
+(`{"autoencoder": "calm-ae"}`), its config overrides per preset name, its transformers classes, and where its
+family-specific pieces live (training report, DPO response scorer, model card), named "module:attribute" and
+imported when first read. The CLI, loading, training, post-training, evaluation and the Hub upload read this
+registry and never name a family; `docs/adding_a_family.md` shows how a new one registers.
+
+This module sits low in the package: it imports only `presets` and `folders` (and the modeling classes and the
+"module:attribute" fields when they are used); nothing here calls up into loading, training or evaluation.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
+from .folders import check_model_folder
 from .presets import Preset, get_preset
 
 if TYPE_CHECKING:
@@ -26,6 +31,9 @@ if TYPE_CHECKING:
 # which takes seconds: the built-in families name their classes as "module:attribute" and each builder imports its
 # classes when called. Importing `hf_latentlm.modeling` registers them with the Auto classes.
 MODELING = "hf_latentlm.modeling"
+SCORERS = "hf_latentlm.training.scorers"
+CARDS = "hf_latentlm.cards"
+COMPONENT_REPORTS = "hf_latentlm.eval.components"
 
 
 class ImportedOnRead:
@@ -60,7 +68,11 @@ class FamilySpec:
     language_model: True if the family generates text; False for components (autoencoders, VAEs).
     components: argument name -> family that produces it; each becomes a `--<name> DIR` option of `train`.
     preset_overrides: preset name -> config overrides that depend on scale.
-    training_report: `report(folder) -> str`, printed by `hf-latentlm train` when a run finishes (components).
+    training_report: `report(model, tokenizer) -> str`, printed by `hf-latentlm train` when a run of this family
+        finishes (components: reconstruction on the validation split); None: no report.
+    response_scorer: the `ResponseScorer` class DPO scores this family's responses with
+        (`hf_latentlm.training.scorers`); None: the token-likelihood score where the family has one.
+    model_card: the `cards.FamilyCard` of `hf-latentlm push`; None: `cards.default_card` from the model class.
     lora_target_modules: the recommended PEFT `target_modules` (the trained backbone only, never a frozen
         component); see docs/using_the_models.md.
     speed_variants: label -> extra `generate()` options that `hf-latentlm train` also times against the baseline
@@ -74,7 +86,9 @@ class FamilySpec:
     language_model: bool = True
     components: Mapping[str, str] = field(default_factory=dict)
     preset_overrides: Mapping[str, Mapping] = field(default_factory=dict)
-    training_report: Callable[[str], str] | None = None
+    training_report: Callable | str | None = ImportedOnRead()
+    response_scorer: type | str | None = ImportedOnRead()
+    model_card: object | str | None = ImportedOnRead()
     lora_target_modules: str | list[str] | None = None
     speed_variants: Mapping[str, Mapping] = field(default_factory=dict)
 
@@ -146,8 +160,6 @@ def check_components(family: str, components: Mapping[str, object]) -> None:
 def load_component(name: str, source: str, folder: str) -> PreTrainedModel:
     """The trained `source`-family model saved in `folder`, refused with one line if the folder is damaged, holds
     another model type, or its weights do not match the class (missing or unexpected tensors)."""
-    from .loading import check_model_folder
-
     spec = get_family(source)
     if not Path(folder).is_dir():
         raise FileNotFoundError(f"--{name} {folder!r} does not exist: not a saved {name} folder")
@@ -264,29 +276,12 @@ def build_aurora(preset: Preset, tokenizer, autoencoder: AuroraAutoencoder, **ov
     return AuroraForCausalLM.from_autoencoder(autoencoder, **{**backbone_config_kwargs(preset, tokenizer), **overrides})
 
 
-def _aurora_autoencoder_report(folder: str) -> str:
-    from .eval.aurora import autoencoder_report
-
-    return autoencoder_report(folder)
-
-
-def _cola_vae_report(folder: str) -> str:
-    from .eval.cola import vae_report
-
-    return vae_report(folder)
-
-
-def _calm_autoencoder_report(folder: str) -> str:
-    from .eval.autoencoder import autoencoder_report
-
-    return autoencoder_report(folder)
-
-
-register_family(FamilySpec(name="ar", build=build_ar_baseline))
+register_family(FamilySpec(name="ar", build=build_ar_baseline, model_card=f"{CARDS}:AR_CARD"))
 
 register_family(FamilySpec(
     name="plm", build=build_plm, config_class=f"{MODELING}:PLMConfig", model_class=f"{MODELING}:PLMForCausalLM",
     lora_target_modules=BACKBONE_LORA_TARGETS, speed_variants={"nucleus acceptance": {"acceptance": "nucleus"}},
+    response_scorer=f"{SCORERS}:PLMResponseScorer", model_card=f"{CARDS}:PLM_CARD",
     # The paper's N_aux = 512 / M = 128 are the config defaults (used by `base`). On 2 CPU cores fitting them at
     # every position of a `small` step (4080 positions) still costs about three AR steps, against ~0.5 of one
     # for N_aux = 128 / M = 32 (docs/benchmarks.md, "PLM second pass"), so the CPU presets use the latter.
@@ -300,7 +295,7 @@ register_family(FamilySpec(
 register_family(FamilySpec(
     name="calm-ae", build=build_calm_autoencoder, config_class=f"{MODELING}:CALMAutoencoderConfig",
     model_class=f"{MODELING}:CALMAutoencoder",
-    language_model=False, training_report=_calm_autoencoder_report,
+    language_model=False, training_report=f"{COMPONENT_REPORTS}:calm_autoencoder_report",
     # `base` is the supplement's reference (hidden 512, intermediate 1280); `small` halves the width so an epoch of
     # the embedded corpus takes minutes on 2 CPU cores. K = 4 and l = 128 throughout.
     preset_overrides={
@@ -314,12 +309,13 @@ register_family(FamilySpec(
 register_family(FamilySpec(
     name="calm", build=build_calm, config_class=f"{MODELING}:CALMConfig", model_class=f"{MODELING}:CALMForCausalLM",
     components={"autoencoder": "calm-ae"}, lora_target_modules=BACKBONE_LORA_TARGETS,
+    response_scorer=f"{SCORERS}:CALMResponseScorer", model_card=f"{CARDS}:CALM_CARD",
 ))
 
 register_family(FamilySpec(
     name="cola-vae", build=build_cola_vae, config_class=f"{MODELING}:ColaVAEConfig",
     model_class=f"{MODELING}:ColaTextVAE",
-    language_model=False, training_report=_cola_vae_report,
+    language_model=False, training_report=f"{COMPONENT_REPORTS}:cola_vae_report",
     # The paper's VAE has 4 + 4 blocks of width 1536 and d_z = 16; `small` keeps d_z = 16 and the code's VAE block of
     # 4 at the width of the `small` backbone, with 2 + 2 blocks, so that a VAE epoch takes minutes on 2 CPU cores.
     preset_overrides={
@@ -335,12 +331,14 @@ register_family(FamilySpec(
 register_family(FamilySpec(
     name="cola", build=build_cola, config_class=f"{MODELING}:ColaConfig", model_class=f"{MODELING}:ColaForCausalLM",
     components={"vae": "cola-vae"}, lora_target_modules=BACKBONE_LORA_TARGETS,
+    response_scorer=f"{SCORERS}:ColaResponseScorer", model_card=f"{CARDS}:COLA_CARD",
     preset_overrides={"tiny": {"block_size": 4}, "small": {"block_size": 16}, "base": {"block_size": 16}},
 ))
 
 register_family(FamilySpec(
     name="aurora-ae", build=build_aurora_autoencoder, config_class=f"{MODELING}:AuroraAutoencoderConfig",
-    model_class=f"{MODELING}:AuroraAutoencoder", language_model=False, training_report=_aurora_autoencoder_report,
+    model_class=f"{MODELING}:AuroraAutoencoder", language_model=False,
+    training_report=f"{COMPONENT_REPORTS}:aurora_autoencoder_report",
     # The paper's S autoencoder has 6 + 6 blocks of width D = 768; `small` keeps the query design at D = 128 with
     # 2 + 2 blocks, so that an autoencoder run takes minutes on 2 CPU cores. At that budget the paper's dropouts
     # (0.3 / 0.6) learn slowly: after 300 steps on 64-token rows, 31.1% reconstruction of 64-token validation rows
@@ -360,6 +358,7 @@ register_family(FamilySpec(
     name="aurora", build=build_aurora, config_class=f"{MODELING}:AuroraConfig",
     model_class=f"{MODELING}:AuroraForCausalLM",
     components={"autoencoder": "aurora-ae"},
+    response_scorer=f"{SCORERS}:AuroraResponseScorer", model_card=f"{CARDS}:AURORA_CARD",
     lora_target_modules=r"model\.denoiser\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
     # D_b scales with the latent width (paper: 128 of 768); λ_ct ramps over the first half of a `small` run (paper:
     # 10k steps of the S model's run).

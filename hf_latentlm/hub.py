@@ -6,7 +6,7 @@ files, tokenizer files, the generation config and a generated README.md. Optimiz
 (`HF_TOKEN`, `hf auth login`) and is never printed.
 
 The card (`build_model_card`) is rendered with `huggingface_hub.ModelCard.from_template` from `CARD_TEMPLATE` and
-the family's entry of `FAMILY_CARDS`; model_cards/README.md describes what goes into it and from where.
+the family's card (its registry entry's `model_card`, `hf_latentlm/cards.py`); model_cards/README.md describes what goes into it and from where.
 """
 
 from __future__ import annotations
@@ -14,23 +14,18 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
-from .families import BASELINE_FAMILY, FAMILIES, family_of_model_type
-from .loading import check_model_folder, check_tokenizer_files, read_json_file, weight_files
+from .cards import default_card
+from .families import BASELINE_FAMILY, FAMILIES, family_of_model_type, get_family
+from .folders import (EVAL_RESULTS_FILE, POST_TRAINING_RECORD, check_model_folder, check_tokenizer_files,
+                      read_json_file, weight_files)
 
 UPLOAD_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json", "*.py",
                    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 NEVER_UPLOAD = ("optimizer*", "scheduler*", "rng_state*", "rng_rank*", "trainer_state.json", "training_args*",
                 "metrics.jsonl", "*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "README.md")
-#: The checkpoint's own `hf-latentlm eval` JSON, read when `push` gets no `--eval-results`
-#: (`hf-latentlm eval --model DIR > DIR/eval_results.json`).
-EVAL_RESULTS_FILE = "eval_results.json"
-#: Written by `hf-latentlm sft` / `dpo` (training/post_training.py): {"stage", "base_model", "lora", "task"}, and
-#: "policy_rejections" for a DPO run on the model's own wrong samples.
-POST_TRAINING_RECORD = "post_training.json"
 #: What the models are trained and evaluated on unless `--train-file` says otherwise (docs/corpus.md).
 EMBEDDED_CORPUS = "the Project Gutenberg Shakespeare corpus embedded in hf-latentlm (42 works, public domain)"
 
@@ -38,112 +33,6 @@ CPU_SCALE = ("A research model at CPU scale ({parameters} parameters) trained on
              "Shakespeare-like pastiche, not facts, and is meant for studying decoding speed against quality next to "
              "the matched autoregressive baseline, not for any application.")
 
-
-@dataclass(frozen=True)
-class FamilyCard:
-    """The family-specific parts of a model card."""
-
-    title: str
-    about: str        # the family in two sentences
-    generate: str     # the snippet's generate() call and what it prints, with the family's own options
-    limitations: str  # beyond CPU_SCALE
-    citation: str     # BibTeX of the family's paper ("" when there is none)
-
-
-FAMILY_CARDS = {
-    "ar": FamilyCard(
-        title="autoregressive baseline",
-        about="The matched autoregressive baseline of hf-latentlm: transformers' `LlamaForCausalLM` built from the "
-              "same preset table as the latent families, emitting one token per model call. Every speed and quality "
-              "number of the other families is measured against it.",
-        generate='out = model.generate(**ids, max_new_tokens=32, do_sample=True, top_p=0.95,\n'
-                 '                     pad_token_id=tok.pad_token_id)\n'
-                 'for row in out:\n'
-                 '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))',
-        limitations="One network call per generated token: it is the speed reference, not a fast model.",
-        citation=""),
-    "plm": FamilyCard(
-        title="PLM (Parallel Language Model)",
-        about="PLM is one weight-shared transformer with two modes: a causal encoder (an ordinary next-token LM) and "
-              "a parallel decoder that reads auxiliary variables drawn from each target's Voronoi cell and predicts "
-              "a block of K tokens in one call. Its `generate()` is quadratic decoding: every call verifies the "
-              "proposed tokens against the encoder and proposes the next block, so several tokens can be accepted "
-              "per call.",
-        generate='out = model.generate(**ids, max_new_tokens=32, k_pred=4, acceptance="exact",  '
-                 '# or "epsilon" / "nucleus"\n'
-                 '                     auxiliary_seeds=[1, 2], return_dict_in_generate=True)\n'
-                 'for row in out.sequences:\n'
-                 '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))\n'
-                 'print(out.model_calls.tolist())  # model calls per row, prompt prefill included',
-        limitations='`acceptance="exact"` emits exactly the tokens of one-token-per-call Voronoi sampling, but that '
-                    "sampler is itself a truncation of the encoder's softmax: only the top-M candidates, with masses "
-                    "in units of 1/N_aux, can be drawn, so rare tokens are never sampled and the distribution differs "
-                    'from plain softmax sampling. `"epsilon"` and `"nucleus"` acceptance give more tokens per call '
-                    "and are not lossless.",
-        citation="@article{plm,\n  title  = {Parallel Language Models via Variational Decoding},\n"
-                 "  note   = {see the paper for its authors}\n}"),
-    "calm": FamilyCard(
-        title="CALM (Continuous Autoregressive Language Model)",
-        about="CALM compresses every chunk of K tokens into one continuous vector with an autoencoder, and a "
-              "transformer predicts the next vector with a single-pass energy head trained with the energy score, "
-              "so one backbone call yields K tokens. The autoencoder is frozen and its weights are stored inside "
-              "this checkpoint.",
-        generate='out = model.generate(**ids, max_new_tokens=32, temperature=0.5,  # T = 1 (default): one draw\n'
-                 '                     temperature_sampler="pool",              # or "exact" (any T in (0, 1])\n'
-                 '                     noise_seeds=[1, 2], return_dict_in_generate=True)\n'
-                 'for row in out.sequences:\n'
-                 '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))\n'
-                 'print(out.model_calls.tolist())  # one backbone call per K tokens, prompt prefill included',
-        limitations="Every chunk comes back through the autoencoder, whose reconstruction is not exact: a latent "
-                    "decodes to a wrong chunk with the autoencoder's error rate even when the prediction is right. "
-                    "There is no token likelihood (no NLL or perplexity; it is scored with Brier-n from samples). "
-                    'Temperature is obtained by rejection from head draws: `"exact"` (any T in (0, 1]: n = ⌊1/T⌋ '
-                    'identical decoded draws, then a Bernoulli-factory stage for the fraction) retries until it '
-                    'accepts and gives up after `exact_max_rounds`; `"pool"` decodes 200 draws per '
-                    "step; both cost many more draws and decodes than T = 1.",
-        citation="@article{calm,\n  title  = {Continuous Autoregressive Language Models},\n"
-                 "  author = {Shao and others},\n  year   = {2025}\n}"),
-    "cola": FamilyCard(
-        title="Cola DLM (Continuous Latent Diffusion Language Model)",
-        about="Cola DLM encodes text with a causal text VAE (one latent per token) and generates with a "
-              "block-causal DiT prior that denoises one block of latents at a time by flow matching, conditioned on "
-              "the clean blocks before it; the VAE decoder reads a finished block out in one pass. The VAE is "
-              "trained jointly with the prior and stored inside this checkpoint.",
-        generate='out = model.generate(**ids, max_new_tokens=32, num_inference_steps=16,  # ODE steps per block\n'
-                 '                     ode_solver="heun", guidance_scale=7.0, temperature=0.7,\n'
-                 '                     noise_seeds=[1, 2], return_dict_in_generate=True)\n'
-                 'for row in out.sequences:\n'
-                 '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))\n'
-                 'print({name: calls.tolist() for name, calls in out.calls_by_network.items()})',
-        limitations="At the `small` preset the samples are not yet text: in the package's benchmark (docs/"
-                    "benchmarks.md, `python scripts/bench_cola.py ...`) BrierLM-2 was 0.00 against AR's 7.14 at "
-                    "equal training tokens. Each block costs `num_inference_steps` DiT evaluations, twice that with "
-                    "classifier-free guidance, so the default settings are slower than AR on a CPU. There is no "
-                    "token likelihood.",
-        citation="@article{cola,\n  title  = {Cola DLM: Continuous Latent Diffusion Language Model},\n"
-                 "  journal = {arXiv preprint arXiv:2605.06548}\n}"),
-    "aurora": FamilyCard(
-        title="AURORA-LM",
-        about="AURORA-LM maps text to a full-width latent sequence with a frozen query-based autoencoder and "
-              "generates it block by block with a block-causal denoiser that predicts clean latents (x0), with "
-              "self-conditioning and self-trajectory consistency. The autoencoder is frozen and stored inside this "
-              "checkpoint.",
-        generate='out = model.generate(**ids, max_new_tokens=32, num_inference_steps=16,  # Euler steps per block\n'
-                 '                     self_condition_guidance=4.0, guidance_scale=2.0,\n'
-                 '                     noise_seeds=[1, 2], return_dict_in_generate=True)\n'
-                 'for row in out.sequences:\n'
-                 '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))\n'
-                 'print({name: calls.tolist() for name, calls in out.calls_by_network.items()})',
-        limitations="At the `small` preset the samples are not yet text: in the package's benchmark (docs/"
-                    "benchmarks.md, `python scripts/bench_aurora.py ...`) BrierLM-2 was 0.00 against AR's 5.32, "
-                    "with an autoencoder that reconstructs only 41-63% of tokens. Each block costs one or two "
-                    "denoiser evaluations per Euler step, so the default settings are slower than AR on a CPU. "
-                    "There is no token likelihood.",
-        citation="@article{aurora,\n  title  = {AURORA-LM: Autoencoding Unified Representation for Continuous-Latent "
-                 "Diffusion Language Modeling},\n  author = {Jiajun Liang and Yucheng Liao and Yukang Cao and Jiazhe "
-                 "Wei and Ken Li and Wende Tan and Jiankun Zhang and ZY Cui and Jingkang Yang and Liucheng Guo and "
-                 "Shiqi Yang and B. Yang and Caifeng Shan and Ziwei Liu and Chenyang Si}\n}"),
-}
 
 CARD_TEMPLATE = """---
 {{ card_data }}
@@ -329,10 +218,10 @@ def results_section(result: dict | None, baseline: dict | None) -> str:
         raise ValueError("--baseline-eval needs the model's own evaluation too (--eval-results, or "
                          f"{EVAL_RESULTS_FILE} in the model folder)")
 
-    from .eval.bench import _fmt_ci
+    from .eval.bench import format_ci  # torch-heavy: imported only when a card has results
 
     def cell(value, entry):
-        return f"{value:.4f}" if entry is None else _fmt_ci(entry, 4)
+        return f"{value:.4f}" if entry is None else format_ci(entry, 4)
 
     ours = metrics_of(result)
     intervals = "95% bootstrap intervals in brackets, ≈0: the interval contains 0"
@@ -393,7 +282,8 @@ def build_model_card(folder: Path, repo_id: str, license: str = "apache-2.0", re
     folder = Path(folder)
     config = check_folder(folder)
     family = family_of(config)
-    card = FAMILY_CARDS[family]
+    spec = get_family(family)
+    card = spec.model_card or default_card(family, spec.model_class)
     if eval_file is None and (folder / EVAL_RESULTS_FILE).is_file():
         eval_file = folder / EVAL_RESULTS_FILE
     result = read_eval(Path(eval_file), "--eval-results") if eval_file is not None else None
@@ -415,7 +305,7 @@ def build_model_card(folder: Path, repo_id: str, license: str = "apache-2.0", re
         citation=card.citation, results=results, base_model=base, post_training=post_training,
         load_args=(f", revision={json.dumps(revision)}" if revision else "") + (", trust_remote_code=True" if remote
                                                                                  else ""),
-        remote_code=remote, components=bool(FAMILIES[family].components),
+        remote_code=remote, components=bool(spec.components),
         parameters=parameters, training=training_summary(folder, family, datasets),
         cpu_scale=CPU_SCALE.format(parameters=parameters))
 

@@ -26,7 +26,9 @@ import yaml
 from family_contract import build_tiny, seeded
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from hf_latentlm.hub import EVAL_RESULTS_FILE, FAMILY_CARDS, POST_TRAINING_RECORD, build_model_card
+from hf_latentlm.families import get_family
+from hf_latentlm.folders import EVAL_RESULTS_FILE, POST_TRAINING_RECORD
+from hf_latentlm.hub import build_model_card
 from hf_latentlm.training.checkpoint import save_tokenizer
 from hf_latentlm.training.tasks import DEFAULT_TASK
 
@@ -348,7 +350,7 @@ def test_card_round_trips_and_its_metadata_is_well_formed(tmp_path, plm_dir):
     assert all(set(m) == {"type", "value", "name"} and isinstance(m["value"], float) for m in result["metrics"])
     # Body: the family, a snippet with its own options, results against AR with both commands, limits, citation.
     text = card.text
-    assert FAMILY_CARDS["plm"].about in text and 'acceptance="exact"' in text and "auxiliary_seeds" in text
+    assert get_family("plm").model_card.about in text and 'acceptance="exact"' in text and "auxiliary_seeds" in text
     assert "| BrierLM-2 | 4.0000 [3.6000, 4.4000] | 5.0000 [4.5000, 5.5000] | 0.80 |" in text
     assert "`hf-latentlm eval --model runs/ar-small --split validation --num-positions 2000 --context-len 128`" in text
     assert "`hf-latentlm eval --model runs/plm-small" in text
@@ -360,7 +362,7 @@ def test_each_family_gets_its_own_card(tmp_path, tokenizer, family):
     folder = save_model(build_tiny(family, tokenizer), tokenizer, tmp_path / family)
     card = build_model_card(folder, f"someone/{family}", revision="dev")
     assert card.data.tags[0] == family and card.data.eval_results is None
-    assert FAMILY_CARDS[family].generate in card.text and FAMILY_CARDS[family].limitations in card.text
+    assert get_family(family).model_card.generate in card.text and get_family(family).model_card.limitations in card.text
     remote = ", trust_remote_code=True" if family != "ar" else ""  # transformers' own Llama needs no remote code
     assert f'AutoModelForCausalLM.from_pretrained("someone/{family}", revision="dev"{remote})' in card.text
     assert ("custom_code" in card.data.tags) == (family != "ar")

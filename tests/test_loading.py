@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hf_latentlm.families import build_model
-from hf_latentlm.loading import check_model_folder, load_model_and_tokenizer
+from hf_latentlm.folders import check_model_folder
+from hf_latentlm.loading import load_model_and_tokenizer
 from hf_latentlm.training.checkpoint import save_tokenizer
 
 

@@ -33,7 +33,7 @@ import math
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["count_flops", "inference_flops_per_token", "training_flops_per_token", "parameter_counts", "is_calm"]
+__all__ = ["count_flops", "inference_flops_per_token", "training_flops_per_token", "parameter_counts", "reads_chunks"]
 
 # Matmul-type ops whose count depends on the context (attention scores and values in eager attention).
 _ATTENTION_OPS = ("aten.bmm", "aten.baddbmm")
@@ -57,8 +57,10 @@ _CUSTOM = {torch.ops.aten._euclidean_dist: _cdist_flops, torch.ops.aten._cdist_f
            torch.ops.aten._cdist_backward: _cdist_backward_flops}
 
 
-def is_calm(model) -> bool:
-    return getattr(model.config, "model_type", None) == "calm"
+def reads_chunks(model) -> bool:
+    """True for a model that reads and writes whole chunks of `config.chunk_size` tokens through an energy head and
+    an autoencoder (CALM's shape); other models are counted as token-per-step LMs."""
+    return getattr(model.config, "chunk_size", None) is not None and hasattr(model, "sample_latents")
 
 
 @contextlib.contextmanager
@@ -105,11 +107,11 @@ def count_flops(fn, model=None) -> tuple[_Count, object]:
 def _check_context(model, context_length: int) -> None:
     if not isinstance(context_length, int) or context_length < 1:
         raise ValueError(f"context_length must be an int >= 1 (tokens already in the cache), got {context_length!r}")
-    if is_calm(model) and context_length % model.config.chunk_size:
+    if reads_chunks(model) and context_length % model.config.chunk_size:
         raise ValueError(f"context_length {context_length} is not a multiple of CALM's chunk_size K = "
                          f"{model.config.chunk_size}: CALM reads the context as whole chunks")
     limit = model.config.max_position_embeddings
-    extra = 2 * model.config.chunk_size if is_calm(model) else 2
+    extra = 2 * model.config.chunk_size if reads_chunks(model) else 2
     if context_length + extra > limit:
         raise ValueError(f"context_length {context_length} + the measured steps exceeds max_position_embeddings "
                          f"({limit})")
@@ -149,7 +151,7 @@ def inference_flops_per_token(model, context_length: int, temperature: float = 1
     model.eval()
     try:
         prompt = _prompt(model, context_length, seed)
-        if is_calm(model):
+        if reads_chunks(model):
             return _calm_inference(model, prompt, temperature, seed)
         return _ar_inference(model, prompt)
     finally:
@@ -185,7 +187,8 @@ def _calm_inference(model, prompt: torch.Tensor, temperature: float, seed: int) 
     if sum(parts.values()) != step:
         raise RuntimeError(f"CALM step parts {parts} (sum {sum(parts.values())}) disagree with the generate() "
                            f"difference ({step}): generate() no longer calls what _calm_step_parts measures")
-    return {"family": "calm", "context_length": prompt.shape[1], "per_token": step / K, "per_step": step,
+    return {"family": model.config.model_type, "context_length": prompt.shape[1], "per_token": step / K,
+            "per_step": step,
             "tokens_per_step": K, "parts": {name: value / K for name, value in parts.items()},
             "head_draws_per_step": draws, "temperature": temperature,
             "method": "generate() with 2K new tokens minus generate() with K (one decoding step: backbone on the "
@@ -229,7 +232,7 @@ def training_flops_per_token(model, seq_len: int, batch_size: int = 1, seed: int
         raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if is_calm(model) and (seq_len % model.config.chunk_size or seq_len < 2 * model.config.chunk_size):
+    if reads_chunks(model) and (seq_len % model.config.chunk_size or seq_len < 2 * model.config.chunk_size):
         raise ValueError(f"seq_len {seq_len} must be a multiple of CALM's chunk_size K = {model.config.chunk_size} "
                          f"and at least 2K (the energy loss predicts chunk i+1 from chunk i)")
     rows = _random_rows(model, batch_size, seq_len, seed)
@@ -264,7 +267,7 @@ def training_flops_per_token(model, seq_len: int, batch_size: int = 1, seed: int
     parts = {"forward": {name: value / tokens for name, value in fwd.items() if value},
              "backward": {name: (total[name] - value) / tokens for name, value in fwd.items()
                           if total[name] - value}}
-    return {"family": "calm" if is_calm(model) else getattr(model.config, "model_type", "?"),
+    return {"family": getattr(model.config, "model_type", "?"),
             "seq_len": seq_len, "batch_size": batch_size, "tokens": tokens, "per_token": both.total / tokens,
             "forward_per_token": forward.total / tokens, "backward_per_token": (both.total - forward.total) / tokens,
             "parts": parts,
@@ -278,7 +281,7 @@ def parameter_counts(model) -> dict:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     result = {"total": total, "trainable": trainable}
-    if is_calm(model):
+    if reads_chunks(model):
         backbone = sum(p.numel() for p in model.model.parameters())
         result.update(backbone=backbone, backbone_non_embedding=backbone - model.model.embed_tokens.weight.numel(),
                       energy_head=sum(p.numel() for p in model.energy_head.parameters()),

@@ -16,6 +16,7 @@ into place, so a crash never leaves a half-written `checkpoint-<step>`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -26,6 +27,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+logger = logging.getLogger(__name__)
+
+#: Both our loop's folders (`checkpoint-0000100`) and transformers' Trainer's (`checkpoint-100`, `hf-latentlm sft` /
+#: `dpo`) match; both write `trainer_state.json` after everything else.
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
 
@@ -117,17 +122,34 @@ def restore_rng_state(tensors: dict, meta: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
+def is_complete_checkpoint(folder: Path) -> bool:
+    """True when `folder`'s `trainer_state.json`, written last, reads as JSON. Our saves are atomic, but the
+    Trainer's (`sft` / `dpo`) write straight into the folder, so a crash can leave a half-written one."""
+    try:
+        json.loads((folder / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints in `output_dir`, oldest first."""
+    """Complete checkpoints in `output_dir`, oldest first; an incomplete `checkpoint-<step>` is skipped with a
+    warning."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := CHECKPOINT_PATTERN.match(p.name)) and (p / STATE_FILE).is_file()]
+    found = []
+    for path in root.iterdir():
+        if (match := CHECKPOINT_PATTERN.match(path.name)) and path.is_dir():
+            if is_complete_checkpoint(path):
+                found.append((int(match.group(1)), path))
+            else:
+                logger.warning("skipping the incomplete checkpoint %s (no readable %s)", path, STATE_FILE)
     return [p for _, p in sorted(found)]
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in `output_dir`, or None: the one `--resume` continues from."""
     checkpoints = list_checkpoints(output_dir)
     return checkpoints[-1] if checkpoints else None
 

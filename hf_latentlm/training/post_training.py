@@ -1,4 +1,4 @@
-"""Post-training (issue 13): SFT and DPO on TRL's trainers, for the AR baseline and every multi-token family.
+"""Post-training library: SFT and DPO on TRL's trainers, for the AR baseline and every multi-token family.
 
 * The AR baseline (transformers' `LlamaForCausalLM`, and any model outside the family registry) trains with TRL's
   STOCK `SFTTrainer` and `DPOTrainer`; its DPO loss is TRL's `loss_type="sigmoid_norm"`: the log-ratio of each
@@ -20,20 +20,8 @@
 * `sft_config` / `dpo_config`: TRL's own config classes with the paper's optimisation (Adam (0.9, 0.95), no weight
   decay, clipping at 1, linear warmup — 3% for SFT, 10% for DPO as App. 16.2 says — then linear decay) and CPU-safe
   defaults (no bf16, no gradient checkpointing).
-* `run_sft` / `run_dpo`: load a model folder, train on a task of `tasks.py`, and save a normal checkpoint (a LoRA
-  run is merged first) that `hf-latentlm generate/eval` and the Auto classes load. The CLI's `sft` / `dpo`.
-* Checkpoints: the Trainer saves `output_dir/checkpoint-<step>/` (weights — the adapter under LoRA —, optimizer,
-  scheduler, RNG states, `trainer_state.json`) every `save_every` steps and at the last step, keeping the newest
-  `SAVE_TOTAL_LIMIT`; `resume=True` (CLI `--resume`) continues from the newest complete one, with the same data
-  order, schedule and RNG, so 2 steps + resume to 4 ends where 4 straight steps do. The final model is written at
-  the top of `output_dir` as before; the checkpoint folders sit beside it (`find_checkpoint` / the loaders never
-  confuse the two: the top-level `config.json` is the final model's). A fresh run refuses an `output_dir` that
-  holds checkpoints (rotation would delete them): resume it or pick another folder.
-  Atomicity: transformers 5.24's `Trainer._save_checkpoint` is NOT atomic — it writes straight into
-  `checkpoint-<step>/` (model, then optimizer/scheduler/RNG, then `trainer_state.json` with a plain `open("w")`)
-  and only then rotates older checkpoints away. A crash mid-save therefore leaves a partial newest folder, but the
-  previous complete checkpoint is still there (rotation runs after the new one is written); `resume` skips a
-  folder without a readable `trainer_state.json` (written after everything else) for the newest complete one.
+* The runs that load a model folder, train it on a task and save it (the CLI's `sft` / `dpo`) are recipes built on
+  these classes: `hf_latentlm/recipes.py`.
 
 Multi-process: under `torchrun --nproc_per_node N` (or `accelerate launch --multi_gpu`) with `use_cpu=True` on CPU,
 each rank computes the draws and reference scores of every N-th pair and the ranks exchange them
@@ -43,20 +31,17 @@ each rank computes the draws and reference scores of every N-th pair and the ran
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from datasets import Dataset, IterableDataset, concatenate_datasets
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
-from .latent_scores import fill_token_id, split_rows
-from .preference import ResponseScorer, core_model, pair_key, scorer_for
+from ..families import family_of_model_type
+from .scorers import ResponseScorer, TokenLikelihoodScorer, core_model, fill_token_id, pair_key, split_rows
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +59,6 @@ LORA_LEARNING_RATE_FACTOR = 10.0
 #: Steps between post-training checkpoints (CLI `--save-every`), and how many checkpoints are kept.
 SAVE_EVERY = 100
 SAVE_TOTAL_LIMIT = 2
-#: Written into a Trainer checkpoint after the weights, optimizer, scheduler and RNG state: a checkpoint folder
-#: without a readable one is incomplete.
-TRAINER_STATE = "trainer_state.json"
 
 REF_CHOSEN, REF_REJECTED = "ref_chosen_score", "ref_rejected_score"
 PAIR_KEY = "pair_key"
@@ -315,6 +297,27 @@ class ScoredPreferenceCollator:
         return batch
 
 
+def scorer_for(model) -> ResponseScorer:
+    """The response scorer of `model`'s family (through DDP / PEFT wrappers): its registry entry's
+    `response_scorer`, else `TokenLikelihoodScorer` for a family with next-token logits. ValueError for a model
+    outside the registry (an autoregressive model trains with TRL's own `DPOTrainer`, loss_type="sigmoid_norm") and
+    for a family with neither."""
+    core = core_model(model)
+    model_type = getattr(getattr(core, "config", None), "model_type", None)
+    spec = family_of_model_type(model_type) if model_type is not None else None
+    if spec is None:
+        raise ValueError(f"no response scorer for model type {model_type!r}, which is not a registered family: an "
+                         f"autoregressive model trains with TRL's own DPOTrainer and loss_type='sigmoid_norm' "
+                         f"(hf_latentlm.training.post_training.dpo_config)")
+    if spec.response_scorer is not None:
+        return spec.response_scorer()
+    if getattr(core.config, "has_token_likelihood", True) and callable(getattr(core, "get_output_embeddings", None)) \
+            and core.get_output_embeddings() is not None:
+        return TokenLikelihoodScorer()
+    raise ValueError(f"the {spec.name} family has no token likelihood and its registry entry names no "
+                     f"response_scorer: DPO needs one (a ResponseScorer class, FamilySpec.response_scorer)")
+
+
 #: TRL `DPOConfig` options the latent loss does not implement, with the default that is allowed (refused otherwise;
 #: an option a TRL version lacks, e.g. `rpo_alpha` in TRL 1.16, is skipped; `loss_weights=[1.0]` is the default's
 #: equivalent and accepted).
@@ -482,7 +485,8 @@ class LatentDPOTrainer(DPOTrainer):
         if not draws and keys is not None and getattr(self.scorer, "draws_from_keys", False):
             draws = self.scorer.draws(model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"],
                                       list(keys) + list(keys))
-        if not draws or REF_CHOSEN not in inputs:
+        needs_draws = bool(self._draw_keys) or getattr(self.scorer, "draws_from_keys", False)
+        if REF_CHOSEN not in inputs or (needs_draws and not draws):
             raise ValueError("the batch lacks the precomputed draws / reference scores (use the trainer's collator)")
         with self.accelerator.autocast():  # as the reference scores were computed
             score = self.scorer.score(model, inputs["input_ids"], inputs["attention_mask"],
@@ -514,218 +518,3 @@ class LatentDPOTrainer(DPOTrainer):
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Runs (the CLI's `sft` and `dpo`)
-# ---------------------------------------------------------------------------------------------------------------------
-
-def is_autoregressive(model) -> bool:
-    """True for a model outside the family registry (the AR baseline is transformers' Llama): stock TRL trainers."""
-    from ..families import family_of_model_type
-
-    return family_of_model_type(core_model(model).config.model_type) is None
-
-
-def lora_config(model, r: int = 16, alpha: int = 32):
-    """PEFT LoRA on the family's recommended backbone projections (the registry's `lora_target_modules`; the AR
-    baseline: the same projection names of `model.layers.*`)."""
-    from peft import LoraConfig
-
-    from ..families import BACKBONE_LORA_TARGETS, family_of_model_type
-
-    spec = family_of_model_type(core_model(model).config.model_type)
-    targets = (spec.lora_target_modules if spec is not None else None) or BACKBONE_LORA_TARGETS
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
-
-
-def _max_length(model) -> int | None:
-    return getattr(core_model(model).config, "max_position_embeddings", None)
-
-
-def save_post_trained(trainer, output_dir, tokenizer, origin: dict | None = None) -> None:
-    """The trained model as a normal checkpoint in `output_dir` (a PEFT model merged first), with its tokenizer, the
-    trainer's log (`post_training_log.json`) and `origin` ({"stage", "base_model", "lora", "task"}: the model card's
-    `base_model`, hub.POST_TRAINING_RECORD); written by the main process."""
-    from accelerate.utils import is_peft_model
-
-    from .checkpoint import save_tokenizer
-
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    if is_peft_model(model):
-        model = model.merge_and_unload()
-    if trainer.accelerator.is_main_process:
-        output = Path(output_dir)
-        output.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(output)
-        save_tokenizer(tokenizer, output)
-        (output / "post_training_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
-        if origin is not None:
-            from ..hub import POST_TRAINING_RECORD
-
-            (output / POST_TRAINING_RECORD).write_text(json.dumps(origin, indent=1) + "\n")
-    trainer.accelerator.wait_for_everyone()
-
-
-def find_checkpoint(output_dir) -> str | None:
-    """The newest COMPLETE Trainer checkpoint (`checkpoint-<step>/` with a readable `trainer_state.json`, which
-    `_save_checkpoint` writes after the rest) in `output_dir`, or None. `transformers.trainer_utils.get_last_checkpoint`
-    picks the newest folder whatever its state; since the Trainer's save is not atomic, a folder left half-written
-    by a crash is skipped here (with a warning) for the previous one."""
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
-
-    folder = Path(output_dir)
-    if not folder.is_dir() or get_last_checkpoint(str(folder)) is None:
-        return None
-    candidates = sorted((p for p in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir()
-                         and p.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-").isdigit()),
-                        key=lambda p: int(p.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")), reverse=True)
-    for candidate in candidates:
-        try:
-            json.loads((candidate / TRAINER_STATE).read_text())
-        except (OSError, ValueError):
-            logger.warning("skipping the incomplete checkpoint %s (no readable %s)", candidate, TRAINER_STATE)
-            continue
-        return str(candidate)
-    return None
-
-
-def _resume_from(output_dir, resume: bool) -> str | None:
-    """The checkpoint to resume from (`resume`), else None; ValueError when `resume` finds none, or when a fresh run
-    would write into a folder holding another run's checkpoints (the Trainer's rotation would delete them)."""
-    checkpoint = find_checkpoint(output_dir)
-    if resume and checkpoint is None:
-        raise ValueError(f"--resume: no complete checkpoint-<step> folder in {output_dir} to resume from")
-    if not resume and checkpoint is not None:
-        raise ValueError(f"{output_dir} already holds the checkpoint {Path(checkpoint).name} of an earlier run: "
-                         f"continue it with --resume, or choose another --output-dir")
-    return checkpoint
-
-
-def _summary(kind: str, trainer, result, output_dir, family: str) -> dict:
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"stage": kind, "family": family, "output_dir": str(output_dir), "steps": trainer.state.global_step,
-            "train_loss": result.training_loss, "losses": losses,
-            "finite": all(math.isfinite(x) for x in losses) and math.isfinite(result.training_loss)}
-
-
-def _family_name(model) -> str:
-    from ..families import BASELINE_FAMILY, family_of_model_type
-
-    spec = family_of_model_type(core_model(model).config.model_type)
-    return spec.name if spec is not None else BASELINE_FAMILY
-
-
-def run_sft(model_dir, output_dir, task: str | None = None, max_steps: int | None = None, lora: bool = False, *,
-            learning_rate: float | None = None, batch_size: int = 8, seed: int = 0, train_size: int | None = None,
-            dataset: Dataset | None = None, callbacks: Sequence | None = None, save_every: int = SAVE_EVERY,
-            resume: bool = False, **config_overrides) -> dict:
-    """SFT of the model in `model_dir` on `task` (`tasks.load_task`; or `dataset`, prompt/completion rows) and a
-    normal checkpoint in `output_dir`. AR: stock `SFTTrainer`; other families: `LatentSFTTrainer`. `lora`: train a
-    LoRA adapter, then save the merged model. `callbacks`: extra `TrainerCallback`s. Checkpoints every `save_every`
-    steps into `output_dir/checkpoint-<step>/`; `resume` continues from the newest (ValueError if there is none; a
-    fresh run refuses a folder that holds checkpoints). Call with the same arguments as the interrupted run.
-    Returns a summary (steps, losses)."""
-    from ..loading import load_model_and_tokenizer
-    from . import tasks
-
-    checkpoint = _resume_from(output_dir, resume)
-    origin = {"stage": "sft", "base_model": str(model_dir), "lora": lora,  # the card's base_model (hub.py)
-              "task": None if dataset is not None else task or tasks.DEFAULT_TASK}
-    model, tokenizer = load_model_and_tokenizer(str(model_dir))
-    if dataset is None:
-        dataset = tasks.load_task(task or tasks.DEFAULT_TASK, tokenizer=tokenizer, seed=seed,
-                                  split_sizes={"train": train_size or tasks.DEFAULT_SPLIT_SIZES["train"]})["train"]
-    if learning_rate is None:
-        learning_rate = SFT_LEARNING_RATE * (LORA_LEARNING_RATE_FACTOR if lora else 1.0)
-    args = sft_config(output_dir, learning_rate=learning_rate, batch_size=batch_size, max_steps=max_steps, seed=seed,
-                      **{"max_length": _max_length(model), "save_steps": save_every, **config_overrides})
-    trainer_class = SFTTrainer if is_autoregressive(model) else LatentSFTTrainer
-    trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                            peft_config=lora_config(model) if lora else None, callbacks=list(callbacks or []))
-    result = trainer.train(resume_from_checkpoint=checkpoint)
-    save_post_trained(trainer, output_dir, tokenizer, origin=origin)
-    return _summary("sft", trainer, result, output_dir, _family_name(model))
-
-
-#: `rejected_kind` of a pair whose rejected answer the model itself sampled (`with_policy_rejections`).
-SAMPLED_REJECTION = "sampled"
-
-
-@torch.no_grad()
-def with_policy_rejections(pairs: Dataset, model, tokenizer, batch_size: int = 8, seed: int = 0,
-                           max_new_tokens: int | None = None) -> Dataset:
-    """`pairs` (prompt / chosen / rejected) with every rejected answer replaced by the model's own answer to the
-    prompt, sampled as `hf_latentlm.eval.task` samples (temperature 1, per-row seeds), wherever that answer is wrong
-    (not an exact match of `chosen`); its `rejected_kind` becomes `SAMPLED_REJECTION`. Where the model answers
-    right, the given rejected answer stays. On-policy rejections put DPO's push-down on the mistakes the model
-    actually makes. An answer that ended with end-of-text keeps it, as the chosen answers do; one cut off at the
-    token limit (`max_new_tokens`; default: the batch's longest chosen answer plus 8) has none. The samples depend
-    only on the model, the prompts, `batch_size` and `seed`, so a resumed run (and every rank of a multi-process
-    one) rebuilds the same pairs."""
-    from ..eval.task import generate_answers
-    from .tasks import exact_match
-
-    if len(pairs) == 0:
-        raise ValueError("no preference pairs to sample rejections for")
-    eos = tokenizer.eos_token
-    was_training = model.training
-    model.eval()
-    try:
-        rejected = list(pairs["rejected"])
-        kinds = list(pairs["rejected_kind"]) if "rejected_kind" in pairs.column_names else [None] * len(pairs)
-        for start in range(0, len(pairs), batch_size):
-            rows = pairs.select(range(start, min(start + batch_size, len(pairs))))
-            limit = max_new_tokens or max(len(tokenizer(c, add_special_tokens=False)["input_ids"])
-                                          for c in rows["chosen"]) + 8
-            answers, _ = generate_answers(model, tokenizer, list(rows["prompt"]), limit, seed + start)
-            for offset, (answer, chosen) in enumerate(zip(answers, rows["chosen"])):
-                text = tokenizer.decode(answer) + (eos if len(answer) < limit else "")
-                if not exact_match(text, chosen):
-                    rejected[start + offset], kinds[start + offset] = text, SAMPLED_REJECTION
-    finally:
-        model.train(was_training)
-    columns = [c for c in ("rejected", "rejected_kind") if c in pairs.column_names]
-    return pairs.remove_columns(columns).add_column("rejected", rejected).add_column("rejected_kind", kinds)
-
-
-def run_dpo(model_dir, output_dir, task: str | None = None, max_steps: int | None = None, lora: bool = False, *,
-            learning_rate: float | None = None, batch_size: int = 8, seed: int = 0, train_size: int | None = None,
-            beta: float = DPO_BETA, dataset: Dataset | None = None, callbacks: Sequence | None = None,
-            save_every: int = SAVE_EVERY, resume: bool = False, policy_rejections: bool = False,
-            **config_overrides) -> dict:
-    """DPO of the (SFT) model in `model_dir` on `task` (`tasks.load_preference_task`; or `dataset`, prompt / chosen /
-    rejected rows), the model itself being the frozen reference, and a normal checkpoint in `output_dir`. AR: stock
-    `DPOTrainer` with `sigmoid_norm`; other families: `LatentDPOTrainer`. `lora`: train a LoRA adapter (the reference
-    is then the adapter-disabled model), then save the merged model. `callbacks`: extra `TrainerCallback`s.
-    Checkpoints and `resume` as `run_sft`; a resumed run rebuilds the draws and reference scores from `model_dir`
-    (the frozen start) before the checkpoint's weights are loaded, so its reference is the uninterrupted run's.
-    `policy_rejections`: the rejected answers are the model's own wrong samples (`with_policy_rejections`).
-    Returns a summary (steps, losses)."""
-    from ..loading import load_model_and_tokenizer
-    from . import tasks
-
-    checkpoint = _resume_from(output_dir, resume)
-    origin = {"stage": "dpo", "base_model": str(model_dir), "lora": lora,  # the card's base_model (hub.py)
-              "task": None if dataset is not None else task or tasks.DEFAULT_TASK}
-    model, tokenizer = load_model_and_tokenizer(str(model_dir))
-    if dataset is None:
-        dataset = tasks.load_preference_task(task or tasks.DEFAULT_TASK, tokenizer=tokenizer, seed=seed,
-                                             split_sizes={"train": train_size or tasks.DEFAULT_SPLIT_SIZES["train"]}
-                                             )["train"]
-    if policy_rejections:
-        dataset = with_policy_rejections(dataset, model, tokenizer, batch_size=batch_size, seed=seed)
-        origin["policy_rejections"] = True
-        origin["sampled_rejections"] = sum(kind == SAMPLED_REJECTION for kind in dataset["rejected_kind"])
-    if learning_rate is None:
-        learning_rate = DPO_LEARNING_RATE * (LORA_LEARNING_RATE_FACTOR if lora else 1.0)
-    autoregressive = is_autoregressive(model)
-    args = dpo_config(output_dir, autoregressive=autoregressive, beta=beta, learning_rate=learning_rate,
-                      batch_size=batch_size, max_steps=max_steps, seed=seed,
-                      **{"max_length": _max_length(model), "save_steps": save_every, **config_overrides})
-    trainer_class = DPOTrainer if autoregressive else LatentDPOTrainer
-    trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                            peft_config=lora_config(model) if lora else None, callbacks=list(callbacks or []))
-    result = trainer.train(resume_from_checkpoint=checkpoint)
-    save_post_trained(trainer, output_dir, tokenizer, origin=origin)
-    return _summary("dpo", trainer, result, output_dir, _family_name(model))

@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 from transformers import TrainerCallback
 
 from hf_latentlm.cli import end_process_group
-from hf_latentlm.training.post_training import PAIR_KEY, REF_CHOSEN, REF_REJECTED, run_dpo, run_sft
+from hf_latentlm.recipes import run_dpo, run_sft
+from hf_latentlm.training.post_training import PAIR_KEY, REF_CHOSEN, REF_REJECTED
 
 parser = argparse.ArgumentParser()
 parser.add_argument("model_dir")

@@ -15,6 +15,7 @@ What is checked, against independent computations where there is a number to com
 """
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -38,12 +39,8 @@ from hf_latentlm.training.post_training import (
     dpo_config,
     sft_config,
 )
-from hf_latentlm.training.preference import (
-    PLMResponseScorer,
-    ResponseScore,
-    ResponseScorer,
-    scorer_for,
-)
+from hf_latentlm.training.post_training import scorer_for
+from hf_latentlm.training.scorers import PLMResponseScorer, ResponseScore, ResponseScorer
 
 WORKER = Path(__file__).with_name("ddp_post_training_worker.py")
 EOS = "<|endoftext|>"
@@ -426,17 +423,18 @@ def test_ar_dpo_is_stock_sigmoid_norm_and_scores_the_terminal_eos(tmp_path, toke
 # ---------------------------------------------------------------------------------------------------------------------
 
 def test_bad_inputs_are_refused_clearly(tmp_path, tokenizer, monkeypatch):
-    from hf_latentlm.training import preference
+    from hf_latentlm import families
 
     model = build_tiny("plm", tokenizer)
     assert isinstance(scorer_for(model), ResponseScorer)
-    with pytest.raises(NotImplementedError, match="sigmoid_norm"):
+    with pytest.raises(ValueError, match="sigmoid_norm"):
         scorer_for(build_tiny("ar", tokenizer))
-    # A latent family whose scorer module is not there (yet) is named.
-    monkeypatch.setattr(preference, "LATENT_SCORES_MODULE", "hf_latentlm.training.no_such_scores")
-    calm = type("Config", (), {"model_type": "calm"})
-    with pytest.raises(NotImplementedError, match="calm family"):
-        scorer_for(type("Model", (), {"config": calm})())
+    # A family with neither a registered scorer nor a token likelihood is named, with the registry field to set.
+    monkeypatch.setitem(families.FAMILIES, "calm", dataclasses.replace(families.FAMILIES["calm"],
+                                                                       response_scorer=None))
+    calm = build_tiny("calm", tokenizer)
+    with pytest.raises(ValueError, match="calm family.*response_scorer"):
+        scorer_for(calm)
     monkeypatch.undo()
     with pytest.raises(ValueError, match="not a preference dataset"):
         LatentDPOTrainer(model=model, args=dpo_args(tmp_path), processing_class=tokenizer,
@@ -457,7 +455,7 @@ def test_policy_rejections_replace_exactly_the_wrong_answers_with_the_models_own
     keep theirs. The right answers are made so by taking the model's own samples (same seed, batch and limit, from
     `generate_answers` called directly) as the chosen answers of rows 0 and 3."""
     from hf_latentlm.eval.task import generate_answers
-    from hf_latentlm.training.post_training import SAMPLED_REJECTION, with_policy_rejections
+    from hf_latentlm.recipes import SAMPLED_REJECTION, with_policy_rejections
 
     model, limit = build_tiny("ar", tokenizer), 6
     rows = [dict(row, rejected_kind="truncated") for row in toy_preference_rows(5)]
@@ -559,11 +557,10 @@ def test_two_process_ddp_sft_then_lora_dpo(tmp_path, plm_folder):
 
 @pytest.mark.parametrize("family", ["calm", "cola", "aurora"])
 def test_latent_families_train_with_the_same_sft_and_dpo_trainers(tmp_path, tokenizer, tiny_rows, family):
-    """The other families plug their scorer (`latent_scores.py`) into the same DPO trainer. Their draws are seeded by
+    """The other families plug their scorer (`scorers.py`) into the same DPO trainer. Their draws are seeded by
     the pair key alone, so they are not stored (no `*_draw_*` columns) but made again at every step: δ = 0 at
     initialisation shows the policy's redraws are the ones the reference was scored with. A step trains; SFT trains
     their own loss."""
-    pytest.importorskip("hf_latentlm.training.latent_scores")
     model = build_tiny(family, tokenizer)
     if hasattr(model, "prepare_training"):  # AURORA's latent statistics, as the training loop sets them
         model.prepare_training(tiny_rows[8:24, :32])
@@ -783,7 +780,7 @@ def step_recorder(stop_at: int | None = None):
 
 @pytest.mark.parametrize("stage", ["sft", "dpo"])
 def test_two_steps_then_resume_ends_where_four_straight_steps_do(tmp_path, plm_folder, stage):
-    from hf_latentlm.training.post_training import run_dpo, run_sft
+    from hf_latentlm.recipes import run_dpo, run_sft
 
     run = run_sft if stage == "sft" else run_dpo
     rows = toy_sft_rows(8) if stage == "sft" else toy_preference_rows(8)
@@ -874,7 +871,7 @@ def test_every_stored_auxiliary_lies_in_the_cell_of_its_observed_target(tmp_path
     distribution at that position, from the model's public `auxiliary_owners`) by the row's observed token there; it
     is -1 outside the sequence and where that token owns no auxiliary. Also: each stored `pair_key` is the sha256 key
     of the row's own prompt / chosen / rejected ids."""
-    from hf_latentlm.training.preference import pair_key
+    from hf_latentlm.training.scorers import pair_key
 
     model = build_tiny("plm", tokenizer)
     reference = copy.deepcopy(model).eval()

@@ -1,4 +1,4 @@
-"""DPO response scores of CALM, Cola DLM and AURORA-LM (hf_latentlm/training/latent_scores.py, issue 13).
+"""DPO response scores of CALM, Cola DLM and AURORA-LM (hf_latentlm/training/scorers.py).
 
 Per family, on tiny models: the score equals a hand computation from the model's raw pieces (explicit per-term loops,
 the backbone run once per response chunk / block on its own prefix, not through the scorer's batched pass); the
@@ -17,13 +17,14 @@ import torch
 from family_contract import build_tiny
 
 from hf_latentlm.families import get_family
-from hf_latentlm.training.latent_scores import (
+from hf_latentlm.training.scorers import (
     PAGE,
     AuroraResponseScorer,
     CALMResponseScorer,
     ColaResponseScorer,
 )
-from hf_latentlm.training.preference import DRAW_SEED, ResponseScore, row_generator, scorer_for
+from hf_latentlm.training.post_training import scorer_for
+from hf_latentlm.training.scorers import DRAW_SEED, ResponseScore, row_generator
 
 FAMILIES = ("calm", "cola", "aurora")
 SCORERS = {"calm": CALMResponseScorer, "cola": ColaResponseScorer, "aurora": AuroraResponseScorer}

@@ -1,0 +1,100 @@
+"""Measurements of a trained component (CALM's autoencoder, Cola's text VAE, AURORA's query autoencoder) on
+held-out text. Each `*_report(model, tokenizer)` is the family's `training_report` in the registry, printed by
+`hf-latentlm train` when a component run finishes."""
+
+from __future__ import annotations
+
+import torch
+
+from .harness import split_stream
+
+#: Noise levels t of Cola's robustness curve: the decoder reads z_t = (1 − t)·z + t·ε (paper 004, §4.3).
+NOISE_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5)
+#: Rows per reconstruction call.
+ROWS_PER_CALL = 16
+
+
+def reconstruction_rows(stream: torch.Tensor, num_tokens: int, row_length: int) -> torch.Tensor:
+    """The first `num_tokens` of `stream` (at most) as whole rows of `row_length`; ValueError when not one fits."""
+    rows = stream[: (min(num_tokens, stream.numel()) // row_length) * row_length].view(-1, row_length)
+    if rows.numel() == 0:
+        raise ValueError(f"need at least {row_length} tokens, got {stream.numel()}")
+    return rows
+
+
+def row_batches(rows: torch.Tensor):
+    """(batch, its row count) of `ROWS_PER_CALL` rows at a time."""
+    for i in range(0, len(rows), ROWS_PER_CALL):
+        yield rows[i:i + ROWS_PER_CALL], min(ROWS_PER_CALL, len(rows) - i)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CALM
+# ---------------------------------------------------------------------------------------------------------------------
+
+def calm_autoencoder_report(model, tokenizer, num_tokens: int = 20000) -> str:
+    """One line on a trained CALM autoencoder: token accuracy decoding μ and a sampled z, and the mean σ, on the
+    first `num_tokens` tokens of the validation split."""
+    model.eval()
+    stream = split_stream(tokenizer, "validation")
+    k = model.config.chunk_size
+    ids = stream[: (min(num_tokens, stream.numel()) // k) * k][None]
+    r = model.reconstruction_accuracy(ids, generator=torch.Generator().manual_seed(0))
+    return (f"autoencoder on {r['num_tokens']} validation tokens: accuracy {r['mean_accuracy']:.4%} (mean), "
+            f"{r['sampled_accuracy']:.4%} (sampled z), mean posterior std {r['posterior_std']:.3f}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cola DLM
+# ---------------------------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def vae_measurements(model, stream: torch.Tensor, num_tokens: int = 20000, row_length: int = 256,
+                     noise_levels: tuple[float, ...] = NOISE_LEVELS, seed: int = 0) -> dict:
+    """Token accuracy of a `ColaTextVAE` on the first `num_tokens` of `stream` (cut into rows of `row_length`):
+    decoding the posterior mean, a sampled z, and z_t for each noise level; plus the logSNR and the token count."""
+    rows = reconstruction_rows(stream, num_tokens, row_length)
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    parts, weights = [], []
+    for batch, count in row_batches(rows):
+        parts.append(model.reconstruction_accuracy(batch, noise_levels, generator))
+        weights.append(count)
+
+    def average(values):
+        return sum(v * w for v, w in zip(values, weights)) / sum(weights)
+
+    return {"num_tokens": rows.numel(), "logsnr": parts[0]["logsnr"],
+            "accuracy_mean": average([p["accuracy_mean"] for p in parts]),
+            "accuracy_sampled": average([p["accuracy_sampled"] for p in parts]),
+            "accuracy_vs_noise": {t: average([p["accuracy_vs_noise"][t] for p in parts]) for t in noise_levels}}
+
+
+def cola_vae_report(model, tokenizer, num_tokens: int = 20000) -> str:
+    """Lines on a trained Cola VAE, on the validation split: accuracy from μ and from sampled z, and versus noise."""
+    r = vae_measurements(model, split_stream(tokenizer, "validation"), num_tokens)
+    curve = ", ".join(f"t={t:g}: {a:.2%}" for t, a in r["accuracy_vs_noise"].items())
+    return (f"VAE on {r['num_tokens']} validation tokens: accuracy {r['accuracy_mean']:.4%} (mean), "
+            f"{r['accuracy_sampled']:.4%} (sampled z), logSNR {r['logsnr']:.2f}\n"
+            f"accuracy of z_t = (1-t)z + t*noise: {curve}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# AURORA-LM
+# ---------------------------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def autoencoder_accuracy(model, stream: torch.Tensor, num_tokens: int = 20000, row_length: int = 256) -> dict:
+    """Token accuracy of an `AuroraAutoencoder` (eval mode: no dropout) reconstructing the first `num_tokens` of
+    `stream`, cut into rows of `row_length`."""
+    rows = reconstruction_rows(stream, num_tokens, row_length)
+    model.eval()
+    correct = sum(model.reconstruction_accuracy(batch) * batch.numel() for batch, _ in row_batches(rows))
+    return {"num_tokens": rows.numel(), "accuracy": correct / rows.numel()}
+
+
+def aurora_autoencoder_report(model, tokenizer, num_tokens: int = 20000) -> str:
+    """One line on a trained AURORA autoencoder: reconstruction accuracy on the validation split."""
+    r = autoencoder_accuracy(model, split_stream(tokenizer, "validation"), num_tokens)
+    return (f"autoencoder on {r['num_tokens']} validation tokens: reconstruction accuracy {r['accuracy']:.4%} "
+            f"(keep ratio {model.config.keep_ratio:g}, D = {model.config.latent_size})")

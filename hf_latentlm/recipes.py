@@ -1,0 +1,219 @@
+"""Post-training recipes, the CLI's `sft` and `dpo`: load a model folder, train it on a task with the trainers of
+`training/post_training.py`, and save a normal checkpoint (a LoRA run merged first) that `hf-latentlm
+generate/eval`, the Auto classes and `push` load.
+
+* The family is resolved once (`PostTrainingRun`): the AR baseline (any model outside the registry) trains with
+  TRL's stock `SFTTrainer` / `DPOTrainer`, every registered family with `LatentSFTTrainer` / `LatentDPOTrainer`;
+  LoRA targets come from the registry's `lora_target_modules`.
+* Checkpoints: the Trainer saves `output_dir/checkpoint-<step>/` (weights — the adapter under LoRA —, optimizer,
+  scheduler, RNG states, `trainer_state.json`) every `save_every` steps and at the last step, keeping the newest
+  `SAVE_TOTAL_LIMIT`; `resume=True` (CLI `--resume`) continues from the newest complete one
+  (`training.checkpoint.latest_checkpoint`), with the same data order, schedule and RNG, so 2 steps + resume to 4
+  ends where 4 straight steps do. The final model is written at the top of `output_dir`; the checkpoint folders
+  sit beside it (the top-level `config.json` is the final model's). A fresh run refuses an `output_dir` that holds
+  checkpoints (rotation would delete them): resume it or pick another folder.
+  Atomicity: transformers 5's `Trainer._save_checkpoint` is NOT atomic — it writes straight into
+  `checkpoint-<step>/` (model, then optimizer/scheduler/RNG, then `trainer_state.json` with a plain `open("w")`)
+  and only then rotates older checkpoints away. A crash mid-save leaves a partial newest folder while the previous
+  complete checkpoint is still there; `latest_checkpoint` skips a folder without a readable `trainer_state.json`.
+* Multi-process: under `torchrun --nproc_per_node N` (or `accelerate launch --multi_gpu`) with `use_cpu=True` on
+  CPU, `LatentDPOTrainer` splits the reference precomputation across ranks and gathers it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+
+from .eval.task import generate_answers
+from .families import BACKBONE_LORA_TARGETS, BASELINE_FAMILY, FamilySpec, family_of_model_type
+from .folders import POST_TRAINING_RECORD
+from .loading import load_model_and_tokenizer
+from .training import tasks
+from .training.checkpoint import latest_checkpoint, save_tokenizer
+from .training.post_training import (DPO_BETA, DPO_LEARNING_RATE, LORA_LEARNING_RATE_FACTOR, SAVE_EVERY,
+                                     SFT_LEARNING_RATE, LatentDPOTrainer, LatentSFTTrainer, dpo_config, sft_config)
+from .training.scorers import core_model
+
+#: `rejected_kind` of a pair whose rejected answer the model itself sampled (`with_policy_rejections`).
+SAMPLED_REJECTION = "sampled"
+
+
+@dataclass(frozen=True)
+class PostTrainingRun:
+    """What one `sft` / `dpo` run needs to know about its model, looked up once: its family (None: the AR baseline
+    or another model outside the registry, trained with TRL's stock trainers)."""
+
+    spec: FamilySpec | None
+
+    @classmethod
+    def of(cls, model) -> "PostTrainingRun":
+        return cls(family_of_model_type(core_model(model).config.model_type))
+
+    @property
+    def family(self) -> str:
+        return self.spec.name if self.spec is not None else BASELINE_FAMILY
+
+    @property
+    def autoregressive(self) -> bool:
+        return self.spec is None
+
+    def trainer_class(self, stage: str):
+        from trl import DPOTrainer, SFTTrainer
+
+        if stage == "sft":
+            return SFTTrainer if self.autoregressive else LatentSFTTrainer
+        return DPOTrainer if self.autoregressive else LatentDPOTrainer
+
+    def lora_config(self, r: int = 16, alpha: int = 32):
+        """PEFT LoRA on the family's recommended backbone projections (the registry's `lora_target_modules`; the
+        AR baseline: the same projection names of `model.layers.*`)."""
+        from peft import LoraConfig
+
+        targets = (self.spec.lora_target_modules if self.spec is not None else None) or BACKBONE_LORA_TARGETS
+        return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
+
+
+def save_post_trained(trainer, output_dir, tokenizer, origin: dict | None = None) -> None:
+    """The trained model as a normal checkpoint in `output_dir` (a PEFT model merged first), with its tokenizer, the
+    trainer's log (`post_training_log.json`) and `origin` ({"stage", "base_model", "lora", "task"}: the model card's
+    `base_model`, `folders.POST_TRAINING_RECORD`); written by the main process."""
+    from accelerate.utils import is_peft_model
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if is_peft_model(model):
+        model = model.merge_and_unload()
+    if trainer.accelerator.is_main_process:
+        output = Path(output_dir)
+        output.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(output)
+        save_tokenizer(tokenizer, output)
+        (output / "post_training_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
+        if origin is not None:
+            (output / POST_TRAINING_RECORD).write_text(json.dumps(origin, indent=1) + "\n")
+    trainer.accelerator.wait_for_everyone()
+
+
+def resume_checkpoint(output_dir, resume: bool) -> str | None:
+    """The checkpoint to resume from (`resume`), else None; ValueError when `resume` finds none, or when a fresh run
+    would write into a folder holding another run's checkpoints (the Trainer's rotation would delete them)."""
+    checkpoint = latest_checkpoint(output_dir)
+    if resume and checkpoint is None:
+        raise ValueError(f"--resume: no complete checkpoint-<step> folder in {output_dir} to resume from")
+    if not resume and checkpoint is not None:
+        raise ValueError(f"{output_dir} already holds the checkpoint {checkpoint.name} of an earlier run: "
+                         f"continue it with --resume, or choose another --output-dir")
+    return str(checkpoint) if checkpoint is not None else None
+
+
+@torch.no_grad()
+def with_policy_rejections(pairs: Dataset, model, tokenizer, batch_size: int = 8, seed: int = 0,
+                           max_new_tokens: int | None = None) -> Dataset:
+    """`pairs` (prompt / chosen / rejected) with every rejected answer replaced by the model's own answer to the
+    prompt, sampled as `hf_latentlm.eval.task` samples (temperature 1, per-row seeds), wherever that answer is wrong
+    (not an exact match of `chosen`); its `rejected_kind` becomes `SAMPLED_REJECTION`. Where the model answers
+    right, the given rejected answer stays. On-policy rejections put DPO's push-down on the mistakes the model
+    actually makes. An answer that ended with end-of-text keeps it, as the chosen answers do; one cut off at the
+    token limit (`max_new_tokens`; default: the batch's longest chosen answer plus 8) has none. The samples depend
+    only on the model, the prompts, `batch_size` and `seed`, so a resumed run (and every rank of a multi-process
+    one) rebuilds the same pairs."""
+    if len(pairs) == 0:
+        raise ValueError("no preference pairs to sample rejections for")
+    eos = tokenizer.eos_token
+    was_training = model.training
+    model.eval()
+    try:
+        rejected = list(pairs["rejected"])
+        kinds = list(pairs["rejected_kind"]) if "rejected_kind" in pairs.column_names else [None] * len(pairs)
+        for start in range(0, len(pairs), batch_size):
+            rows = pairs.select(range(start, min(start + batch_size, len(pairs))))
+            limit = max_new_tokens or max(len(tokenizer(c, add_special_tokens=False)["input_ids"])
+                                          for c in rows["chosen"]) + 8
+            answers, _ = generate_answers(model, tokenizer, list(rows["prompt"]), limit, seed + start)
+            for offset, (answer, chosen) in enumerate(zip(answers, rows["chosen"])):
+                text = tokenizer.decode(answer) + (eos if len(answer) < limit else "")
+                if not tasks.exact_match(text, chosen):
+                    rejected[start + offset], kinds[start + offset] = text, SAMPLED_REJECTION
+    finally:
+        model.train(was_training)
+    columns = [c for c in ("rejected", "rejected_kind") if c in pairs.column_names]
+    return pairs.remove_columns(columns).add_column("rejected", rejected).add_column("rejected_kind", kinds)
+
+
+def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: int | None, lora: bool, *,
+                learning_rate: float | None, batch_size: int, seed: int, train_size: int | None,
+                dataset: Dataset | None, callbacks: Sequence | None, save_every: int, resume: bool,
+                policy_rejections: bool = False, beta: float = DPO_BETA, **config_overrides) -> dict:
+    """The body of `run_sft` and `run_dpo` (`stage`): load, build the data, train, save, summarise."""
+    checkpoint = resume_checkpoint(output_dir, resume)
+    origin = {"stage": stage, "base_model": str(model_dir), "lora": lora,  # the card's base_model (hub.py)
+              "task": None if dataset is not None else task or tasks.DEFAULT_TASK}
+    model, tokenizer = load_model_and_tokenizer(str(model_dir))
+    run = PostTrainingRun.of(model)
+    if dataset is None:
+        load = tasks.load_task if stage == "sft" else tasks.load_preference_task
+        dataset = load(task or tasks.DEFAULT_TASK, tokenizer=tokenizer, seed=seed,
+                       split_sizes={"train": train_size or tasks.DEFAULT_SPLIT_SIZES["train"]})["train"]
+    if policy_rejections:
+        dataset = with_policy_rejections(dataset, model, tokenizer, batch_size=batch_size, seed=seed)
+        origin["policy_rejections"] = True
+        origin["sampled_rejections"] = sum(kind == SAMPLED_REJECTION for kind in dataset["rejected_kind"])
+    if learning_rate is None:
+        base_rate = SFT_LEARNING_RATE if stage == "sft" else DPO_LEARNING_RATE
+        learning_rate = base_rate * (LORA_LEARNING_RATE_FACTOR if lora else 1.0)
+    options = dict(learning_rate=learning_rate, batch_size=batch_size, max_steps=max_steps, seed=seed,
+                   max_length=getattr(core_model(model).config, "max_position_embeddings", None),
+                   save_steps=save_every)
+    if stage == "sft":
+        args = sft_config(output_dir, **{**options, **config_overrides})
+    else:
+        args = dpo_config(output_dir, beta=beta, **{**options, **config_overrides})
+    trainer = run.trainer_class(stage)(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                       peft_config=run.lora_config() if lora else None,
+                                       callbacks=list(callbacks or []))
+    result = trainer.train(resume_from_checkpoint=checkpoint)
+    save_post_trained(trainer, output_dir, tokenizer, origin=origin)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"stage": stage, "family": run.family, "output_dir": str(output_dir), "steps": trainer.state.global_step,
+            "train_loss": result.training_loss, "losses": losses,
+            "finite": all(math.isfinite(x) for x in losses) and math.isfinite(result.training_loss)}
+
+
+def run_sft(model_dir, output_dir, task: str | None = None, max_steps: int | None = None, lora: bool = False, *,
+            learning_rate: float | None = None, batch_size: int = 8, seed: int = 0, train_size: int | None = None,
+            dataset: Dataset | None = None, callbacks: Sequence | None = None, save_every: int = SAVE_EVERY,
+            resume: bool = False, **config_overrides) -> dict:
+    """SFT of the model in `model_dir` on `task` (`tasks.load_task`; or `dataset`, prompt/completion rows) and a
+    normal checkpoint in `output_dir`. AR: stock `SFTTrainer`; other families: `LatentSFTTrainer`. `lora`: train a
+    LoRA adapter, then save the merged model. `callbacks`: extra `TrainerCallback`s. Checkpoints every `save_every`
+    steps into `output_dir/checkpoint-<step>/`; `resume` continues from the newest (ValueError if there is none; a
+    fresh run refuses a folder that holds checkpoints). Call with the same arguments as the interrupted run.
+    `config_overrides` go to `sft_config`. Returns a summary (steps, losses)."""
+    return _post_train("sft", model_dir, output_dir, task, max_steps, lora, learning_rate=learning_rate,
+                       batch_size=batch_size, seed=seed, train_size=train_size, dataset=dataset, callbacks=callbacks,
+                       save_every=save_every, resume=resume, **config_overrides)
+
+
+def run_dpo(model_dir, output_dir, task: str | None = None, max_steps: int | None = None, lora: bool = False, *,
+            learning_rate: float | None = None, batch_size: int = 8, seed: int = 0, train_size: int | None = None,
+            beta: float = DPO_BETA, dataset: Dataset | None = None, callbacks: Sequence | None = None,
+            save_every: int = SAVE_EVERY, resume: bool = False, policy_rejections: bool = False,
+            **config_overrides) -> dict:
+    """DPO of the (SFT) model in `model_dir` on `task` (`tasks.load_preference_task`; or `dataset`, prompt / chosen /
+    rejected rows), the model itself being the frozen reference, and a normal checkpoint in `output_dir`. AR: stock
+    `DPOTrainer` with `sigmoid_norm`; other families: `LatentDPOTrainer`. `lora`: train a LoRA adapter (the reference
+    is then the adapter-disabled model), then save the merged model. `callbacks`: extra `TrainerCallback`s.
+    Checkpoints and `resume` as `run_sft`; a resumed run rebuilds the draws and reference scores from `model_dir`
+    (the frozen start) before the checkpoint's weights are loaded, so its reference is the uninterrupted run's.
+    `policy_rejections`: the rejected answers are the model's own wrong samples (`with_policy_rejections`).
+    Returns a summary (steps, losses)."""
+    return _post_train("dpo", model_dir, output_dir, task, max_steps, lora, learning_rate=learning_rate,
+                       batch_size=batch_size, seed=seed, train_size=train_size, dataset=dataset, callbacks=callbacks,
+                       save_every=save_every, resume=resume, policy_rejections=policy_rejections, beta=beta,
+                       **config_overrides)
