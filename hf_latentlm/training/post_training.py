@@ -299,7 +299,8 @@ class ScoredPreferenceCollator:
 
 def scorer_for(model) -> ResponseScorer:
     """The response scorer of `model`'s family (through DDP / PEFT wrappers): its registry entry's
-    `response_scorer`, else `TokenLikelihoodScorer` for a family with next-token logits. ValueError for a model
+    `response_scorer`, else `TokenLikelihoodScorer` for a family with a token likelihood (next-token `logits`;
+    `config.has_token_likelihood`, True unless the family says otherwise). ValueError for a model
     outside the registry (an autoregressive model trains with TRL's own `DPOTrainer`, loss_type="sigmoid_norm") and
     for a family with neither."""
     core = core_model(model)
@@ -311,8 +312,7 @@ def scorer_for(model) -> ResponseScorer:
                          f"(hf_latentlm.training.post_training.dpo_config)")
     if spec.response_scorer is not None:
         return spec.response_scorer()
-    if getattr(core.config, "has_token_likelihood", True) and callable(getattr(core, "get_output_embeddings", None)) \
-            and core.get_output_embeddings() is not None:
+    if getattr(core.config, "has_token_likelihood", True):  # its forward returns next-token logits
         return TokenLikelihoodScorer()
     raise ValueError(f"the {spec.name} family has no token likelihood and its registry entry names no "
                      f"response_scorer: DPO needs one (a ResponseScorer class, FamilySpec.response_scorer)")

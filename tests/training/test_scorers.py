@@ -1,4 +1,4 @@
-"""DPO response scores of CALM, Cola DLM and AURORA-LM (hf_latentlm/training/scorers.py).
+"""DPO response scores of CALM, Cola DLM and AURORA-LM, and the token-likelihood score (hf_latentlm/training/scorers.py).
 
 Per family, on tiny models: the score equals a hand computation from the model's raw pieces (explicit per-term loops,
 the backbone run once per response chunk / block on its own prefix, not through the scorer's batched pass); the
@@ -17,14 +17,17 @@ import torch
 from family_contract import build_tiny
 
 from hf_latentlm.families import get_family
+from hf_latentlm.training.post_training import scorer_for
 from hf_latentlm.training.scorers import (
+    DRAW_SEED,
     PAGE,
     AuroraResponseScorer,
     CALMResponseScorer,
     ColaResponseScorer,
+    ResponseScore,
+    TokenLikelihoodScorer,
+    row_generator,
 )
-from hf_latentlm.training.post_training import scorer_for
-from hf_latentlm.training.scorers import DRAW_SEED, ResponseScore, row_generator
 
 FAMILIES = ("calm", "cola", "aurora")
 SCORERS = {"calm": CALMResponseScorer, "cola": ColaResponseScorer, "aurora": AuroraResponseScorer}
@@ -395,3 +398,28 @@ def test_bad_rows_and_options_are_named(models):
     draws = AuroraResponseScorer().draws(fresh, ids, mask, completion, ["k"])
     with pytest.raises(ValueError, match="latent statistics"):
         AuroraResponseScorer().score(fresh, ids, mask, completion, draws)
+
+
+def test_token_likelihood_score_is_the_mean_log_probability_of_the_response_tokens(tokenizer):
+    """By hand, token by token from the model's own logits on each row alone: the summed -log p of the response
+    tokens (prompt and padding excluded) and their count. Rows of different prompt and response lengths, right
+    padded; the AR baseline's weights redrawn so that every position's distribution differs."""
+    model = strengthened(build_tiny("ar", tokenizer), 3)
+    ids = ids_from(model, 3, 12, seed=5)
+    mask = torch.ones_like(ids)
+    completion = torch.zeros_like(ids)
+    lengths, prompts = [12, 9, 7], [4, 6, 2]
+    for b, (length, prompt) in enumerate(zip(lengths, prompts)):
+        mask[b, length:] = 0
+        completion[b, prompt:length] = 1
+    scorer = TokenLikelihoodScorer()
+    assert scorer.draws(model, ids, mask, completion, ["k1", "k2", "k3"]) == {}
+    with torch.no_grad():
+        score = scorer.score(model, ids, mask, completion, {})
+    for b, (length, prompt) in enumerate(zip(lengths, prompts)):
+        with torch.no_grad():
+            log_probs = model(input_ids=ids[b:b + 1, :length]).logits[0].float().log_softmax(-1)
+        expected = -sum(log_probs[t - 1, ids[b, t]] for t in range(prompt, length))
+        assert score.loss_sum[b].item() == pytest.approx(expected.item(), rel=1e-4)
+        assert score.num_terms[b].item() == length - prompt
+    assert torch.allclose(score.normalised(), -score.loss_sum / torch.tensor([8.0, 3.0, 5.0]))
