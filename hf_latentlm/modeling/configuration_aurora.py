@@ -3,9 +3,10 @@ block-causal flow-matching denoiser over its standardised latents."""
 
 from __future__ import annotations
 
-from .configuration_backbone import BackboneConfig, check_fraction, check_positive
+from .configuration_backbone import BackboneConfig, check_fraction, check_non_negative, check_positive
+from .configuration_block_latent import TIME_SAMPLERS, BlockLatentConfig
 
-AURORA_TIME_SAMPLERS = ("tan", "logit_normal", "shifted", "uniform")
+AURORA_TIME_SAMPLERS = ("tan", *TIME_SAMPLERS)
 LOSS_SPACES = ("x0", "velocity")
 
 
@@ -58,7 +59,7 @@ class AuroraAutoencoderConfig(BackboneConfig):
             raise ValueError(f"AuroraAutoencoderConfig.statistics_eps must be > 0, got {self.statistics_eps}")
 
 
-class AuroraConfig(BackboneConfig):
+class AuroraConfig(BlockLatentConfig):
     r"""AURORA-LM: a frozen query autoencoder (a submodule, saved in this checkpoint) and a block-causal denoiser
     that predicts clean latent blocks.
 
@@ -105,18 +106,15 @@ class AuroraConfig(BackboneConfig):
 
     model_type = "aurora"
     sub_configs = {"autoencoder_config": AuroraAutoencoderConfig}
-    keys_to_ignore_at_inference = ["cache"]
-    has_token_likelihood = False
+    component_config_name = "autoencoder_config"
+    component_name = "autoencoder"
+    time_samplers = AURORA_TIME_SAMPLERS
 
     def __init__(
         self,
         block_size: int = 16,
         autoencoder_config: AuroraAutoencoderConfig | dict | None = None,
         noisy_input_rank: int | None = 128,
-        time_sampler: str = "tan",
-        time_shift: float = 7.0,
-        time_loc: float = 0.0,
-        time_scale: float = 1.0,
         loss_space: str = "x0",
         velocity_min_sigma: float = 0.05,
         self_condition_prob: float = 0.6,
@@ -124,29 +122,16 @@ class AuroraConfig(BackboneConfig):
         consistency_warmup_steps: int = 10000,
         consistency_steps: int = 16,
         ema_decay: float = 0.9999,
-        history_dropout: float = 0.1,
-        prompt_block_prob: float = 0.05,
-        num_ode_steps: int = 16,
         self_condition_guidance: float = 4.0,
-        cfg_scale: float = 2.0,
         cfg_min_sigma: float = 0.9,
-        decode_temperature: float = 0.0,
         **kwargs,
     ):
-        super().__init__(**kwargs)
-        self.block_size = block_size
-        if autoencoder_config is None:
-            autoencoder_config = AuroraAutoencoderConfig(vocab_size=self.vocab_size)
-        elif isinstance(autoencoder_config, dict):
-            autoencoder_config = AuroraAutoencoderConfig(**autoencoder_config)
-        self.autoencoder_config = autoencoder_config
-        if self._attn_implementation is not None:  # the setter passes it on to sub-configs, which exist only now
-            self._attn_implementation = self._attn_implementation
+        # The shared fields are `BlockLatentConfig`'s; AURORA's own defaults of four of them (the paper's "tan"
+        # schedule with d = 7, prompt CFG w = 2).
+        kwargs = {"time_sampler": "tan", "time_shift": 7.0, "time_loc": 0.0, "cfg_scale": 2.0, **kwargs}
+        super().__init__(block_size=block_size, **kwargs)
+        self._embed_sub_config("autoencoder_config", autoencoder_config, vocab_size=self.vocab_size)
         self.noisy_input_rank = noisy_input_rank
-        self.time_sampler = time_sampler
-        self.time_shift = time_shift
-        self.time_loc = time_loc
-        self.time_scale = time_scale
         self.loss_space = loss_space
         self.velocity_min_sigma = velocity_min_sigma
         self.self_condition_prob = self_condition_prob
@@ -154,63 +139,36 @@ class AuroraConfig(BackboneConfig):
         self.consistency_warmup_steps = consistency_warmup_steps
         self.consistency_steps = consistency_steps
         self.ema_decay = ema_decay
-        self.history_dropout = history_dropout
-        self.prompt_block_prob = prompt_block_prob
-        self.num_ode_steps = num_ode_steps
         self.self_condition_guidance = self_condition_guidance
-        self.cfg_scale = cfg_scale
         self.cfg_min_sigma = cfg_min_sigma
-        self.decode_temperature = decode_temperature
         self.validate_aurora()
-
-    @property
-    def latent_size(self) -> int:
-        return self.autoencoder_config.latent_size
 
     @property
     def uses_consistency(self) -> bool:
         return self.consistency_weight > 0
 
-    def time_sampler_kwargs(self) -> dict:
-        """The keyword arguments of `flow.make_time_sampler(self.time_sampler, ...)`."""
-        if self.time_sampler == "logit_normal":
-            return {"loc": self.time_loc, "scale": self.time_scale}
-        return {} if self.time_sampler == "uniform" else {"shift": self.time_shift}
+    def validate_component(self) -> None:
+        super().validate_component()
+        keep_ratio = self.autoencoder_config.keep_ratio
+        if keep_ratio != 1:
+            raise ValueError(f"AURORA-LM's denoiser needs an autoencoder with keep_ratio 1 (one latent per token, so "
+                             f"that latent blocks are token blocks); this one has keep_ratio {keep_ratio}")
 
     def validate_aurora(self) -> None:
         """Raise a ValueError naming the first bad field."""
-        self.validate_backbone()
-        check_positive(self, ("block_size", "num_ode_steps", "consistency_steps"))
-        ae = self.autoencoder_config
-        if ae.vocab_size != self.vocab_size:
-            raise ValueError(f"the autoencoder's vocab_size ({ae.vocab_size}) disagrees with AuroraConfig.vocab_size "
-                             f"({self.vocab_size})")
-        if ae.keep_ratio != 1:
-            raise ValueError(f"AURORA-LM's denoiser needs an autoencoder with keep_ratio 1 (one latent per token, so "
-                             f"that latent blocks are token blocks); this one has keep_ratio {ae.keep_ratio}")
+        self.validate_block_latent()
+        check_positive(self, ("consistency_steps",))
         if self.noisy_input_rank is not None and self.noisy_input_rank < 1:
             raise ValueError(f"AuroraConfig.noisy_input_rank must be None (no bottleneck) or at least 1, got "
                              f"{self.noisy_input_rank}")
-        if self.time_sampler not in AURORA_TIME_SAMPLERS:
-            raise ValueError(f"AuroraConfig.time_sampler must be one of {AURORA_TIME_SAMPLERS}, got "
-                             f"{self.time_sampler!r}")
-        if self.time_scale <= 0 or self.time_shift <= 0:
-            raise ValueError(f"AuroraConfig.time_scale and time_shift must be > 0, got {self.time_scale} and "
-                             f"{self.time_shift}")
         if self.loss_space not in LOSS_SPACES:
             raise ValueError(f"AuroraConfig.loss_space must be one of {LOSS_SPACES}, got {self.loss_space!r}")
         if not 0 < self.velocity_min_sigma <= 1:
             raise ValueError(f"AuroraConfig.velocity_min_sigma must be in (0, 1], got {self.velocity_min_sigma}")
-        check_fraction(self, ("history_dropout", "prompt_block_prob"))
         check_fraction(self, ("self_condition_prob", "cfg_min_sigma"), upper_open=False)
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"AuroraConfig.ema_decay must be in [0, 1), got {self.ema_decay}")
-        if self.consistency_warmup_steps < 0:
-            raise ValueError(f"AuroraConfig.consistency_warmup_steps must be >= 0, got "
-                             f"{self.consistency_warmup_steps}")
-        for name in ("consistency_weight", "self_condition_guidance", "cfg_scale", "decode_temperature"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"AuroraConfig.{name} must be >= 0, got {getattr(self, name)}")
+        check_non_negative(self, ("consistency_warmup_steps", "consistency_weight", "self_condition_guidance"))
 
 
 __all__ = ["AURORA_TIME_SAMPLERS", "AuroraAutoencoderConfig", "AuroraConfig", "LOSS_SPACES"]

@@ -22,6 +22,14 @@ def check_fraction(config, names: tuple[str, ...], upper_open: bool = True) -> N
             raise ValueError(f"{type(config).__name__}.{name} must be in [0, {bound}, got {value}")
 
 
+def check_non_negative(config, names: tuple[str, ...]) -> None:
+    """ValueError naming the first of `names` below 0 (or NaN)."""
+    for name in names:
+        value = getattr(config, name)
+        if not value >= 0:
+            raise ValueError(f"{type(config).__name__}.{name} must be >= 0, got {value}")
+
+
 # RoPE types whose frequencies are fixed at construction (transformers' ROPE_INIT_FUNCTIONS computes them).
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
@@ -89,6 +97,18 @@ class BackboneConfig(PretrainedConfig):
         super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
 
+    def _embed_sub_config(self, name: str, value, **defaults) -> None:
+        """Set the sub-config `name` (of class `sub_configs[name]`) from `value`: a config as it is, a dict of its
+        fields, or None for a new one with `defaults`."""
+        sub_config_class = self.sub_configs[name]
+        if value is None:
+            value = sub_config_class(**defaults)
+        elif isinstance(value, dict):
+            value = sub_config_class(**value)
+        setattr(self, name, value)
+        if self._attn_implementation is not None:  # the setter passes it on to sub-configs, which exist only now
+            self._attn_implementation = self._attn_implementation
+
     def validate_backbone(self) -> None:
         """Raise a ValueError naming the first bad backbone field."""
         rope_type = self.rope_parameters.get("rope_type")
@@ -102,4 +122,4 @@ class BackboneConfig(PretrainedConfig):
                              f"multiple of num_key_value_heads ({self.num_key_value_heads})")
 
 
-__all__ = ["BackboneConfig", "STATIC_ROPE_TYPES", "check_fraction", "check_positive"]
+__all__ = ["BackboneConfig", "STATIC_ROPE_TYPES", "check_fraction", "check_non_negative", "check_positive"]

@@ -199,13 +199,8 @@ class CALMConfig(BackboneConfig):
         self.energy_head_type = energy_head_type
         self.num_model_samples = num_model_samples
         self.num_target_samples = num_target_samples
-        if autoencoder_config is None:
-            autoencoder_config = CALMAutoencoderConfig(vocab_size=self.vocab_size, chunk_size=chunk_size)
-        elif isinstance(autoencoder_config, dict):
-            autoencoder_config = CALMAutoencoderConfig(**autoencoder_config)
-        self.autoencoder_config = autoencoder_config
-        if self._attn_implementation is not None:  # the setter passes it on to sub-configs, which exist only now
-            self._attn_implementation = self._attn_implementation
+        self._embed_sub_config("autoencoder_config", autoencoder_config, vocab_size=self.vocab_size,
+                               chunk_size=chunk_size)
         self.generation_temperature = generation_temperature
         self.temperature_sampler = temperature_sampler
         self.temperature_pool_size = temperature_pool_size

@@ -3,10 +3,10 @@ trained jointly with it."""
 
 from __future__ import annotations
 
-from .configuration_backbone import BackboneConfig, check_fraction, check_positive
+from .configuration_backbone import BackboneConfig, check_fraction, check_non_negative, check_positive
+from .configuration_block_latent import TIME_SAMPLERS, BlockLatentConfig
 
 ODE_SOLVERS = ("euler", "heun")
-TIME_SAMPLERS = ("logit_normal", "shifted", "uniform")
 
 
 class ColaVAEConfig(BackboneConfig):
@@ -77,7 +77,7 @@ class ColaVAEConfig(BackboneConfig):
                              f"[{self.logsnr_min}, {self.logsnr_max}]")
 
 
-class ColaConfig(BackboneConfig):
+class ColaConfig(BlockLatentConfig):
     r"""Cola DLM: the text VAE (a submodule, trained jointly) and a block-causal DiT prior over its latents.
 
     DiT backbone: the fields of `BackboneConfig` (Llama names; the AR baseline of the same preset has the same width,
@@ -112,93 +112,47 @@ class ColaConfig(BackboneConfig):
 
     model_type = "cola"
     sub_configs = {"vae_config": ColaVAEConfig}
-    keys_to_ignore_at_inference = ["cache"]
-    has_token_likelihood = False
+    component_config_name = "vae_config"
+    component_name = "VAE"
 
     def __init__(
         self,
         block_size: int = 16,
         vae_config: ColaVAEConfig | dict | None = None,
-        time_sampler: str = "logit_normal",
-        time_loc: float = 1.0,
-        time_scale: float = 1.0,
-        time_shift: float = 1.0,
-        history_dropout: float = 0.1,
-        prompt_block_prob: float = 0.05,
         flow_matching_weight: float = 1.0,
         vae_loss_weight: float = 1.0,
         reference_kl_weight: float = 0.1,
         vae_learning_rate_ratio: float = 1.0,
-        num_ode_steps: int = 16,
         ode_solver: str = "euler",
-        cfg_scale: float = 7.0,
-        decode_temperature: float = 0.0,
         **kwargs,
     ):
-        super().__init__(**kwargs)
-        self.block_size = block_size
-        if vae_config is None:
-            vae_config = ColaVAEConfig(vocab_size=self.vocab_size)
-        elif isinstance(vae_config, dict):
-            vae_config = ColaVAEConfig(**vae_config)
-        self.vae_config = vae_config
-        if self._attn_implementation is not None:  # the setter passes it on to sub-configs, which exist only now
-            self._attn_implementation = self._attn_implementation
-        self.time_sampler = time_sampler
-        self.time_loc = time_loc
-        self.time_scale = time_scale
-        self.time_shift = time_shift
-        self.history_dropout = history_dropout
-        self.prompt_block_prob = prompt_block_prob
+        # The shared fields (time sampler, dropouts, generation defaults) are `BlockLatentConfig`'s, with its defaults.
+        super().__init__(block_size=block_size, **kwargs)
+        self._embed_sub_config("vae_config", vae_config, vocab_size=self.vocab_size)
         self.flow_matching_weight = flow_matching_weight
         self.vae_loss_weight = vae_loss_weight
         self.reference_kl_weight = reference_kl_weight
         self.vae_learning_rate_ratio = vae_learning_rate_ratio
-        self.num_ode_steps = num_ode_steps
         self.ode_solver = ode_solver
-        self.cfg_scale = cfg_scale
-        self.decode_temperature = decode_temperature
         self.validate_cola()
-
-    @property
-    def latent_size(self) -> int:
-        return self.vae_config.latent_size
-
-    def time_sampler_kwargs(self) -> dict:
-        """The keyword arguments of `flow.make_time_sampler(self.time_sampler, ...)`."""
-        if self.time_sampler == "logit_normal":
-            return {"loc": self.time_loc, "scale": self.time_scale}
-        return {} if self.time_sampler == "uniform" else {"shift": self.time_shift}
 
     @property
     def trains_vae(self) -> bool:
         return self.vae_learning_rate_ratio > 0
 
+    def validate_component(self) -> None:
+        super().validate_component()
+        if self.block_size % self.vae_config.vae_block_size:
+            raise ValueError(f"ColaConfig.block_size ({self.block_size}) must be a multiple of the VAE's "
+                             f"vae_block_size ({self.vae_config.vae_block_size})")
+
     def validate_cola(self) -> None:
         """Raise a ValueError naming the first bad field."""
-        self.validate_backbone()
-        check_positive(self, ("block_size", "num_ode_steps"))
-        vae = self.vae_config
-        if vae.vocab_size != self.vocab_size:
-            raise ValueError(f"the VAE's vocab_size ({vae.vocab_size}) disagrees with ColaConfig.vocab_size "
-                             f"({self.vocab_size})")
-        if self.block_size % vae.vae_block_size:
-            raise ValueError(f"ColaConfig.block_size ({self.block_size}) must be a multiple of the VAE's "
-                             f"vae_block_size ({vae.vae_block_size})")
-        if self.time_sampler not in TIME_SAMPLERS:
-            raise ValueError(f"ColaConfig.time_sampler must be one of {TIME_SAMPLERS}, got {self.time_sampler!r}")
-        if self.time_scale <= 0 or self.time_shift <= 0:
-            raise ValueError(f"ColaConfig.time_scale and time_shift must be > 0, got {self.time_scale} and "
-                             f"{self.time_shift}")
-        check_fraction(self, ("history_dropout", "prompt_block_prob"))
-        for name in ("flow_matching_weight", "vae_loss_weight", "reference_kl_weight", "vae_learning_rate_ratio",
-                     "decode_temperature"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"ColaConfig.{name} must be >= 0, got {getattr(self, name)}")
+        self.validate_block_latent()
+        check_non_negative(self, ("flow_matching_weight", "vae_loss_weight", "reference_kl_weight",
+                                  "vae_learning_rate_ratio"))
         if self.ode_solver not in ODE_SOLVERS:
             raise ValueError(f"ColaConfig.ode_solver must be one of {ODE_SOLVERS}, got {self.ode_solver!r}")
-        if self.cfg_scale < 0:
-            raise ValueError(f"ColaConfig.cfg_scale must be >= 0, got {self.cfg_scale}")
 
 
 __all__ = ["ColaConfig", "ColaVAEConfig", "ODE_SOLVERS", "TIME_SAMPLERS"]

@@ -26,6 +26,8 @@ DEFAULT_MAX_LENGTH = 20
 # Options of transformers' generate() that these loops accept without acting on them: they concern outputs the
 # loops do not produce (scores, logits) or the cache, which is always used.
 HARMLESS_HF_OPTIONS = frozenset({"use_cache", "bos_token_id", "output_scores", "output_logits"})
+# Options of transformers' generate() that `resolve_generation_request` reads.
+REQUEST_OPTIONS = frozenset({"num_beams", "eos_token_id", "pad_token_id", "max_length", "min_new_tokens"})
 
 
 @dataclass
@@ -116,6 +118,14 @@ class DecodingStep(NamedTuple):
     tokens: torch.Tensor
     counts: torch.Tensor | None = None
     model_calls: int | dict[str, int] = 1
+
+
+class DenoisedBlock(NamedTuple):
+    """What a block-latent family's `_denoise_block` returns: the block's clean latents [B, Q, D] and how many prior
+    evaluations solving it took."""
+
+    latents: torch.Tensor
+    prior_calls: int
 
 
 class CallTally:
@@ -216,23 +226,23 @@ def read_out_tokens(logits: torch.Tensor, generators: list[torch.Generator], tem
 def resolve_generation_request(family: str, config, generation_config, input_ids: torch.Tensor,
                                attention_mask: torch.Tensor | None, max_new_tokens: int | None, kwargs: dict,
                                streamer=None) -> GenerationRequest:
-    """Pop and resolve the transformers-wide options (`eos_token_id`, `pad_token_id`, `max_length`,
-    `min_new_tokens`, `num_beams`) with defaults from `generation_config` then `config`, as transformers does, and
-    raise a ValueError naming any problem: beam search, no room for a token, mask shape, right padding, prompt +
-    new tokens over `max_position_embeddings`, a streamer with more than one row."""
+    """Resolve the transformers-wide options in `kwargs` (`REQUEST_OPTIONS`: `eos_token_id`, `pad_token_id`,
+    `max_length`, `min_new_tokens`, `num_beams`; read, not removed) with defaults from `generation_config` then
+    `config`, as transformers does, and raise a ValueError naming any problem: beam search, no room for a token, mask
+    shape, right padding, prompt + new tokens over `max_position_embeddings`, a streamer with more than one row."""
     gen = generation_config
-    if kwargs.pop("num_beams", gen.num_beams or 1) > 1:
+    if kwargs.get("num_beams", gen.num_beams or 1) > 1:
         raise ValueError(f"num_beams > 1 is not supported by {family}: its tokens are sampled several per call, "
                          f"there are no per-token beams to search")
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("streamer supports batch size 1 only")
-    eos = kwargs.pop("eos_token_id") if "eos_token_id" in kwargs else gen.eos_token_id  # None: never stop
+    eos = kwargs["eos_token_id"] if "eos_token_id" in kwargs else gen.eos_token_id  # None: never stop
     eos_ids = torch.tensor([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), dtype=torch.long,
                            device=input_ids.device)
-    pad = kwargs.pop("pad_token_id", None)
+    pad = kwargs.get("pad_token_id")
     if pad is None:
         pad = gen.pad_token_id if gen.pad_token_id is not None else (config.pad_token_id or 0)
-    max_length = kwargs.pop("max_length", None)
+    max_length = kwargs.get("max_length")
     if max_new_tokens is None:
         max_new_tokens = gen.max_new_tokens
     if max_new_tokens is None:
@@ -244,7 +254,7 @@ def resolve_generation_request(family: str, config, generation_config, input_ids
                              f"pass max_new_tokens")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    min_new_tokens = kwargs.pop("min_new_tokens", None)
+    min_new_tokens = kwargs.get("min_new_tokens")
     if min_new_tokens is None:
         min_new_tokens = gen.min_new_tokens or 0
     if attention_mask is None:
@@ -338,7 +348,8 @@ class MultiTokenGenerationMixin(GenerationMixin):
         request = resolve_generation_request(self.generation_family, self.config, gen, input_ids, attention_mask,
                                              max_new_tokens, kwargs, streamer)
         options = pop_options(self.generation_options_class, kwargs)
-        reject_unknown_options(kwargs, self.generation_family)
+        reject_unknown_options({name: kwargs[name] for name in kwargs if name not in REQUEST_OPTIONS},
+                               self.generation_family)
         options = options.resolved(self.config, input_ids.shape[0])
 
         state, prefill_calls = self._start_decoding(input_ids, request, options)
@@ -359,11 +370,6 @@ class MultiTokenGenerationMixin(GenerationMixin):
             return GenerateOutput(sequences=sequences, model_calls=calls.total(), num_new_tokens=new.count,
                                   calls_by_network=calls.named())
         return sequences
-
-    def counted_modules(self) -> list[torch.nn.Module]:
-        """The modules whose forward calls are the network evaluations `generate()` reports (the evaluation harness
-        hooks them): the model itself, unless a family runs several networks."""
-        return [self]
 
     def _start_decoding(self, input_ids: torch.Tensor, request: GenerationRequest, options) -> tuple[Any, int]:
         raise NotImplementedError
@@ -403,15 +409,13 @@ class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
     - `_encode_prompt(input_ids, real) -> [B, W, D]`: the latents the prior sees for the aligned prompts;
     - `_append_to_prior(latents, attention_mask, cache)`: one clean pass of the prior that writes `cache`;
     - `_decode_latents(latents, attention_mask, cache) -> [B, n, V]` logits (writes `cache`);
-    - `_denoise_block(state, noise, positions, conditional_mask, calls) -> [B, Q, D]`: solve the block from `noise`
-      (the prior reads `state.prior_cache` only), adding its evaluations to `calls[network_names["prior"]]`.
-    `network_names` maps the roles "prior", "encoder" and "decoder" to the names `calls_by_network` reports.
+    - `_denoise_block(state, noise, positions, conditional_mask) -> DenoisedBlock`: solve the block from `noise`
+      (the prior reads `state.prior_cache` only) and count the prior's evaluations.
+    `network_names` maps the roles "prior", "encoder" and "decoder" to the names `calls_by_network` reports, and
+    `counted_modules()` (every block-latent family runs three networks) names their modules.
     """
 
     network_names: ClassVar[dict[str, str]] = {"prior": "prior", "encoder": "encoder", "decoder": "decoder"}
-
-    def counted_modules(self) -> list[torch.nn.Module]:
-        raise NotImplementedError  # every block-latent family runs three networks and must name their modules
 
     def _start_decoding(self, input_ids, request, options):
         Q, names = self.config.block_size, self.network_names
@@ -460,7 +464,8 @@ class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
         history_mask = torch.cat([state.key_valid, state.key_valid.new_ones(batch, Q)], dim=1).long()
         positions, conditional_mask = block_causal_layout(history_mask, batch, Q, state.key_valid.shape[1], Q, device)
         noise = torch.stack([torch.randn(Q, self.config.latent_size, generator=g) for g in state.generators])
-        block = self._denoise_block(state, noise.to(device), positions, conditional_mask, calls)
+        block, prior_calls = self._denoise_block(state, noise.to(device), positions, conditional_mask)
+        calls[names["prior"]] += prior_calls
 
         logits = self._decode_latents(block, history_mask, state.decoder_cache).float()
         calls[names["decoder"]] += 1
@@ -480,10 +485,10 @@ class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
         raise NotImplementedError
 
     def _denoise_block(self, state: BlockDecodingState, noise: torch.Tensor, positions: torch.Tensor,
-                       conditional_mask: torch.Tensor, calls: dict) -> torch.Tensor:
+                       conditional_mask: torch.Tensor) -> DenoisedBlock:
         raise NotImplementedError
 
 
-__all__ = ["BlockAlignedPrompts", "BlockDecodingState", "BlockLatentGenerationOptions", "BlockLatentGenerationMixin", "DecodingStep", "GenerateOutput", "GenerationOptions", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",
-           "HARMLESS_HF_OPTIONS", "block_aligned_prompts", "check_prompt", "pop_options", "read_out_tokens", "refuse_token_filters", "reject_unknown_options",
+__all__ = ["BlockAlignedPrompts", "BlockDecodingState", "BlockLatentGenerationOptions", "BlockLatentGenerationMixin", "DecodingStep", "DenoisedBlock", "GenerateOutput", "GenerationOptions", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",
+           "HARMLESS_HF_OPTIONS", "REQUEST_OPTIONS", "block_aligned_prompts", "check_prompt", "pop_options", "read_out_tokens", "refuse_token_filters", "reject_unknown_options",
            "resolve_generation_request", "row_seeds"]

@@ -14,14 +14,14 @@ Two models:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils import ModelOutput
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -34,15 +34,12 @@ from .flow import (
     make_time_sampler,
     x0_to_velocity,
 )
-from .generation import BlockDecodingState, BlockLatentGenerationMixin, BlockLatentGenerationOptions
+from .generation import BlockDecodingState, BlockLatentGenerationOptions
 from .layers import (
     AttentionProbs,
     DecoderBlock,
-    OffsetCache,
-    ReadOnlyCache,
     RMSNorm,
     RotaryEmbedding,
-    block_causal_layout,
     decoder_layers,
     draw_block_conditions,
     dual_stream_mask,
@@ -50,14 +47,13 @@ from .layers import (
 )
 from .modeling_backbone import (
     BackbonePreTrainedModel,
-    check_backbone_inputs,
     check_block_training_rows,
     check_forward_kwargs,
-    composite_config,
     masked_cross_entropy,
     refuse_vocab_resize,
     scored_positions,
 )
+from .modeling_block_latent import BlockLatentForCausalLM, BlockLatentPreTrainedModel, BlockVelocityField
 
 
 @dataclass
@@ -358,18 +354,13 @@ class AuroraDenoiser(nn.Module):
         return self.norm(hidden)
 
 
-class AuroraPreTrainedModel(BackbonePreTrainedModel):
+class AuroraPreTrainedModel(BlockLatentPreTrainedModel):
     config_class = AuroraConfig
+    component_class = AuroraAutoencoder
+    component_attribute = "autoencoder"
     # Hidden states and attentions: the denoiser's blocks (the autoencoder is a submodel that records nothing).
     _can_record_outputs = {"hidden_states": DecoderBlock,
                            "attentions": OutputRecorder(AttentionProbs, layer_name="layers")}
-    _can_compile_fullgraph = False  # training draws times, noise, dropouts and drafts inside forward
-
-    def get_input_embeddings(self):
-        return self.base_model.autoencoder.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.base_model.autoencoder.embed_tokens = value
 
     def check_vocab_resize(self, size: int) -> None:
         refuse_vocab_resize(self, size, "the frozen autoencoder", "an AuroraAutoencoder",
@@ -393,6 +384,11 @@ class AuroraModel(AuroraPreTrainedModel):
         """Latent positions attend bidirectionally inside blocks of this size, causally across them."""
         return self.config.block_size
 
+    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      cache=None) -> torch.Tensor:
+        """The autoencoder's latents [B, T, D], standardised."""
+        return self.autoencoder.standardize(self.autoencoder.encode(input_ids, attention_mask, cache=cache))
+
     @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @capture_outputs
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -406,30 +402,11 @@ class AuroraModel(AuroraPreTrainedModel):
         cached + T] with `position_ids`. timesteps [B, T] (default 0: clean); noisy [B, T] bool: positions that take
         the noisy-input bottleneck (default none); self_condition [B, T, D]: the draft (default none).
         `output_hidden_states` / `output_attentions` (eager) are recorded for the denoiser's blocks."""
-        check_backbone_inputs(self.config, input_ids, inputs_embeds, kwargs)
-        check_forward_kwargs(self, kwargs)
-        batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        past = cache.get_seq_length() if cache is not None else 0
-        if input_ids is not None:
-            encoder_cache = None if cache is None else OffsetCache(cache, self.config.num_hidden_layers)
-            autoencoder = self.autoencoder
-            latents = autoencoder.standardize(autoencoder.encode(input_ids, attention_mask, cache=encoder_cache))
-        else:
-            latents = inputs_embeds
-        device = latents.device
-        if timesteps is None:
-            timesteps = torch.zeros(batch, latents.shape[1], device=device)
-        if attention_mask is not None and attention_mask.dim() == 4:  # a ready mask (training's dual stream)
-            if position_ids is None:
-                raise ValueError("a 4-D attention_mask needs position_ids")
-            mask = attention_mask.bool()
-        else:
-            position_ids, mask = block_causal_layout(attention_mask, batch, latents.shape[1], past,
-                                                     self.config.block_size, device, position_ids)
-        hidden = self.denoiser(latents, timesteps, noisy, self_condition, position_ids, mask, cache=cache)
-        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache)
+        inputs = self.prior_inputs(input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, timesteps,
+                                   kwargs)
+        hidden = self.denoiser(inputs.latents, inputs.timesteps, noisy, self_condition, inputs.position_ids,
+                               inputs.mask, cache=inputs.cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=inputs.cache)
 
 
 @dataclass
@@ -473,7 +450,61 @@ class AuroraGenerationOptions(BlockLatentGenerationOptions):
         return replace(self, **values, **shared)
 
 
-class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
+class DualStreamInputs(NamedTuple):
+    """The inputs of one dual-stream denoiser pass (`AuroraForCausalLM.dual_stream_inputs`): the noisy latents x
+    [B, T, D], the stream's latents [z ; x] [B, 2T, D], timesteps [0 ; σ], noisy (the second stream's positions),
+    positions and mask."""
+
+    x: torch.Tensor
+    latents: torch.Tensor
+    timesteps: torch.Tensor
+    noisy: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+
+
+def noisy_stream_draft(draft: torch.Tensor | None) -> torch.Tensor | None:
+    """The dual stream's self-conditioning input for a draft [B, T, D] of the noisy stream: the clean stream never
+    has one (zeros)."""
+    return None if draft is None else torch.cat([torch.zeros_like(draft), draft], dim=1)
+
+
+class AuroraBlockVelocity(BlockVelocityField):
+    """Each call predicts the clean block (x0) and returns the velocity of that prediction (the Euler step of an x0
+    prediction). The prediction sees the previous call's as its self-conditioning draft (zeros at the first call),
+    is guided against a zero draft from the second call on (SC-CFG, `self_condition_guidance`) and against the block
+    alone while σ ≥ `cfg_min_sigma` (prompt CFG). `draft` is carried from call to call."""
+
+    def __init__(self, model: AuroraForCausalLM, state: BlockDecodingState, positions: torch.Tensor,
+                 conditional_mask: torch.Tensor):
+        super().__init__(model, state, positions, conditional_mask)
+        self.noisy = torch.ones(*positions.shape, dtype=torch.bool, device=positions.device)
+        self.uses_draft = model.model.denoiser.self_condition_proj is not None
+        self.draft = None  # the previous call's prediction
+
+    def predict(self, x: torch.Tensor, sigma: torch.Tensor, mask: torch.Tensor, draft: torch.Tensor | None,
+                cache) -> torch.Tensor:
+        self.calls += 1
+        return self.model.predict_x0(x, self.block_times(sigma), self.noisy, draft, mask, self.positions, cache=cache)
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        options = self.options
+        draft = None
+        if self.uses_draft:
+            draft = torch.zeros_like(x) if self.draft is None else self.draft
+        prediction = self.predict(x, sigma, self.conditional_mask, draft, self.cache)
+        if self.draft is not None and options.self_condition_guidance != 1.0:
+            blind = self.predict(x, sigma, self.conditional_mask, torch.zeros_like(draft), self.cache)
+            prediction = classifier_free_guidance(prediction, blind, options.self_condition_guidance)
+        if self.guided and float(sigma) >= options.cfg_min_sigma:
+            prediction = self.guide(prediction, self.predict(x, sigma, self.alone_mask, draft, None))
+        if self.uses_draft:
+            self.draft = prediction
+        # σ > 0 at every evaluated grid point.
+        return x0_to_velocity(x, prediction.to(x.dtype), sigma.to(x.dtype))
+
+
+class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentForCausalLM):
     """AURORA-LM: frozen query autoencoder + block-causal x0 denoiser (+ its EMA copy for self-trajectory
     consistency). `forward(input_ids)` returns the denoiser's hidden states of the clean text;
     `forward(input_ids, labels=...)` the training objective; `generate()` denoises a block of latents per ODE solve
@@ -484,6 +515,8 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
 
     generation_options_class = AuroraGenerationOptions
     base_model_class = AuroraModel
+    output_class = AuroraOutput
+    velocity_field_class = AuroraBlockVelocity
     network_names = {"prior": "denoiser", "encoder": "ae_encoder", "decoder": "ae_decoder"}
 
     def __init__(self, config: AuroraConfig):
@@ -496,25 +529,16 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
         if self.ema_denoiser is not None and not self.model.denoiser.clean_in.weight.is_meta:
             self.ema_denoiser.load_state_dict(self.model.denoiser.state_dict())
 
-    def freeze_components(self) -> None:
-        """The autoencoder and the EMA copy never get gradients, and run in eval mode (no dropout) from the start."""
-        self.model.autoencoder.requires_grad_(False).eval()
-        if self.ema_denoiser is not None:
-            self.ema_denoiser.requires_grad_(False).eval()
+    def frozen_modules(self) -> list[nn.Module]:
+        """The autoencoder and the EMA copy (frozen and in eval mode from the start)."""
+        return [self.model.autoencoder] + ([] if self.ema_denoiser is None else [self.ema_denoiser])
 
     @classmethod
     def from_autoencoder(cls, autoencoder: "str | AuroraAutoencoder", config: AuroraConfig | None = None,
                          **config_kwargs) -> "AuroraForCausalLM":
         """A fresh AURORA-LM whose frozen autoencoder is a copy of `autoencoder` (a trained `AuroraAutoencoder` or its
-        folder). `config` (or `config_kwargs` for a new `AuroraConfig`) must agree on vocab_size; the autoencoder's
-        config is embedded without its path."""
-        if not isinstance(autoencoder, AuroraAutoencoder):
-            autoencoder = AuroraAutoencoder.from_pretrained(autoencoder)
-        config = composite_config(AuroraConfig, "autoencoder_config", autoencoder.config, config, "validate_aurora",
-                                  "autoencoder", **config_kwargs)
-        model = cls(config)
-        model.model.autoencoder.load_state_dict(autoencoder.state_dict())
-        return model
+        folder); see `from_component`."""
+        return cls.from_component(autoencoder, config, **config_kwargs)
 
     @torch.no_grad()
     def estimate_latent_statistics(self, rows: torch.Tensor, max_rows: int = 64, batch_size: int = 16) -> None:
@@ -537,16 +561,6 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
         the model (or the checkpoint it resumes) already has them."""
         if not bool(self.model.autoencoder.has_latent_statistics):
             self.estimate_latent_statistics(train_rows)
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self.model.autoencoder.eval()  # frozen: no token or latent dropout
-        if self.ema_denoiser is not None:
-            self.ema_denoiser.eval()
-        return self
-
-    def get_output_embeddings(self):
-        return None  # the denoiser has no softmax over tokens
 
     def counted_modules(self) -> list[nn.Module]:
         return [self.model, self.model.autoencoder.encoder, self.model.autoencoder.decoder]
@@ -573,27 +587,8 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
         return cfg.consistency_weight * ramp
 
     # ------------------------------------------------------------------------------------------------------------
-    # forward
+    # training objective
     # ------------------------------------------------------------------------------------------------------------
-
-    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
-    @can_return_tuple
-    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
-                use_cache: bool | None = None, **kwargs) -> AuroraOutput:
-        """input_ids [B, T]: the denoiser's hidden states of the clean text (AURORA has no next-token logits). With
-        `labels` (same shape, −100 = ignore; label i scores latent i, no shift): the training objective.
-        Transformers' `output_hidden_states`, `output_attentions`, `return_dict` apply."""
-        check_forward_kwargs(self, kwargs)
-        if labels is not None:
-            if cache is not None or inputs_embeds is not None or position_ids is not None:
-                raise ValueError("the AURORA training objective takes input_ids, labels and attention_mask only")
-            return self.training_objective(input_ids, labels, attention_mask)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        return AuroraOutput(last_hidden_state=out.last_hidden_state, cache=out.cache,
-                            hidden_states=out.hidden_states, attentions=out.attentions)
 
     def predict_x0(self, latents: torch.Tensor, timesteps: torch.Tensor, noisy: torch.Tensor | None = None,
                    self_condition: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -615,85 +610,100 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
         Every block at once over [clean stream ; noisy stream] (`dual_stream_mask`): block b's noisy copy x_σ =
         (1 − σ)·z + σ·ε, σ drawn per (row, block), sees itself and the clean blocks < b (none with probability
         `history_dropout`) and predicts z. With probability `self_condition_prob` per row, a first pass without
-        gradient gives the draft the main pass sees. Consistency: from σ, the Euler step to σ' = Prev_S(σ) with the
-        detached prediction gives x̃_σ'; the EMA copy's prediction there (draft: the online prediction) is the
-        target of the online prediction."""
+        gradient gives the draft the main pass sees (`self_condition_draft`). Consistency (`consistency_target`):
+        the EMA copy's prediction one Euler step further down the sampling grid is the target of the online
+        prediction."""
         cfg = self.config
         check_block_training_rows(input_ids, attention_mask, "AURORA")
         batch, length = input_ids.shape
-        device = input_ids.device
-        autoencoder = self.model.autoencoder
         scored = scored_positions(labels, attention_mask)
-        with torch.no_grad():
-            raw = autoencoder.encode(input_ids, attention_mask)
-            if self.training and not bool(autoencoder.has_latent_statistics):
-                # Normally set before the first step (`prepare_training`); a model trained through the bare API
-                # estimates them on its first batch. Never inside an adapter fine-tune: an adapter does not carry
-                # buffers, so the reloaded base would standardise differently.
-                if any("lora_" in name for name, _ in self.named_parameters()):
-                    raise ValueError("this AURORA model has no latent statistics, and a fine-tune with adapters "
-                                     "cannot set them (an adapter does not carry buffers): call "
-                                     "`model.estimate_latent_statistics(rows)` on the base model before attaching "
-                                     "the adapters, and save it")
-                autoencoder.set_latent_statistics(raw, None if attention_mask is None else attention_mask.bool())
-            z = autoencoder.standardize(raw)
-
+        z = self.latent_targets(input_ids, attention_mask)
         sampler = make_time_sampler(cfg.time_sampler, **cfg.time_sampler_kwargs())
         sigma, clean_lead, history_visible = draw_block_conditions(sampler, batch, length, cfg.block_size,
-                                                                   cfg.prompt_block_prob, cfg.history_dropout, device)
-        noise = torch.randn_like(z)
-        x, latents, timesteps, noisy, positions, mask = self.dual_stream_inputs(z, sigma, noise, history_visible,
-                                                                                attention_mask)
-
-        def with_draft(draft: torch.Tensor | None) -> torch.Tensor | None:
-            # The draft [B, L, D] of the noisy stream; the clean stream never has one.
-            return None if draft is None else torch.cat([torch.zeros_like(draft), draft], dim=1)
-
-        draft = None
-        if self.model.denoiser.self_condition_proj is not None:
-            draft = torch.zeros_like(z)
-            if self.training:
-                use = torch.rand(batch, device=device) < cfg.self_condition_prob
-                if bool(use.any()):
-                    with torch.no_grad():
-                        first = self.predict_x0(latents, timesteps, noisy, with_draft(draft), mask, positions)
-                    draft = torch.where(use[:, None, None], first[:, length:], draft)
-        x0 = self.predict_x0(latents, timesteps, noisy, with_draft(draft), mask, positions)[:, length:]
+                                                                   cfg.prompt_block_prob, cfg.history_dropout,
+                                                                   input_ids.device)
+        stream = self.dual_stream_inputs(z, sigma, torch.randn_like(z), history_visible, attention_mask)
+        draft = self.self_condition_draft(stream)
+        x0 = self.predict_x0(stream.latents, stream.timesteps, stream.noisy, noisy_stream_draft(draft), stream.mask,
+                             stream.positions)[:, length:]
 
         fm_scored = (scored & ~clean_lead).float()
-        error = self.denoising_error(x0, z, sigma)
-        denoising = (error * fm_scored).sum() / fm_scored.sum().clamp(min=1)
+        denoising = (self.denoising_error(x0, z, sigma) * fm_scored).sum() / fm_scored.sum().clamp(min=1)
         loss = denoising
-
         consistency = weight = None
         if self.ema_denoiser is not None and self.training:
-            weight = torch.tensor(self.consistency_weight(), device=device)
-            grid = FlowMatchEulerSampler(cfg.consistency_steps)
-            grid.set_timesteps(device=device)
-            # Clean leading positions (σ = 0) stay where they are.
-            positive = sigma > 0
-            sigma_safe = torch.where(positive, sigma, 1.0)
-            previous = torch.where(positive, grid.previous_timestep(sigma_safe), 0.0)
-            with torch.no_grad():
-                x_previous = torch.where(positive[..., None], euler_step_from_x0(
-                    x, x0.detach(), sigma_safe[..., None], previous[..., None]), x)
-                target = self.predict_x0(torch.cat([z, x_previous], dim=1), torch.cat([torch.zeros_like(sigma),
-                                         previous], dim=1), noisy, with_draft(x0.detach() if draft is not None
-                                                                               else None),
-                                         mask, positions, ema=True)[:, length:]
-            consistency = (((x0 - target).pow(2).mean(-1)) * fm_scored).sum() / fm_scored.sum().clamp(min=1)
+            weight = torch.tensor(self.consistency_weight(), device=input_ids.device)
+            target = self.consistency_target(stream, z, sigma, x0.detach(), draft is not None)
+            consistency = ((x0 - target).pow(2).mean(-1) * fm_scored).sum() / fm_scored.sum().clamp(min=1)
             loss = loss + weight * consistency
             consistency = consistency.detach()
         return AuroraOutput(loss=loss, denoising_loss=denoising.detach(), consistency_loss=consistency,
                             consistency_weight=weight)
 
+    @torch.no_grad()
+    def latent_targets(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The denoiser's targets z [B, T, D]: the frozen encoder's latents of the rows, standardised. The latent
+        statistics are normally set before the first step (`prepare_training`); a model trained through the bare
+        API estimates them from its first training batch here (`_first_batch_statistics`)."""
+        autoencoder = self.model.autoencoder
+        raw = autoencoder.encode(input_ids, attention_mask)
+        if self.training and not bool(autoencoder.has_latent_statistics):
+            self._first_batch_statistics(raw, attention_mask)
+        return autoencoder.standardize(raw)
+
+    def _first_batch_statistics(self, raw: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        # Never inside an adapter fine-tune: an adapter does not carry buffers, so the reloaded base would
+        # standardise differently.
+        if any("lora_" in name for name, _ in self.named_parameters()):
+            raise ValueError("this AURORA model has no latent statistics, and a fine-tune with adapters cannot set "
+                             "them (an adapter does not carry buffers): call `model.estimate_latent_statistics(rows)` "
+                             "on the base model before attaching the adapters, and save it")
+        self.model.autoencoder.set_latent_statistics(raw, None if attention_mask is None else attention_mask.bool())
+
+    def self_condition_draft(self, stream: DualStreamInputs) -> torch.Tensor | None:
+        """The self-conditioning draft [B, T, D] of the main pass: None without self-conditioning; else zeros,
+        except in training for the rows (each with probability `self_condition_prob`) that get a first prediction,
+        made without gradient."""
+        if self.model.denoiser.self_condition_proj is None:
+            return None
+        draft = torch.zeros_like(stream.x)
+        if self.training:
+            use = torch.rand(draft.shape[0], device=draft.device) < self.config.self_condition_prob
+            if bool(use.any()):
+                with torch.no_grad():
+                    first = self.predict_x0(stream.latents, stream.timesteps, stream.noisy, noisy_stream_draft(draft),
+                                            stream.mask, stream.positions)
+                draft = torch.where(use[:, None, None], first[:, draft.shape[1]:], draft)
+        return draft
+
+    @torch.no_grad()
+    def consistency_target(self, stream: DualStreamInputs, z: torch.Tensor, sigma: torch.Tensor, x0: torch.Tensor,
+                           self_conditioned: bool) -> torch.Tensor:
+        """The self-trajectory consistency target [B, T, D]: from σ, the Euler step with the (detached) online
+        prediction x0 to σ' = Prev_S(σ) on the `consistency_steps` grid gives x̃_σ'; the EMA copy's prediction
+        there, with x0 as its draft when the model self-conditions. Clean leading positions (σ = 0) stay where
+        they are."""
+        length = z.shape[1]
+        grid = FlowMatchEulerSampler(self.config.consistency_steps)
+        grid.set_timesteps(device=z.device)
+        positive = sigma > 0
+        sigma_safe = torch.where(positive, sigma, 1.0)
+        previous = torch.where(positive, grid.previous_timestep(sigma_safe), 0.0)
+        stepped = euler_step_from_x0(stream.x, x0, sigma_safe[..., None], previous[..., None])
+        x_previous = torch.where(positive[..., None], stepped, stream.x)
+        latents = torch.cat([z, x_previous], dim=1)
+        timesteps = torch.cat([torch.zeros_like(sigma), previous], dim=1)
+        draft = noisy_stream_draft(x0 if self_conditioned else None)
+        return self.predict_x0(latents, timesteps, stream.noisy, draft, stream.mask, stream.positions,
+                               ema=True)[:, length:]
+
     def dual_stream_inputs(self, z: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor,
                            history_visible: torch.Tensor | None = None,
-                           attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                           attention_mask: torch.Tensor | None = None) -> DualStreamInputs:
         """The inputs of one dual-stream denoiser pass over every block of rows whose blocks start at column 0 (right
         padding only). z [B, T, D] standardised clean latents; sigma [B, T] (one per block; 0 on clean leading
-        positions); noise [B, T, D]: ε. Returns (x = (1 − σ)·z + σ·ε [B, T, D], latents [z ; x], timesteps [0 ; σ],
-        noisy (the second stream), positions, mask (`dual_stream_mask`, history where `history_visible`))."""
+        positions); noise [B, T, D]: ε. Returns x = (1 − σ)·z + σ·ε [B, T, D], latents [z ; x], timesteps [0 ; σ],
+        noisy (the second stream), positions and mask (`dual_stream_mask`, history where `history_visible`)."""
         batch, length = z.shape[:2]
         device = z.device
         x = (1 - sigma[..., None]) * z + sigma[..., None] * noise
@@ -702,7 +712,7 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
         noisy = torch.arange(2 * length, device=device)[None].expand(batch, -1) >= length
         positions = torch.arange(length, device=device).repeat(2)[None].expand(batch, -1)
         mask = dual_stream_mask(length, self.config.block_size, history_visible, attention_mask, device)
-        return x, latents, timesteps, noisy, positions, mask
+        return DualStreamInputs(x, latents, timesteps, noisy, positions, mask)
 
     def denoising_error(self, x0: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         """Per-position denoising error [B, T]: mean over channels of (ẑ − z)², divided by σ² (clamped at
@@ -720,75 +730,27 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentGenerationMixin):
         One pass of the online denoiser, without a self-conditioning draft (a zero draft, as the training objective
         gives a row that draws none) and without consistency; arguments as `dual_stream_inputs`. Used by
         per-response scores (sums over a response's positions, hf_latentlm/training/latent_scores.py)."""
-        length = z.shape[1]
-        _, latents, timesteps, noisy, positions, mask = self.dual_stream_inputs(z, sigma, noise, history_visible,
-                                                                                attention_mask)
-        draft = None if self.model.denoiser.self_condition_proj is None else torch.zeros_like(latents)
-        x0 = self.predict_x0(latents, timesteps, noisy, draft, mask, positions)[:, length:]
-        return self.denoising_error(x0, z, sigma)
+        stream = self.dual_stream_inputs(z, sigma, noise, history_visible, attention_mask)
+        draft = None if self.model.denoiser.self_condition_proj is None else torch.zeros_like(stream.latents)
+        x0 = self.predict_x0(stream.latents, stream.timesteps, stream.noisy, draft, stream.mask, stream.positions)
+        return self.denoising_error(x0[:, z.shape[1]:], z, sigma)
 
     # ------------------------------------------------------------------------------------------------------------
-    # generate (the block loop is `BlockLatentGenerationMixin`'s)
+    # generate (the block loop is `BlockLatentGenerationMixin`'s, the shared steps `BlockLatentForCausalLM`'s)
     # ------------------------------------------------------------------------------------------------------------
 
     def _encode_prompt(self, input_ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """The standardised latents of the aligned prompts."""
-        autoencoder = self.model.autoencoder
-        if autoencoder.config.keep_ratio != 1:
+        keep_ratio = self.model.autoencoder.config.keep_ratio
+        if keep_ratio != 1:
             raise ValueError(f"generate() needs an autoencoder with keep_ratio 1 (one latent per token), this one has "
-                             f"{autoencoder.config.keep_ratio}")
-        return autoencoder.standardize(autoencoder.encode(input_ids, real.long()))
-
-    def _append_to_prior(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> None:
-        self.model(inputs_embeds=latents, attention_mask=attention_mask, cache=cache)
+                             f"{keep_ratio}")
+        return super()._encode_prompt(input_ids, real)
 
     def _decode_latents(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
         autoencoder = self.model.autoencoder
         return autoencoder.decode_logits(autoencoder.unstandardize(latents), attention_mask=attention_mask,
                                          cache=cache)
-
-    def _denoise_block(self, state: BlockDecodingState, noise: torch.Tensor, positions: torch.Tensor,
-                       conditional_mask: torch.Tensor, calls: dict) -> torch.Tensor:
-        """Euler steps from σ = 1 to 0 with x0 predictions, self-conditioning (SC-CFG) and prompt CFG at high σ."""
-        opt, Q = state.options, self.config.block_size
-        batch, device = noise.shape[0], noise.device
-        alone_mask = torch.ones(1, 1, Q, Q, dtype=torch.bool, device=device)
-        has_history = state.has_history[:, None, None]
-        prompt_guided = opt.guidance_scale != 1.0 and bool(state.has_history.any())
-        uses_draft = self.model.denoiser.self_condition_proj is not None
-        known_mask = state.known_mask
-        noisy = torch.ones(batch, Q, dtype=torch.bool, device=device)
-        cache = ReadOnlyCache(state.prior_cache)
-        draft = torch.zeros_like(noise) if uses_draft else None
-        first_step = True
-
-        def x0_fn(x: torch.Tensor, sigma: torch.Tensor, mask, draft_now, cache_now) -> torch.Tensor:
-            times = sigma.to(device).expand(batch, Q)
-            if known_mask is not None:
-                times = torch.where(known_mask, 0.0, times)
-            calls["denoiser"] += 1
-            return self.predict_x0(x, times, noisy, draft_now, mask, positions, cache=cache_now)
-
-        def velocity_fn(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-            nonlocal draft, first_step
-            prediction = x0_fn(x, sigma, conditional_mask, draft, cache)
-            if uses_draft and opt.self_condition_guidance != 1.0 and not first_step:
-                blind = x0_fn(x, sigma, conditional_mask, torch.zeros_like(draft), cache)
-                prediction = classifier_free_guidance(prediction, blind, opt.self_condition_guidance)
-            if prompt_guided and float(sigma) >= opt.cfg_min_sigma:
-                unconditional = x0_fn(x, sigma, alone_mask, draft, None)
-                # A row without history would get the same prediction from both branches: it keeps it exactly.
-                prediction = torch.where(has_history, classifier_free_guidance(prediction, unconditional,
-                                                                               opt.guidance_scale), prediction)
-            if uses_draft:
-                draft = prediction
-            first_step = False
-            # The Euler step of an x0 prediction (σ > 0 at every evaluated grid point).
-            return x0_to_velocity(x, prediction.to(x.dtype), sigma.to(x.dtype))
-
-        solver = FlowMatchEulerSampler(opt.num_inference_steps, shift=opt.timestep_shift)
-        solver.set_timesteps(device=device)
-        return solver.solve(velocity_fn, noise, state.known, None if known_mask is None else known_mask[..., None])
 
 
 __all__ = ["AuroraAutoencoder", "AuroraAutoencoderConfig", "AuroraAutoencoderOutput", "AuroraConfig",

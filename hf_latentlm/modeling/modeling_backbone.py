@@ -105,8 +105,46 @@ def scored_positions(labels: torch.Tensor, attention_mask: torch.Tensor | None) 
     return scored if attention_mask is None else scored & attention_mask.bool()
 
 
+class TrainingHooks:
+    """What hf_latentlm's training loop and evaluation harness call on a model besides `forward`, with the defaults
+    (nothing to do). Every family's model has them (`BackbonePreTrainedModel`) and overrides the ones it needs;
+    `training_hooks(model)` gives them for any model."""
 
-class BackbonePreTrainedModel(PreTrainedModel):
+    def prepare_training(self, train_rows: torch.Tensor) -> None:
+        """Called once before the first training step with (up to 64 of) the training rows [N, L], for state a
+        model estimates from data (AURORA's latent statistics)."""
+
+    def on_optimizer_step(self) -> None:
+        """Called after every optimizer step, for state a model moves with training (AURORA's EMA copy)."""
+
+    def parameter_learning_rate_scales(self) -> dict[str, float]:
+        """Parameter-name prefix -> learning-rate multiplier for the optimizer (Cola's VAE:DiT ratio); none here."""
+        return {}
+
+    def counted_modules(self) -> list[torch.nn.Module]:
+        """The modules whose forward calls are the network evaluations `generate()` reports (the evaluation harness
+        hooks them): the model itself, unless a family runs several networks."""
+        return [self]
+
+
+class DefaultTrainingHooks(TrainingHooks):
+    """The default hooks for a model that has none (a plain transformers model, such as the AR baseline's
+    `LlamaForCausalLM`)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def counted_modules(self) -> list[torch.nn.Module]:
+        return [self.model]
+
+
+def training_hooks(model) -> TrainingHooks:
+    """The object to call the training hooks on: `model` itself where it has them, else `DefaultTrainingHooks`."""
+    # Asked by attribute, not by class: a PEFT wrapper passes attribute reads on to the model it wraps.
+    return model if hasattr(model, "on_optimizer_step") else DefaultTrainingHooks(model)
+
+
+class BackbonePreTrainedModel(PreTrainedModel, TrainingHooks):
     """Subclasses set `config_class`; a model with a head sets `base_model_class`, the backbone class that `AutoModel`
     resolves to (as `LlamaModel` for `LlamaForCausalLM`). The token embedding is `embed_tokens` of the base model
     (`self.model`, or the model itself)."""
@@ -163,5 +201,6 @@ class BackbonePreTrainedModel(PreTrainedModel):
         self.base_model.embed_tokens = value
 
 
-__all__ = ["BackbonePreTrainedModel", "check_block_training_rows", "composite_config", "embedded_config", "check_backbone_inputs", "check_forward_kwargs",
-           "masked_cross_entropy", "refuse_vocab_resize", "resized_vocab_size", "scored_positions"]
+__all__ = ["BackbonePreTrainedModel", "DefaultTrainingHooks", "TrainingHooks", "check_backbone_inputs",
+           "check_block_training_rows", "check_forward_kwargs", "composite_config", "embedded_config",
+           "masked_cross_entropy", "refuse_vocab_resize", "resized_vocab_size", "scored_positions", "training_hooks"]

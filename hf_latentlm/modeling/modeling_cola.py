@@ -22,24 +22,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils import ModelOutput
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_cola import ODE_SOLVERS, ColaConfig, ColaVAEConfig
-from .flow import (
-    FlowMatchEulerSampler,
-    FlowMatchHeunSampler,
-    TimestepEmbedding,
-    classifier_free_guidance,
-    make_time_sampler,
-)
-from .generation import BlockDecodingState, BlockLatentGenerationMixin, BlockLatentGenerationOptions
+from .flow import FlowMatchEulerSampler, FlowMatchHeunSampler, TimestepEmbedding, make_time_sampler
+from .generation import BlockLatentGenerationOptions
 from .layers import (
     AttentionProbs,
     DiTBlock,
-    OffsetCache,
-    ReadOnlyCache,
     RMSNorm,
     RotaryEmbedding,
     block_causal_layout,
@@ -51,13 +43,12 @@ from .layers import (
 )
 from .modeling_backbone import (
     BackbonePreTrainedModel,
-    check_backbone_inputs,
     check_block_training_rows,
     check_forward_kwargs,
-    composite_config,
     masked_cross_entropy,
     scored_positions,
 )
+from .modeling_block_latent import BlockLatentForCausalLM, BlockLatentPreTrainedModel, BlockVelocityField
 
 
 @dataclass
@@ -314,23 +305,18 @@ class ColaTextVAE(BackbonePreTrainedModel):
 # Cola DLM: DiT prior + VAE
 # ====================================================================================================================
 
-class ColaPreTrainedModel(BackbonePreTrainedModel):
+class ColaPreTrainedModel(BlockLatentPreTrainedModel):
     config_class = ColaConfig
+    component_class = ColaTextVAE
+    component_attribute = "vae"
     _no_split_modules = ["DiTBlock", "DecoderBlock"]
     # Hidden states: the DiT's blocks only (not the VAE's), embeddings first. Attentions: the DiT's (`layers.*`).
     _can_record_outputs = {"hidden_states": DiTBlock,
                            "attentions": OutputRecorder(AttentionProbs, layer_name="layers")}
-    _can_compile_fullgraph = False  # training draws times, noise and dropouts inside forward
 
     @torch.no_grad()
     def _init_weights(self, module):
         init_cola_weights(module, self.config.initializer_range)
-
-    def get_input_embeddings(self):
-        return self.base_model.vae.encoder.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.base_model.vae.encoder.embed_tokens = value
 
 
 class ColaModel(ColaPreTrainedModel):
@@ -364,6 +350,11 @@ class ColaModel(ColaPreTrainedModel):
             hidden = layer(hidden, conditioning, cos, sin, mask, cache=cache)
         return self.norm(hidden), conditioning
 
+    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      cache=None) -> torch.Tensor:
+        """The VAE's posterior mean [B, T, d_z]."""
+        return self.vae.encoder(input_ids, attention_mask, cache=cache)
+
     @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @capture_outputs
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -375,29 +366,11 @@ class ColaModel(ColaPreTrainedModel):
         padding; blocks are counted from each row's first real token), or a ready bool mask [B, 1, T, cached + T]
         with `position_ids`. timesteps [B, T] (default 0: clean).
         `output_hidden_states` / `output_attentions` (eager) are recorded for the DiT's blocks."""
-        check_backbone_inputs(self.config, input_ids, inputs_embeds, kwargs)
-        check_forward_kwargs(self, kwargs)
-        batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        past = cache.get_seq_length() if cache is not None else 0
-        if input_ids is not None:
-            encoder_cache = None if cache is None else OffsetCache(cache, self.config.num_hidden_layers)
-            latents = self.vae.encoder(input_ids, attention_mask, cache=encoder_cache)
-        else:
-            latents = inputs_embeds
-        device = latents.device
-        if timesteps is None:
-            timesteps = torch.zeros(batch, length, device=device)
-        if attention_mask is not None and attention_mask.dim() == 4:  # a ready mask (training's dual stream)
-            if position_ids is None:
-                raise ValueError("a 4-D attention_mask needs position_ids")
-            mask = attention_mask.bool()
-        else:
-            position_ids, mask = block_causal_layout(attention_mask, batch, length, past, self.config.block_size,
-                                                     device, position_ids)
-        hidden, _ = self.denoiser(latents, timesteps, position_ids, mask, cache=cache)
-        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache)
+        inputs = self.prior_inputs(input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, timesteps,
+                                   kwargs)
+        hidden, _ = self.denoiser(inputs.latents, inputs.timesteps, inputs.position_ids, inputs.mask,
+                                  cache=inputs.cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=inputs.cache)
 
 
 class VelocityHead(nn.Module):
@@ -452,13 +425,30 @@ class ColaGenerationOptions(BlockLatentGenerationOptions):
         return replace(self, ode_solver=solver, guidance_scale=scale, **shared)
 
 
-class ColaForCausalLM(ColaPreTrainedModel, BlockLatentGenerationMixin):
+class ColaBlockVelocity(BlockVelocityField):
+    """The DiT's velocity of the block being generated, with classifier-free guidance against the block alone for
+    the rows that have history (one DiT evaluation per call without guidance, two with)."""
+
+    def __call__(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        times = self.block_times(t)
+        conditional = self.model.velocity(x, times, self.conditional_mask, self.positions, cache=self.cache)
+        self.calls += 1
+        if not self.guided:
+            return conditional
+        unconditional = self.model.velocity(x, times, self.alone_mask, self.positions)
+        self.calls += 1
+        return self.guide(conditional, unconditional)
+
+
+class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
     """Cola DLM: VAE + block-causal DiT prior + velocity head. `forward(input_ids)` returns the DiT's hidden states
     of the clean text; `forward(input_ids, labels=...)` the joint objective; `generate()` denoises a block of latents
     per ODE solve and decodes it with the VAE. Build a trainable model around a trained VAE with `from_vae`."""
 
     generation_options_class = ColaGenerationOptions
     base_model_class = ColaModel
+    output_class = ColaOutput
+    velocity_field_class = ColaBlockVelocity
     network_names = {"prior": "dit", "encoder": "vae_encoder", "decoder": "vae_decoder"}
 
     def __init__(self, config: ColaConfig):
@@ -471,39 +461,25 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentGenerationMixin):
         self.post_init()
         self.freeze_components()
 
+    def frozen_modules(self) -> list[nn.Module]:
+        """The reference encoder; the VAE too at `vae_learning_rate_ratio=0` (then no masked pass either)."""
+        frozen = [] if self.reference_encoder is None else [self.reference_encoder]
+        return frozen if self.config.trains_vae else frozen + [self.model.vae]
+
     def freeze_components(self) -> None:
-        """The reference encoder never trains; the VAE does not at `vae_learning_rate_ratio=0`; a fixed logSNR
-        does not."""
-        self.model.vae.freeze_components()
-        if self.reference_encoder is not None:
-            self.reference_encoder.requires_grad_(False)
-        if not self.config.trains_vae:
-            self.model.vae.requires_grad_(False)
+        self.model.vae.freeze_components()  # a fixed logSNR
+        super().freeze_components()
 
     @classmethod
     def from_vae(cls, vae: "str | ColaTextVAE", config: ColaConfig | None = None, **config_kwargs) -> "ColaForCausalLM":
         """A fresh Cola DLM whose VAE (and frozen reference encoder) start as copies of `vae` (a trained
-        `ColaTextVAE` or its folder). `config` (or `config_kwargs` for a new `ColaConfig`) must agree on vocab_size;
-        the VAE's config is embedded without its path."""
-        if not isinstance(vae, ColaTextVAE):
-            vae = ColaTextVAE.from_pretrained(vae)
-        config = composite_config(ColaConfig, "vae_config", vae.config, config, "validate_cola", "VAE", **config_kwargs)
-        model = cls(config)
-        model.model.vae.load_state_dict(vae.state_dict())
-        if model.reference_encoder is not None:
-            model.reference_encoder.load_state_dict(vae.encoder.state_dict())
-        return model
+        `ColaTextVAE` or its folder); see `from_component`."""
+        return cls.from_component(vae, config, **config_kwargs)
 
-    def train(self, mode: bool = True):
-        super().train(mode)
+    def load_component(self, component: ColaTextVAE) -> None:
+        super().load_component(component)
         if self.reference_encoder is not None:
-            self.reference_encoder.eval()
-        if not self.config.trains_vae:
-            self.model.vae.eval()  # frozen: no masked pass
-        return self
-
-    def get_output_embeddings(self):
-        return None  # the DiT has no softmax over tokens (the VAE decoder's read-out is not a next-token head)
+            self.reference_encoder.load_state_dict(component.encoder.state_dict())
 
     def counted_modules(self) -> list[nn.Module]:
         return [self.model, self.model.vae.encoder, self.model.vae.decoder]
@@ -512,29 +488,6 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentGenerationMixin):
         """Parameter-name prefix -> learning-rate multiplier, read by the training loop's optimizer: the VAE trains
         at `vae_learning_rate_ratio` × the DiT's rate."""
         return {"model.vae.": self.config.vae_learning_rate_ratio}
-
-    # ------------------------------------------------------------------------------------------------------------
-    # forward
-    # ------------------------------------------------------------------------------------------------------------
-
-    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
-    @can_return_tuple
-    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
-                use_cache: bool | None = None, **kwargs) -> ColaOutput:
-        """input_ids [B, T]: the DiT's hidden states of the clean text (Cola has no next-token logits). With
-        `labels` (same shape, −100 = ignore; label i scores latent i, no shift): the joint objective. Transformers'
-        `output_hidden_states`, `output_attentions`, `return_dict` apply."""
-        check_forward_kwargs(self, kwargs)
-        if labels is not None:
-            if cache is not None or inputs_embeds is not None or position_ids is not None:
-                raise ValueError("the Cola training objective takes input_ids, labels and attention_mask only")
-            return self.joint_objective(input_ids, labels, attention_mask)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        return ColaOutput(last_hidden_state=out.last_hidden_state, cache=out.cache,
-                          hidden_states=out.hidden_states, attentions=out.attentions)
 
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
@@ -545,8 +498,8 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentGenerationMixin):
                             position_ids=position_ids, cache=cache).last_hidden_state
         return self.velocity_head(hidden, self.model.time_embedding(timesteps).to(hidden.dtype))
 
-    def joint_objective(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                        attention_mask: torch.Tensor | None = None) -> ColaOutput:
+    def training_objective(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                           attention_mask: torch.Tensor | None = None) -> ColaOutput:
         """λ_FM·flow matching + λ_VAE·VAE loss + λ_ref·KL(q_φ ‖ q_φref) on packed or right-padded rows.
 
         Flow matching runs every block at once over [clean stream ; noisy stream] (`dual_stream_mask`): block b's
@@ -593,6 +546,8 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentGenerationMixin):
         return ColaOutput(loss=loss, flow_matching_loss=flow_matching.detach(), logsnr=vae.encoder.logsnr().detach(),
                           **detached)
 
+    joint_objective = training_objective  # its name before the block-latent base
+
     def flow_matching_error(self, z0: torch.Tensor, times: torch.Tensor, noise: torch.Tensor,
                             history_visible: torch.Tensor | None = None,
                             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -615,48 +570,15 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentGenerationMixin):
         return (velocity - (noise - z0).float()).pow(2).mean(-1)
 
     # ------------------------------------------------------------------------------------------------------------
-    # generate
+    # generate (the block loop is `BlockLatentGenerationMixin`'s, the shared steps `BlockLatentForCausalLM`'s)
     # ------------------------------------------------------------------------------------------------------------
-
-    def _encode_prompt(self, input_ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """The VAE's posterior mean of the aligned prompts."""
-        return self.model.vae.encoder(input_ids, real.long())
-
-    def _append_to_prior(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> None:
-        self.model(inputs_embeds=latents, attention_mask=attention_mask, cache=cache)
 
     def _decode_latents(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
         return self.model.vae.decoder(latents, attention_mask, cache=cache)
 
-    def _denoise_block(self, state: BlockDecodingState, noise: torch.Tensor, positions: torch.Tensor,
-                       conditional_mask: torch.Tensor, calls: dict) -> torch.Tensor:
-        """Solve the block's ODE from noise with CFG against the block alone (and repaint of known positions)."""
-        opt, Q = state.options, self.config.block_size
-        batch, device = noise.shape[0], noise.device
-        alone_mask = torch.ones(1, 1, Q, Q, dtype=torch.bool, device=device)
-        guided = opt.guidance_scale != 1.0 and bool(state.has_history.any())
-        has_history = state.has_history[:, None, None]
-        known_mask = state.known_mask
-        cache = ReadOnlyCache(state.prior_cache)
-
-        def velocity_fn(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            times = t.to(device).expand(batch, Q)
-            if known_mask is not None:
-                times = torch.where(known_mask, 0.0, times)
-            conditional = self.velocity(x, times, conditional_mask, positions, cache=cache)
-            calls["dit"] += 1
-            if not guided:
-                return conditional
-            unconditional = self.velocity(x, times, alone_mask, positions)
-            calls["dit"] += 1
-            # A row without history would get v_cond from both branches: it keeps v_cond exactly (w = 1).
-            return torch.where(has_history, classifier_free_guidance(conditional, unconditional, opt.guidance_scale),
-                               conditional)
-
-        solver_class = FlowMatchHeunSampler if opt.ode_solver == "heun" else FlowMatchEulerSampler
-        solver = solver_class(opt.num_inference_steps, shift=opt.timestep_shift)
-        solver.set_timesteps(device=device)
-        return solver.solve(velocity_fn, noise, state.known, None if known_mask is None else known_mask[..., None])
+    def _block_solver(self, options: ColaGenerationOptions) -> FlowMatchEulerSampler:
+        solver_class = FlowMatchHeunSampler if options.ode_solver == "heun" else FlowMatchEulerSampler
+        return solver_class(options.num_inference_steps, shift=options.timestep_shift)
 
 
 __all__ = ["ColaConfig", "ColaForCausalLM", "ColaGenerationOptions", "ColaModel", "ColaOutput", "ColaTextVAE",

@@ -12,7 +12,7 @@ quadratic decoding (paper Algorithm 1): one call scores K_pred verify rows and K
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +85,19 @@ class PLMModelOutput(BaseModelOutputWithPast):
 
     mid_residuals: tuple[torch.Tensor, ...] | None = None
 
+
+class ObjectivePasses(NamedTuple):
+    """What the objective's forward passes (`_two_passes` or `_joint_pass`) give `decoder_objective`: the logits of
+    the encoder rows [B, T, V] and of the decoder rows [B, D, V], the captured (encoder, decoder) mid-layer residuals
+    (None without alignment), the decoder rows' auxiliaries [B, D] and their TV distances (None when the caller gave
+    the auxiliaries), and the encoder pass's output, whose hidden states and attentions the objective reports."""
+
+    encoder_logits: torch.Tensor
+    decoder_logits: torch.Tensor
+    mid_residuals: tuple[torch.Tensor, torch.Tensor] | None
+    auxiliaries: torch.Tensor
+    auxiliary_tv: torch.Tensor | None
+    encoder_output: PLMModelOutput
 
 
 # One output class for every multi-token family; the family name is kept for existing imports.
@@ -444,7 +457,8 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
                    if with_alignment and cfg.alignment_weight > 0 else None)
         passes = (self._joint_pass if self.model.gradient_checkpointing and self.training and torch.is_grad_enabled()
                   else self._two_passes)
-        enc_logits, dec_logits, mids, aux, tv, enc_out = passes(input_ids, attention_mask, layout, aux, capture, kwargs)
+        out = passes(input_ids, attention_mask, layout, aux, capture, kwargs)
+        enc_logits, dec_logits, aux = out.encoder_logits, out.decoder_logits, out.auxiliaries
 
         # Scored rows: labelled targets that are real tokens. Encoder: every one. Decoder: those of a block up to
         # and including its first end-of-document target.
@@ -462,7 +476,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         total = enc_sum + dec_sum
         align_sum = None
         if capture is not None:
-            enc_mid, dec_mid = mids
+            enc_mid, dec_mid = out.mid_residuals
             # REPA-style: g_ψ(decoder state) against the encoder state of the row that predicts the same target.
             aligned = self.alignment_proj(dec_mid)
             reference = enc_mid[:, dec_pos - 1].detach()
@@ -480,10 +494,11 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
             uses_mask = ((aux < 0) & dec_valid).sum() / n_dec.clamp(min=1)
         return PLMOutput(
             loss=loss, logits=enc_logits, decoder_logits=dec_logits,
-            hidden_states=enc_out.hidden_states, attentions=enc_out.attentions,
+            hidden_states=out.encoder_output.hidden_states, attentions=out.encoder_output.attentions,
             encoder_nll=enc_sum.detach() / n_enc.clamp(min=1), decoder_nll=dec_sum.detach() / n_dec.clamp(min=1),
             alignment_loss=None if align_sum is None else align_sum.detach() / n_dec.clamp(min=1),
-            reconstructed_tokens=reconstructed, auxiliary_tv=tv.mean() if tv is not None else None,
+            reconstructed_tokens=reconstructed,
+            auxiliary_tv=None if out.auxiliary_tv is None else out.auxiliary_tv.mean(),
             mask_auxiliary_fraction=uses_mask,
         )
 
@@ -512,7 +527,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
                                key_pos=torch.cat([enc_idx, dec_pos]), key_group=torch.cat([no_group, dec_block]),
                                key_valid=key_valid)
 
-    def _two_passes(self, input_ids, attention_mask, layout, aux, capture, kwargs):
+    def _two_passes(self, input_ids, attention_mask, layout, aux, capture, kwargs) -> ObjectivePasses:
         """Encoder pass into a cache, auxiliaries from its detached logits, decoder pass over the cached keys."""
         dec_pos = layout[0]
         length = input_ids.shape[1]
@@ -528,9 +543,9 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
                          attention_mask=self._objective_visibility(layout, attention_mask, length, False), cache=cache,
                          capture_layers=capture[1:] if capture else ())
         mids = (enc.mid_residuals[0], dec.mid_residuals[0]) if capture else None
-        return enc_logits, self.lm_head(dec.last_hidden_state), mids, aux, tv, enc
+        return ObjectivePasses(enc_logits, self.lm_head(dec.last_hidden_state), mids, aux, tv, enc)
 
-    def _joint_pass(self, input_ids, attention_mask, layout, aux, capture, kwargs):
+    def _joint_pass(self, input_ids, attention_mask, layout, aux, capture, kwargs) -> ObjectivePasses:
         """[tokens; auxiliaries] in one forward (no cache, so gradient checkpointing works): the encoder rows see the
         causal prefix, the decoder rows what they see in the two-pass path (`_objective_visibility`)."""
         dec_pos = layout[0]
@@ -553,7 +568,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
             out.hidden_states = tuple(h[:, :length] for h in out.hidden_states)
         if out.attentions is not None:
             out.attentions = tuple(a[..., :length, :length] for a in out.attentions)
-        return logits[:, :length], logits[:, length:], mids, aux, tv, out
+        return ObjectivePasses(logits[:, :length], logits[:, length:], mids, aux, tv, out)
 
     def decoder_row_valid(self, input_ids, dec_pos, dec_start) -> torch.Tensor:
         """[B, D] bool: no end-of-document target precedes the row's target inside its block (a block stops at its

@@ -31,6 +31,7 @@ from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from ..families import build_model
+from ..modeling.modeling_backbone import training_hooks
 from ..presets import get_preset
 from .checkpoint import (
     capture_rng_state,
@@ -181,7 +182,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     """AdamW without decay on 1-D parameters. A model may scale the learning rate of some parameters with
     `parameter_learning_rate_scales()` (name prefix -> multiplier; Cola DLM's VAE:DiT ratio): each (scale, decay)
     pair becomes a group, and the schedule multiplies every group's rate alike."""
-    scales = model.parameter_learning_rate_scales() if hasattr(model, "parameter_learning_rate_scales") else {}
+    scales = training_hooks(model).parameter_learning_rate_scales()
     groups: dict[tuple[float, bool], list] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -264,10 +265,9 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
     tokenizer, train_rows, val_rows = load_rows(cfg, tokenizer, train_rows, val_rows, accelerator)
     model, optimizer, scheduler = build(cfg, model, tokenizer)
     checkpoint, start_step = resume(cfg, accelerator, model, optimizer, scheduler, train_rows)
-    prepare_training = getattr(model, "prepare_training", None)
-    if prepare_training is not None:  # e.g. AURORA's latent statistics, estimated once from the training rows
-        # (of a stream, the corpus's first rows, the same on every rank; AURORA reads at most 64)
-        prepare_training(train_rows.head(64) if isinstance(train_rows, StreamingRows) else train_rows)
+    # e.g. AURORA's latent statistics, estimated once from the training rows (of a stream, the corpus's first rows,
+    # the same on every rank; AURORA reads at most 64)
+    training_hooks(model).prepare_training(train_rows.head(64) if isinstance(train_rows, StreamingRows) else train_rows)
     # Created only now that every input (files, tokenizer, components, checkpoint) has loaded: a run refused
     # for a bad input leaves nothing behind.
     if accelerator.is_main_process:
@@ -396,7 +396,7 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
     window_start, window_tokens = time.perf_counter(), 0
     # grad_clip 0 turns clipping off; an infinite threshold still measures the norm for the log.
     max_grad_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    step_hook = getattr(accelerator.unwrap_model(model), "on_optimizer_step", None)
+    hooks = training_hooks(accelerator.unwrap_model(model))
 
     for step in range(start_step, end_step):
         losses: dict[str, torch.Tensor] = {}  # loss and its parts, averaged over micro-steps, on the device
@@ -415,8 +415,7 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        if step_hook is not None:  # a model's own per-step state (AURORA's EMA copy and step count)
-            step_hook()
+        hooks.on_optimizer_step()  # a model's own per-step state (AURORA's EMA copy and step count)
         window_tokens += tokens_per_step
         done = step + 1
 

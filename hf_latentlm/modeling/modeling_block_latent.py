@@ -1,0 +1,225 @@
+"""The base of the block-latent families (Cola DLM, AURORA-LM): a trained text component (Cola's VAE, AURORA's
+autoencoder) with one latent per token, and a prior over blocks of `config.block_size` latents, bidirectional inside
+a block and causal across blocks (`configuration_block_latent.BlockLatentConfig`).
+
+- `BlockLatentPreTrainedModel`: what a family's base model (`ColaModel`, `AuroraModel`) and language model share:
+  the component, whose token embedding is the model's, and the input preamble of the base model's forward.
+- `BlockLatentForCausalLM`: the language model's labels-dispatching `forward`, `from_component`, the frozen modules
+  and the generation steps of `generation.BlockLatentGenerationMixin` that both families take the same way.
+- `BlockVelocityField`: the base of the callable an ODE solver integrates over one block in `generate()`.
+
+Copied into Hub checkpoints, so torch and transformers only.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, NamedTuple
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+
+from .flow import FlowMatchEulerSampler, classifier_free_guidance
+from .generation import BlockDecodingState, BlockLatentGenerationMixin, DenoisedBlock
+from .layers import OffsetCache, ReadOnlyCache, block_causal_layout
+from .modeling_backbone import BackbonePreTrainedModel, check_backbone_inputs, check_forward_kwargs, composite_config
+
+
+class PriorInputs(NamedTuple):
+    """One pass of the prior, resolved by `BlockLatentPreTrainedModel.prior_inputs`: latents [B, T, D], their times
+    [B, T], positions [B, T], the bool attention mask [B or 1, 1, T, cached + T] and the cache (None without one)."""
+
+    latents: torch.Tensor
+    timesteps: torch.Tensor
+    position_ids: torch.Tensor
+    mask: torch.Tensor
+    cache: DynamicCache | None
+
+
+class BlockVelocityField:
+    """What an ODE solver integrates over one block in `generate()`: `field(x, t)` -> velocity, for the block's state
+    x [B, Q, D] at solver time t (0-dim). This base holds what both families read from the decoding state and
+    counts the prior's evaluations in `calls`; a family's subclass implements `__call__`."""
+
+    def __init__(self, model: BlockLatentForCausalLM, state: BlockDecodingState, positions: torch.Tensor,
+                 conditional_mask: torch.Tensor):
+        block_size = model.config.block_size
+        self.model, self.options = model, state.options
+        self.positions, self.conditional_mask = positions, conditional_mask
+        self.known_mask = state.known_mask
+        self.cache = ReadOnlyCache(state.prior_cache)  # the history's keys: read at every step, never extended
+        # The unconditional branch of guidance sees the block alone.
+        self.alone_mask = torch.ones(1, 1, block_size, block_size, dtype=torch.bool, device=positions.device)
+        self.has_history = state.has_history[:, None, None]
+        self.guided = self.options.guidance_scale != 1.0 and bool(state.has_history.any())
+        self.calls = 0
+
+    def block_times(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, Q] times of the block's positions at solver time t: 0 at the known (repainted) positions."""
+        times = t.to(self.positions.device).expand(*self.positions.shape)
+        return times if self.known_mask is None else torch.where(self.known_mask, 0.0, times)
+
+    def guide(self, conditional: torch.Tensor, unconditional: torch.Tensor) -> torch.Tensor:
+        """Classifier-free guidance at `guidance_scale`. A row without history would get the same prediction from
+        both branches: it keeps the conditional one exactly."""
+        guided = classifier_free_guidance(conditional, unconditional, self.options.guidance_scale)
+        return torch.where(self.has_history, guided, conditional)
+
+    def __call__(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class BlockLatentPreTrainedModel(BackbonePreTrainedModel):
+    """A family sets `config_class` (a `BlockLatentConfig`), `component_class` (its component's model class) and
+    `component_attribute` (the component's attribute in the base model); its base model implements
+    `encode_tokens`."""
+
+    component_class: ClassVar[type]
+    component_attribute: ClassVar[str]
+    _can_compile_fullgraph = False  # training draws times, noise and dropouts inside forward
+
+    @property
+    def component(self) -> BackbonePreTrainedModel:
+        """The trained text component, a submodule of the base model; it owns the token embedding."""
+        return getattr(self.base_model, self.component_attribute)
+
+    def get_input_embeddings(self):
+        return self.component.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.component.set_input_embeddings(value)
+
+    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      cache=None) -> torch.Tensor:
+        """The base model's: the latents [B, T, D] the prior sees for tokens [B, T] (attention_mask and cache as the
+        component's encoder takes them)."""
+        raise NotImplementedError
+
+    def prior_inputs(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                     position_ids: torch.Tensor | None, cache: DynamicCache | None,
+                     inputs_embeds: torch.Tensor | None, use_cache: bool | None, timesteps: torch.Tensor | None,
+                     kwargs: dict) -> PriorInputs:
+        """The start of the base model's forward: check the arguments; make the cache `use_cache` asks for; encode
+        `input_ids` with the component (its encoder's keys go into the same cache, after the prior's layers) unless
+        the latents come as `inputs_embeds`; default the times to 0 (clean); and lay out positions and the
+        block-causal mask from a 2-D `attention_mask` (left padding; blocks counted from each row's first real
+        token), or take a ready 4-D bool mask with its `position_ids`."""
+        check_backbone_inputs(self.config, input_ids, inputs_embeds, kwargs)
+        check_forward_kwargs(self, kwargs)
+        batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past = cache.get_seq_length() if cache is not None else 0
+        if input_ids is not None:
+            encoder_cache = None if cache is None else OffsetCache(cache, self.config.num_hidden_layers)
+            latents = self.encode_tokens(input_ids, attention_mask, cache=encoder_cache)
+        else:
+            latents = inputs_embeds
+        device = latents.device
+        if timesteps is None:
+            timesteps = torch.zeros(batch, length, device=device)
+        if attention_mask is not None and attention_mask.dim() == 4:  # a ready mask (training's dual stream)
+            if position_ids is None:
+                raise ValueError("a 4-D attention_mask needs position_ids")
+            mask = attention_mask.bool()
+        else:
+            position_ids, mask = block_causal_layout(attention_mask, batch, length, past, self.config.block_size,
+                                                     device, position_ids)
+        return PriorInputs(latents, timesteps, position_ids, mask, cache)
+
+
+class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMixin):
+    """The language model of a block-latent family, `self.model` its base model. A family sets, besides
+    `base_model_class`, `generation_options_class` and `network_names`: `output_class` (the ModelOutput of
+    `forward`) and `velocity_field_class` (a `BlockVelocityField`); it implements `training_objective`,
+    `counted_modules` and `_decode_latents`, and names the modules that never train in `frozen_modules`."""
+
+    output_class: ClassVar[type]
+    velocity_field_class: ClassVar[type]
+
+    @classmethod
+    def from_component(cls, component, config=None, **config_kwargs):
+        """A fresh model whose component starts as a copy of `component` (a trained `component_class` model or its
+        folder). `config` (or `config_kwargs` for a new config) must agree with it (vocab_size, and what the family
+        checks in `validate_component`); the component's config is embedded without its path."""
+        if not isinstance(component, cls.component_class):
+            component = cls.component_class.from_pretrained(component)
+        config_class = cls.config_class
+        config = composite_config(config_class, config_class.component_config_name, component.config, config,
+                                  "validate_component", config_class.component_name, **config_kwargs)
+        model = cls(config)
+        model.load_component(component)
+        return model
+
+    def load_component(self, component) -> None:
+        """Copy a trained component's weights into this model (`from_component`)."""
+        self.component.load_state_dict(component.state_dict())
+
+    def frozen_modules(self) -> list[nn.Module]:
+        """The submodules that never train: they get no gradient and stay in eval mode (no dropout)."""
+        return []
+
+    def freeze_components(self) -> None:
+        for module in self.frozen_modules():
+            module.requires_grad_(False).eval()
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for module in self.frozen_modules():
+            module.eval()
+        return self
+
+    def get_output_embeddings(self):
+        return None  # the prior has no softmax over tokens (the decoder's read-out is not a next-token head)
+
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, **kwargs):
+        """input_ids [B, T]: the prior's hidden states of the clean text (a block-latent family has no next-token
+        logits). With `labels` (same shape, −100 = ignore; label i scores latent i, no shift): the training
+        objective. Transformers' `output_hidden_states`, `output_attentions`, `return_dict` apply."""
+        check_forward_kwargs(self, kwargs)
+        if labels is not None:
+            if cache is not None or inputs_embeds is not None or position_ids is not None:
+                raise ValueError(f"the {self.generation_family} training objective takes input_ids, labels and "
+                                 f"attention_mask only")
+            return self.training_objective(input_ids, labels, attention_mask)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        return self.output_class(last_hidden_state=out.last_hidden_state, cache=out.cache,
+                                 hidden_states=out.hidden_states, attentions=out.attentions)
+
+    def training_objective(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                           attention_mask: torch.Tensor | None = None):
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------------------------
+    # generate (the block loop is `BlockLatentGenerationMixin`'s)
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _encode_prompt(self, input_ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        return self.model.encode_tokens(input_ids, real.long())
+
+    def _append_to_prior(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> None:
+        self.model(inputs_embeds=latents, attention_mask=attention_mask, cache=cache)
+
+    def _block_solver(self, options) -> FlowMatchEulerSampler:
+        """The ODE solver of one block: Euler steps from t = 1 to 0."""
+        return FlowMatchEulerSampler(options.num_inference_steps, shift=options.timestep_shift)
+
+    def _denoise_block(self, state: BlockDecodingState, noise: torch.Tensor, positions: torch.Tensor,
+                       conditional_mask: torch.Tensor) -> DenoisedBlock:
+        """Solve the block's ODE from noise, with the known positions held at their clean latents (repaint)."""
+        field = self.velocity_field_class(self, state, positions, conditional_mask)
+        solver = self._block_solver(state.options)
+        solver.set_timesteps(device=noise.device)
+        known_mask = None if state.known_mask is None else state.known_mask[..., None]
+        return DenoisedBlock(solver.solve(field, noise, state.known, known_mask), field.calls)
+
+
+__all__ = ["BlockLatentForCausalLM", "BlockLatentPreTrainedModel", "BlockVelocityField", "PriorInputs"]
