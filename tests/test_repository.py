@@ -38,3 +38,93 @@ def test_modeling_files_import_only_siblings_torch_and_transformers():
                     root = name.split(".")[0]
                     assert root in {"torch", "transformers", "math", "copy", "dataclasses", "typing", "__future__"}, \
                         f"{path.name} imports {name}"
+
+
+#: The package's layers, bottom first (docs/architecture.md). A module imports only from layers below its own, or
+#: from its own folder (training -> training); every import counts, function-local ones included.
+LAYERS = [("hf_latentlm.folders", "hf_latentlm.presets", "hf_latentlm.cards"), ("hf_latentlm.modeling",),
+          ("hf_latentlm.families",), ("hf_latentlm.loading",), ("hf_latentlm.training",), ("hf_latentlm.eval",),
+          ("hf_latentlm.hub", "hf_latentlm.recipes"), ("hf_latentlm.cli",)]
+
+
+def package_modules() -> dict[str, Path]:
+    files = sorted((ROOT / "hf_latentlm").rglob("*.py"))
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in files}
+
+
+def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules `name` imports anywhere in its file (module level or inside functions)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    for index, group in enumerate(LAYERS):
+        for prefix in group:
+            if module == prefix or module.startswith(prefix + "."):
+                return index, prefix
+    raise AssertionError(f"{module} belongs to no layer of LAYERS")
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    return {name: imported_modules(name, path, set(modules)) for name, path in modules.items()}
+
+
+def test_layers_import_only_downwards():
+    for module, imports in import_graph().items():
+        if module == "hf_latentlm":
+            continue
+        level, group = layer_of(module)
+        for target in imports:
+            if target == "hf_latentlm":
+                continue
+            target_level, target_group = layer_of(target)
+            same_folder = target_group == group and group not in LAYERS[0] + LAYERS[6]
+            assert target_level < level or same_folder, f"{module} (layer {level}) imports {target} ({target_level})"
+
+
+def test_no_import_circles_including_the_registrys_lazy_fields():
+    """No module reaches itself through imports; the registry's "module:attribute" fields (imported on read) point
+    at modules that never import the registry back."""
+    from hf_latentlm import families
+
+    graph = import_graph()
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo += graph.get(module, ())
+        return seen
+
+    for module in graph:
+        assert module not in reach(module), f"{module} imports itself through a circle"
+    for spec in families.FAMILIES.values():
+        for field in ("config_class", "model_class", "training_report", "response_scorer", "model_card"):
+            value = spec.__dict__.get(f"_{field}")  # a "module:attribute" string until first read
+            if value is None:
+                continue
+            target = value.partition(":")[0] if isinstance(value, str) else \
+                getattr(value, "__module__", None) or type(value).__module__
+            if target.startswith("hf_latentlm."):
+                assert target in graph and "hf_latentlm.families" not in reach(target) | {target}, \
+                    f"{spec.name}.{field} = {value!r} imports the registry back"
