@@ -10,20 +10,9 @@ TIME_SAMPLERS = ("logit_normal", "shifted", "uniform")
 
 
 class BlockLatentConfig(BackboneConfig):
-    r"""Base of `ColaConfig` and `AuroraConfig`. A family sets `sub_configs` (one entry: its component's config),
-    `component_config_name` (that entry's name) and `component_name` (the component in messages), and may widen
-    `time_samplers`.
-
-    Args (each family documents its defaults, which may differ from these):
-        block_size (`int`, 16): latent positions per block.
-        time_sampler (`str`, "logit_normal"): one of `time_samplers`, the training-time distribution of t;
-            time_loc / time_scale (`float`, 1.0 / 1.0) for "logit_normal", time_shift (`float`, 1.0) for the others.
-        history_dropout (`float`, 0.1): probability that a noisy block sees no clean history (trains the
-            unconditional branch of classifier-free guidance).
-        prompt_block_prob (`float`, 0.05): probability that a block's first k positions enter clean and unscored
-            (trains the repaint of a prompt that ends mid-block).
-        num_ode_steps (`int`, 16), cfg_scale (`float`, 7.0), decode_temperature (`float`, 0.0): generation defaults.
-    """
+    r"""Base of `ColaConfig` and `AuroraConfig`, whose docstrings describe the fields (a family may change their
+    defaults). A family sets `sub_configs` (its component's config), `component_config_name` (that entry's name)
+    and `component_name` (the component in messages), and may widen `time_samplers`."""
 
     component_config_name = ""
     component_name = "component"

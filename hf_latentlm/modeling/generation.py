@@ -412,7 +412,8 @@ class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
     - `_denoise_block(state, noise, positions, conditional_mask) -> DenoisedBlock`: solve the block from `noise`
       (the prior reads `state.prior_cache` only) and count the prior's evaluations.
     `network_names` maps the roles "prior", "encoder" and "decoder" to the names `calls_by_network` reports, and
-    `counted_modules()` (every block-latent family runs three networks) names their modules.
+    `counted_modules()` names their modules. `modeling_block_latent.BlockLatentForCausalLM` implements all but
+    `_decode_latents`.
     """
 
     network_names: ClassVar[dict[str, str]] = {"prior": "prior", "encoder": "encoder", "decoder": "decoder"}
@@ -474,19 +475,6 @@ class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
         # Row b's new tokens are the block's positions from first_new_b on, moved to the front.
         index = (state.first_new[:, None] + torch.arange(Q, device=device)[None]).clamp(max=Q - 1)
         return DecodingStep(tokens.gather(1, index), counts=Q - state.first_new, model_calls=calls)
-
-    def _encode_prompt(self, input_ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _append_to_prior(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> None:
-        raise NotImplementedError
-
-    def _decode_latents(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _denoise_block(self, state: BlockDecodingState, noise: torch.Tensor, positions: torch.Tensor,
-                       conditional_mask: torch.Tensor) -> DenoisedBlock:
-        raise NotImplementedError
 
 
 __all__ = ["BlockAlignedPrompts", "BlockDecodingState", "BlockLatentGenerationOptions", "BlockLatentGenerationMixin", "DecodingStep", "DenoisedBlock", "GenerateOutput", "GenerationOptions", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",

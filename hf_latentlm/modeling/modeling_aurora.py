@@ -521,7 +521,6 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentForCausalLM):
 
     def __init__(self, config: AuroraConfig):
         super().__init__(config)
-        self.model = AuroraModel(config)
         self.ema_denoiser = AuroraDenoiser(config) if config.uses_consistency else None
         self.register_buffer("optimizer_steps", torch.zeros((), dtype=torch.long))
         self.post_init()
@@ -561,9 +560,6 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentForCausalLM):
         the model (or the checkpoint it resumes) already has them."""
         if not bool(self.model.autoencoder.has_latent_statistics):
             self.estimate_latent_statistics(train_rows)
-
-    def counted_modules(self) -> list[nn.Module]:
-        return [self.model, self.model.autoencoder.encoder, self.model.autoencoder.decoder]
 
     @torch.no_grad()
     def on_optimizer_step(self) -> None:

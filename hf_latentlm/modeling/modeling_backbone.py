@@ -42,18 +42,20 @@ def embedded_config(component_config):
 
 
 def composite_config(config_class, field: str, component_config, config=None, validate: str | None = None,
-                     component_name: str = "component", **config_kwargs):
-    """The config of a model built around a trained component (Cola's VAE, AURORA's autoencoder): `config` (a copy)
-    or `config_class(**config_kwargs)` with the component's config embedded (`embedded_config`) as `field`. A given
-    config whose vocab_size disagrees with the component's is refused; `validate` names its method that re-checks it
-    after the component config is set."""
+                     component_name: str = "component", shared: tuple[str, ...] = ("vocab_size",), **config_kwargs):
+    """The config of a model built around a trained component (CALM's and AURORA's autoencoders, Cola's VAE):
+    `config` (a copy) or `config_class(**config_kwargs)` with the component's config embedded (`embedded_config`) as
+    `field`. The `shared` fields default to the component's; a given config that disagrees on one is refused.
+    `validate` names its method that re-checks it after the component config is set."""
     embedded = embedded_config(component_config)
     if config is None:
-        config_kwargs.setdefault("vocab_size", embedded.vocab_size)
+        for name in shared:
+            config_kwargs.setdefault(name, getattr(embedded, name))
         return config_class(**config_kwargs, **{field: embedded})
-    if embedded.vocab_size != config.vocab_size:
-        raise ValueError(f"the {component_name}'s vocab_size ({embedded.vocab_size}) disagrees with the "
-                         f"{config_class.__name__}'s vocab_size ({config.vocab_size})")
+    for name in shared:
+        if getattr(embedded, name) != getattr(config, name):
+            raise ValueError(f"the {component_name}'s {name} ({getattr(embedded, name)}) disagrees with the "
+                             f"{config_class.__name__}'s {name} ({getattr(config, name)})")
     config = copy.deepcopy(config)
     setattr(config, field, embedded)
     if validate is not None:
@@ -106,30 +108,27 @@ def scored_positions(labels: torch.Tensor, attention_mask: torch.Tensor | None) 
 
 
 class TrainingHooks:
-    """What hf_latentlm's training loop and evaluation harness call on a model besides `forward`, with the defaults
-    (nothing to do). Every family's model has them (`BackbonePreTrainedModel`) and overrides the ones it needs;
-    `training_hooks(model)` gives them for any model."""
+    """What the training loop and the evaluation harness call on a model besides `forward`, with their defaults.
+    Every family has them (`BackbonePreTrainedModel`); `training_hooks(model)` gives them for any model."""
 
     def prepare_training(self, train_rows: torch.Tensor) -> None:
-        """Called once before the first training step with (up to 64 of) the training rows [N, L], for state a
-        model estimates from data (AURORA's latent statistics)."""
+        """Once before the first step, with (up to 64) training rows [N, L] (AURORA: its latent statistics)."""
 
     def on_optimizer_step(self) -> None:
-        """Called after every optimizer step, for state a model moves with training (AURORA's EMA copy)."""
+        """After every optimizer step (AURORA: its step count and EMA copy)."""
 
     def parameter_learning_rate_scales(self) -> dict[str, float]:
-        """Parameter-name prefix -> learning-rate multiplier for the optimizer (Cola's VAE:DiT ratio); none here."""
+        """Parameter-name prefix -> learning-rate multiplier for the optimizer (Cola: the VAE's)."""
         return {}
 
     def counted_modules(self) -> list[torch.nn.Module]:
-        """The modules whose forward calls are the network evaluations `generate()` reports (the evaluation harness
-        hooks them): the model itself, unless a family runs several networks."""
+        """The modules whose forward calls are the network evaluations `generate()` reports: the model itself,
+        unless a family runs several networks."""
         return [self]
 
 
 class DefaultTrainingHooks(TrainingHooks):
-    """The default hooks for a model that has none (a plain transformers model, such as the AR baseline's
-    `LlamaForCausalLM`)."""
+    """The hooks of a model without them (a plain transformers model: the AR baseline's `LlamaForCausalLM`)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -139,7 +138,6 @@ class DefaultTrainingHooks(TrainingHooks):
 
 
 def training_hooks(model) -> TrainingHooks:
-    """The object to call the training hooks on: `model` itself where it has them, else `DefaultTrainingHooks`."""
     # Asked by attribute, not by class: a PEFT wrapper passes attribute reads on to the model it wraps.
     return model if hasattr(model, "on_optimizer_step") else DefaultTrainingHooks(model)
 

@@ -1,12 +1,8 @@
-"""The base of the block-latent families (Cola DLM, AURORA-LM): a trained text component (Cola's VAE, AURORA's
+"""What the block-latent families (Cola DLM, AURORA-LM) share: a trained text component (Cola's VAE, AURORA's
 autoencoder) with one latent per token, and a prior over blocks of `config.block_size` latents, bidirectional inside
-a block and causal across blocks (`configuration_block_latent.BlockLatentConfig`).
-
-- `BlockLatentPreTrainedModel`: what a family's base model (`ColaModel`, `AuroraModel`) and language model share:
-  the component, whose token embedding is the model's, and the input preamble of the base model's forward.
-- `BlockLatentForCausalLM`: the language model's labels-dispatching `forward`, `from_component`, the frozen modules
-  and the generation steps of `generation.BlockLatentGenerationMixin` that both families take the same way.
-- `BlockVelocityField`: the base of the callable an ODE solver integrates over one block in `generate()`.
+a block and causal across blocks (`BlockLatentConfig`). `BlockLatentPreTrainedModel` is the base of a family's base
+model and language model, `BlockLatentForCausalLM` of its language model, `BlockVelocityField` of the callable an
+ODE solver integrates over one block in `generate()`.
 
 Copied into Hub checkpoints, so torch and transformers only.
 """
@@ -28,8 +24,7 @@ from .modeling_backbone import BackbonePreTrainedModel, check_backbone_inputs, c
 
 
 class PriorInputs(NamedTuple):
-    """One pass of the prior, resolved by `BlockLatentPreTrainedModel.prior_inputs`: latents [B, T, D], their times
-    [B, T], positions [B, T], the bool attention mask [B or 1, 1, T, cached + T] and the cache (None without one)."""
+    """One pass of the prior (`prior_inputs`); mask: bool [B or 1, 1, T, cached + T]."""
 
     latents: torch.Tensor
     timesteps: torch.Tensor
@@ -39,9 +34,8 @@ class PriorInputs(NamedTuple):
 
 
 class BlockVelocityField:
-    """What an ODE solver integrates over one block in `generate()`: `field(x, t)` -> velocity, for the block's state
-    x [B, Q, D] at solver time t (0-dim). This base holds what both families read from the decoding state and
-    counts the prior's evaluations in `calls`; a family's subclass implements `__call__`."""
+    """`field(x, t)` -> velocity of the block's state x [B, Q, D] at solver time t (0-dim), implemented by a family's
+    subclass. This base holds what both families read from the decoding state, and counts prior evaluations."""
 
     def __init__(self, model: BlockLatentForCausalLM, state: BlockDecodingState, positions: torch.Tensor,
                  conditional_mask: torch.Tensor):
@@ -62,19 +56,15 @@ class BlockVelocityField:
         return times if self.known_mask is None else torch.where(self.known_mask, 0.0, times)
 
     def guide(self, conditional: torch.Tensor, unconditional: torch.Tensor) -> torch.Tensor:
-        """Classifier-free guidance at `guidance_scale`. A row without history would get the same prediction from
-        both branches: it keeps the conditional one exactly."""
+        """CFG at `guidance_scale`; a row without history (both branches alike) keeps the conditional exactly."""
         guided = classifier_free_guidance(conditional, unconditional, self.options.guidance_scale)
         return torch.where(self.has_history, guided, conditional)
 
-    def __call__(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
 
 class BlockLatentPreTrainedModel(BackbonePreTrainedModel):
-    """A family sets `config_class` (a `BlockLatentConfig`), `component_class` (its component's model class) and
-    `component_attribute` (the component's attribute in the base model); its base model implements
-    `encode_tokens`."""
+    """A family sets `config_class`, `component_class` (its component's model class) and `component_attribute` (the
+    component's attribute in the base model); its base model implements `encode_tokens(input_ids, attention_mask,
+    cache) -> [B, T, D]`, the latents the prior sees for tokens."""
 
     component_class: ClassVar[type]
     component_attribute: ClassVar[str]
@@ -91,21 +81,14 @@ class BlockLatentPreTrainedModel(BackbonePreTrainedModel):
     def set_input_embeddings(self, value):
         self.component.set_input_embeddings(value)
 
-    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      cache=None) -> torch.Tensor:
-        """The base model's: the latents [B, T, D] the prior sees for tokens [B, T] (attention_mask and cache as the
-        component's encoder takes them)."""
-        raise NotImplementedError
-
     def prior_inputs(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
                      position_ids: torch.Tensor | None, cache: DynamicCache | None,
                      inputs_embeds: torch.Tensor | None, use_cache: bool | None, timesteps: torch.Tensor | None,
                      kwargs: dict) -> PriorInputs:
-        """The start of the base model's forward: check the arguments; make the cache `use_cache` asks for; encode
-        `input_ids` with the component (its encoder's keys go into the same cache, after the prior's layers) unless
-        the latents come as `inputs_embeds`; default the times to 0 (clean); and lay out positions and the
-        block-causal mask from a 2-D `attention_mask` (left padding; blocks counted from each row's first real
-        token), or take a ready 4-D bool mask with its `position_ids`."""
+        """The start of the base model's forward: the checks, the cache, the latents (`input_ids` encoded, the
+        encoder's keys in the same cache after the prior's layers, or `inputs_embeds`), times (default 0: clean),
+        and positions and mask from a 2-D `attention_mask` (left padding; blocks counted from each row's first real
+        token) or a ready 4-D bool mask with its `position_ids`."""
         check_backbone_inputs(self.config, input_ids, inputs_embeds, kwargs)
         check_forward_kwargs(self, kwargs)
         batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
@@ -131,19 +114,23 @@ class BlockLatentPreTrainedModel(BackbonePreTrainedModel):
 
 
 class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMixin):
-    """The language model of a block-latent family, `self.model` its base model. A family sets, besides
-    `base_model_class`, `generation_options_class` and `network_names`: `output_class` (the ModelOutput of
-    `forward`) and `velocity_field_class` (a `BlockVelocityField`); it implements `training_objective`,
-    `counted_modules` and `_decode_latents`, and names the modules that never train in `frozen_modules`."""
+    """`self.model` is the base model (`base_model_class`). A family sets, besides `generation_options_class` and
+    `network_names`, `output_class` (of `forward`) and `velocity_field_class`; it implements
+    `training_objective(input_ids, labels, attention_mask)` and `_decode_latents`, and may name `frozen_modules`.
+    Its component has an `encoder` and a `decoder`."""
 
     output_class: ClassVar[type]
     velocity_field_class: ClassVar[type]
 
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = self.base_model_class(config)
+
     @classmethod
     def from_component(cls, component, config=None, **config_kwargs):
-        """A fresh model whose component starts as a copy of `component` (a trained `component_class` model or its
-        folder). `config` (or `config_kwargs` for a new config) must agree with it (vocab_size, and what the family
-        checks in `validate_component`); the component's config is embedded without its path."""
+        """A fresh model around a copy of `component` (a trained `component_class` model or its folder). `config`
+        (or `config_kwargs` for a new one) must agree with it (`validate_component`); its config is embedded
+        without its path."""
         if not isinstance(component, cls.component_class):
             component = cls.component_class.from_pretrained(component)
         config_class = cls.config_class
@@ -174,6 +161,10 @@ class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMi
     def get_output_embeddings(self):
         return None  # the prior has no softmax over tokens (the decoder's read-out is not a next-token head)
 
+    def counted_modules(self) -> list[nn.Module]:
+        """The networks of `network_names`, in that order."""
+        return [self.model, self.component.encoder, self.component.decoder]
+
     @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -194,10 +185,6 @@ class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMi
         return self.output_class(last_hidden_state=out.last_hidden_state, cache=out.cache,
                                  hidden_states=out.hidden_states, attentions=out.attentions)
 
-    def training_objective(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                           attention_mask: torch.Tensor | None = None):
-        raise NotImplementedError
-
     # ------------------------------------------------------------------------------------------------------------
     # generate (the block loop is `BlockLatentGenerationMixin`'s)
     # ------------------------------------------------------------------------------------------------------------
@@ -209,12 +196,10 @@ class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMi
         self.model(inputs_embeds=latents, attention_mask=attention_mask, cache=cache)
 
     def _block_solver(self, options) -> FlowMatchEulerSampler:
-        """The ODE solver of one block: Euler steps from t = 1 to 0."""
         return FlowMatchEulerSampler(options.num_inference_steps, shift=options.timestep_shift)
 
     def _denoise_block(self, state: BlockDecodingState, noise: torch.Tensor, positions: torch.Tensor,
                        conditional_mask: torch.Tensor) -> DenoisedBlock:
-        """Solve the block's ODE from noise, with the known positions held at their clean latents (repaint)."""
         field = self.velocity_field_class(self, state, positions, conditional_mask)
         solver = self._block_solver(state.options)
         solver.set_timesteps(device=noise.device)

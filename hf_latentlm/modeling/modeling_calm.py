@@ -11,7 +11,6 @@ Two models:
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -52,9 +51,9 @@ from .layers import (
 )
 from .modeling_backbone import (
     BackbonePreTrainedModel,
-    embedded_config,
     check_backbone_inputs,
     check_forward_kwargs,
+    composite_config,
     refuse_vocab_resize,
 )
 
@@ -528,18 +527,8 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         chunk_size; the autoencoder's config is embedded (without its path) and its weights copied in."""
         if not isinstance(autoencoder, CALMAutoencoder):
             autoencoder = CALMAutoencoder.from_pretrained(autoencoder)
-        ae_config = embedded_config(autoencoder.config)
-        if config is None:
-            config_kwargs.setdefault("vocab_size", ae_config.vocab_size)
-            config_kwargs.setdefault("chunk_size", ae_config.chunk_size)
-            config = CALMConfig(**config_kwargs, autoencoder_config=ae_config)
-        else:
-            for name in ("vocab_size", "chunk_size"):
-                if getattr(ae_config, name) != getattr(config, name):
-                    raise ValueError(f"the autoencoder's {name} ({getattr(ae_config, name)}) disagrees with the CALM "
-                                     f"config's {name} ({getattr(config, name)})")
-            config = copy.deepcopy(config)
-            config.autoencoder_config = ae_config
+        config = composite_config(CALMConfig, "autoencoder_config", autoencoder.config, config,
+                                  component_name="autoencoder", shared=("vocab_size", "chunk_size"), **config_kwargs)
         model = cls(config)
         model.autoencoder.load_state_dict(autoencoder.state_dict())
         return model

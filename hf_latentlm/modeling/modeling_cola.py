@@ -453,7 +453,6 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
 
     def __init__(self, config: ColaConfig):
         super().__init__(config)
-        self.model = ColaModel(config)
         self.velocity_head = VelocityHead(config.hidden_size, config.latent_size)
         self.reference_encoder = None
         if config.trains_vae and config.reference_kl_weight > 0:
@@ -480,9 +479,6 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
         super().load_component(component)
         if self.reference_encoder is not None:
             self.reference_encoder.load_state_dict(component.encoder.state_dict())
-
-    def counted_modules(self) -> list[nn.Module]:
-        return [self.model, self.model.vae.encoder, self.model.vae.decoder]
 
     def parameter_learning_rate_scales(self) -> dict[str, float]:
         """Parameter-name prefix -> learning-rate multiplier, read by the training loop's optimizer: the VAE trains
