@@ -13,6 +13,8 @@ from hf_latentlm.cli import main
     (["generate", "--model", "/nonexistent/folder", "--prompt", "hi"], "does not exist"),
     (["eval", "--model", "/nonexistent/folder"], "does not exist"),
     (["bench", "--model", "no-equals-sign"], "NAME=DIR"),
+    (["bench", "--model", "ar=x", "--sweep", "ar-top_k=4"], "MODEL:KEY=V1,V2"),
+    (["bench", "--model", "ar=x", "--sweep", "plm:k_pred=2"], "no model 'plm'"),
     (["train", "--family", "plm", "--output-dir", "x", "--config", "block_sise=4"], "no field(s) ['block_sise']"),
     (["train", "--output-dir", "x", "--config", "no-equals-sign"], "expected KEY=VALUE"),
 ])
@@ -148,6 +150,56 @@ def test_bench_writes_json_and_table_with_ratios(tmp_path, run_cli, tokenizer):
     assert report["models"]["ar2"]["speed"]["batch_8"]["model_calls_per_token"] == pytest.approx(1.0)
     table = (tmp_path / "b.md").read_text()
     assert table.count("\n| ar") == 2 and "BrierLM-2" in table and table in stdout
+    assert "extras" not in report  # asked for none
+
+
+def test_bench_extras_measure_each_model_further_next_to_the_baseline(tmp_path, run_cli, tokenizer, monkeypatch):
+    """--extras (the family's decodings and measurements), --sweep, --train-steps and --profile: every row is there,
+    with the options it says, and the ratios divide by the baseline."""
+    import torch
+
+    from hf_latentlm.eval.family_bench import FAMILY_BENCH, plm_measurements
+    from hf_latentlm.families import build_model
+
+    # PLM's measurements on 4 rows of the stream, not 64: the fit at every position is what costs.
+    monkeypatch.setitem(FAMILY_BENCH["plm"], "measurements", lambda m, b, stream: plm_measurements(m, b, stream[:1024]))
+    # ... and no NLL pass over the whole split in the side-by-side table (tested above with AR models).
+    monkeypatch.setattr("hf_latentlm.eval.harness.has_likelihood", lambda model: False)
+
+    for family in ("ar", "plm"):
+        torch.manual_seed(0)
+        build_model(family, "tiny", tokenizer).save_pretrained(tmp_path / family)
+        tokenizer.save_pretrained(tmp_path / family)
+    code, stdout, _ = run_cli("bench", "--model", f"ar={tmp_path / 'ar'}", "--model", f"plm={tmp_path / 'plm'}",
+                              "--num-positions", "16", "--sweep-positions", "16", "--repeats", "1",
+                              "--max-new-tokens", "8", "--extras", "--sweep", "plm:k_pred=2",
+                              "--sweep", "ar:temperature=0.5", "--train-steps", "1", "--train-preset", "tiny",
+                              "--profile", "--output", str(tmp_path / "b.json"), "--markdown", str(tmp_path / "b.md"))
+    assert code == 0
+    extras = json.loads((tmp_path / "b.json").read_text())["extras"]
+    plm, ar = extras["models"]["plm"], extras["models"]["ar"]
+    assert list(plm["decodings"]) == ["default", *FAMILY_BENCH["plm"]["decodings"], "k_pred=2"]
+    assert plm["decodings"]["k_pred=2"]["generate_kwargs"] == {"k_pred": 2}
+    assert plm["decodings"]["nucleus acceptance"]["generate_kwargs"] == {"acceptance": "nucleus"}
+    # The AR baseline has no family extras, only its sweep; at one call per token.
+    assert list(ar["decodings"]) == ["default", "temperature=0.5"] and "measurements" not in ar
+    assert ar["decodings"]["temperature=0.5"]["speed"]["batch_1"]["model_calls_per_token"] == pytest.approx(1.0)
+    for row in plm["decodings"].values():
+        speed, ratio = row["speed"], row["ratio_to_baseline"]
+        assert speed["batch_8"]["batch_size"] == 8 and speed["batch_1"]["new_tokens_per_row"] == 8
+        assert row["brier"]["num_positions"] == 16
+        for b in (1, 8):
+            assert ratio[f"batch_{b}"] == pytest.approx(speed[f"batch_{b}"]["tokens_per_s"]
+                                                        / row["baseline_speed"][f"batch_{b}"]["tokens_per_s"])
+    assert set(plm["measurements"]) == {"validation", "sampler"}
+    assert 0 <= plm["measurements"]["sampler"]["sampler_vs_softmax_tv"] <= 1
+    assert ar["training"]["tokens_per_s_over_baseline"] == 1.0
+    assert plm["training"]["tokens_per_s_over_baseline"] == pytest.approx(
+        plm["training"]["tokens_per_s"] / ar["training"]["tokens_per_s"])
+    assert "generate" in plm["profile"]["text"] and extras["git"]["commit"]
+    table = (tmp_path / "b.md").read_text()
+    assert table in stdout and "plm: decoding settings" in table and "| k_pred=2 |" in table
+    assert "Training step time" in table and "plm: family measurements" in table
 
 
 @pytest.fixture(scope="module")

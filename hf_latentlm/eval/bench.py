@@ -3,14 +3,21 @@
 Absolute speed on shared machines drifts, so the headline is each model's ratio to the
 baseline measured in the same run: tokens/s at batch 1 and batch 8 (same prompts, same number
 of new tokens; the baseline is timed again next to each model), model calls per token, and
-quality (BrierLM-2, NLL, MAUVE).
+quality (BrierLM-2, NLL, MAUVE). `bench_extras` measures each model further in the same process: other decoding
+settings (its family's, `family_bench.py`, and sweeps of one `generate()` option), the family's own measurements,
+training step time and a profile of `generate()`.
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
 import platform
+import pstats
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,9 +26,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..loading import load_model_and_tokenizer
-from .harness import evaluate_model, split_stream
+from ..presets import get_preset
+from .brier import evaluate_brier
+from .family_bench import family_bench
+from .harness import evaluate_model, nll_rows, split_stream
 from .sampling import evaluation_windows
-from .speed import speed_versus_baseline
+from .speed import fresh_training_step_time, speed_versus_baseline
 
 
 def named_models(items: list[str]) -> dict[str, str]:
@@ -96,34 +106,185 @@ def _safe_ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-def _fmt_ci(entry: dict, digits: int) -> str:
+def format_ci(entry: dict, digits: int) -> str:
+    """A value with its 95% interval, marked (≈0) when the interval contains 0."""
     mark = " (≈0)" if entry["interval_contains_zero"] else ""
     return f"{entry['value']:.{digits}f} [{entry['ci_low']:.{digits}f}, {entry['ci_high']:.{digits}f}]{mark}"
 
 
-def markdown_table(report: dict) -> str:
+def markdown_table(head: list[str], rows: list[list]) -> str:
+    """A Markdown table: the header cells, the rule, one line per row of cells."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows]) + "\n"
+
+
+def bench_table(report: dict) -> str:
     """One row per model: speed, calls/token, ratios, quality with intervals."""
-    head = ("| model | params | tok/s b1 | tok/s b8 | calls/token | speed×AR b1 | speed×AR b8 | NLL | "
-            "Brier-1 | Brier-2 | Brier-3 | Brier-4 | BrierLM-2 | MAUVE |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    head = ["model", "params", "tok/s b1", "tok/s b8", "calls/token", "speed×AR b1", "speed×AR b8", "NLL",
+            "Brier-1", "Brier-2", "Brier-3", "Brier-4", "BrierLM-2", "MAUVE"]
+    rows = []
     for name, row in report["models"].items():
         s, b, r = row["speed"], row["brier"], row["ratio_to_baseline"]
-        nll = f"{row['nll']['nll']:.3f}" if "nll" in row else "—"
-        mauve = f"{row['mauve']['mauve']:.3f}" if "mauve" in row else "—"
-        lines.append(
-            f"| {name} | {row['num_parameters'] / 1e6:.2f}M | {s['batch_1']['tokens_per_s']:.0f} | "
-            f"{s['batch_8']['tokens_per_s']:.0f} | {s['batch_1']['model_calls_per_token']:.2f} | "
-            f"{r['tokens_per_s_batch_1']:.2f} | {r['tokens_per_s_batch_8']:.2f} | {nll} | "
-            + " | ".join(_fmt_ci(b[f"brier_{n}"], 4) for n in range(1, 5))
-            + f" | {_fmt_ci(b['brierlm_2'], 2)} | {mauve} |")
-    return "\n".join(lines) + "\n"
+        rows.append([name, f"{row['num_parameters'] / 1e6:.2f}M", f"{s['batch_1']['tokens_per_s']:.0f}",
+                     f"{s['batch_8']['tokens_per_s']:.0f}", f"{s['batch_1']['model_calls_per_token']:.2f}",
+                     f"{r['tokens_per_s_batch_1']:.2f}", f"{r['tokens_per_s_batch_8']:.2f}",
+                     f"{row['nll']['nll']:.3f}" if "nll" in row else "—",
+                     *(format_ci(b[f"brier_{n}"], 4) for n in range(1, 5)), format_ci(b["brierlm_2"], 2),
+                     f"{row['mauve']['mauve']:.3f}" if "mauve" in row else "—"])
+    return markdown_table(head, rows)
 
 
 def write_report(report: dict, json_path: str | os.PathLike, markdown_path: str | os.PathLike | None = None) -> str:
-    table = markdown_table(report)
+    table = bench_table(report) + (extras_markdown(report["extras"]) if "extras" in report else "")
     json_path = Path(json_path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=1) + "\n")
     if markdown_path:
         Path(markdown_path).write_text(table)
     return table
+
+
+# ====================================================================================================================
+# Extras: what one model does beyond the side-by-side table (`hf-latentlm bench --extras / --sweep / --train-steps /
+# --profile`), each model measured next to the baseline in the same process.
+# ====================================================================================================================
+
+def parse_sweeps(items: list[str], models: dict[str, str]) -> dict[str, dict[str, dict]]:
+    """`--sweep MODEL:KEY=V1,V2,...` items -> {model: {"KEY=V": {KEY: V}}}, each value read as JSON (a bare word as
+    text); refused with one line when malformed or naming a model not among `models`."""
+    sweeps = {}
+    for item in items:
+        model, sep, rest = item.partition(":")
+        key, eq, values = rest.partition("=")
+        if not (sep and eq and model and key and values):
+            raise ValueError(f"--sweep expects MODEL:KEY=V1,V2,..., got {item!r}")
+        if model not in models:
+            raise ValueError(f"--sweep {item!r}: no model {model!r} among {sorted(models)}")
+        sweeps.setdefault(model, {}).update({f"{key}={v}": {key: _json_or_text(v)} for v in values.split(",")})
+    return sweeps
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def decoding_row(model, baseline, stream, prompts, options: dict, positions: int, new_tokens: int, repeats: int,
+                 seed: int) -> dict:
+    """Speed at batch 1 and 8 next to the baseline (with calls per token by network where the family has several)
+    and BrierLM-2 of `model` under the `generate()` options."""
+    speed = speed_versus_baseline(model, baseline, prompts, (1, 8), new_tokens, repeats, seed,
+                                  {**options, "return_dict_in_generate": True})
+    return {"generate_kwargs": options, "speed": speed["model"], "baseline_speed": speed["baseline"],
+            "ratio_to_baseline": speed["ratio"],
+            "brier": evaluate_brier(model, stream, positions, seed=seed, generate_kwargs=options)}
+
+
+@torch.no_grad()
+def profile_generate(model, prompt: torch.Tensor, new_tokens: int, top: int = 15) -> dict:
+    """cProfile of one batch-1 `generate()` (the model's defaults, EOS ignored) after a warm-up run: the top `top`
+    functions by cumulative time. torch ops show as builtins, so their tottime is arithmetic (plus dispatch) and the
+    rest of a Python function's cumulative time is its overhead."""
+    kwargs = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": new_tokens, "eos_token_id": None}
+    model.generate(prompt, **kwargs)
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.runcall(model.generate, prompt, **kwargs)
+    wall = time.perf_counter() - start
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
+    # Paths relative to the repository or to site-packages.
+    text = re.sub(r"\S*/site-packages/", "", text.getvalue().replace(str(Path.cwd()) + "/", ""))
+    return {"new_tokens": new_tokens, "wall_s": wall, "text": text}
+
+
+def git_state() -> dict:
+    """The commit of the imported package and its files that differed from it when the run started."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=root).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "modified": git("status", "--porcelain", "--", "hf_latentlm").splitlines()}
+
+
+def bench_extras(models: dict[str, str], baseline: str, sweeps: dict[str, dict[str, dict]] | None = None,
+                 family_extras: bool = False, train_steps: int = 0, train_preset: str = "small",
+                 profile: bool = False, sweep_positions: int = 500, max_new_tokens: int = 64, repeats: int = 3,
+                 seed: int = 0) -> dict:
+    """Per model (name -> folder): decoding rows (`decoding_row`) for each `generate()` setting of `sweeps` (model
+    name -> label -> options) and, with `family_extras`, of its family's bench decodings, plus the family's own
+    measurements; the training step time of a copy of every model (`train_steps` > 0; rows and batch of
+    `train_preset`); a cProfile of one batch-1 `generate()` (`profile`)."""
+    sweeps = sweeps or {}
+    base, tokenizer = load_model_and_tokenizer(models[baseline])
+    base.eval()
+    stream = split_stream(tokenizer, "validation")
+    prompts, _ = evaluation_windows(stream, 8, 64, 1)
+    if train_steps:
+        preset = get_preset(train_preset)
+        train_rows = nll_rows(split_stream(tokenizer, "train"), preset.seq_len)
+    result = {"settings": {"sweep_positions": sweep_positions, "max_new_tokens": max_new_tokens, "repeats": repeats,
+                           "train_steps": train_steps, "train_preset": train_preset},
+              "git": git_state(), "models": {}}
+    for name, path in models.items():
+        model = base if name == baseline else load_model_and_tokenizer(path)[0].eval()
+        extras = family_bench(model) if family_extras else {}
+        row = {}
+        decodings = {**extras.get("decodings", {}), **sweeps.get(name, {})}
+        if decodings:
+            decodings = {"default": {}, **decodings}
+            row["decodings"] = {label: decoding_row(model, base, stream, prompts, options, sweep_positions,
+                                                    max_new_tokens, repeats, seed)
+                                for label, options in decodings.items()}
+        if "measurements" in extras:
+            row["measurements"] = extras["measurements"](model, base, stream)
+        if train_steps:
+            row["training"] = fresh_training_step_time(model, train_rows, train_steps, preset.batch_size)
+        if profile:
+            row["profile"] = profile_generate(model, prompts[:1], max_new_tokens)
+        result["models"][name] = row
+        del model
+    if train_steps:
+        reference = result["models"][baseline]["training"]["tokens_per_s"]
+        for row in result["models"].values():
+            row["training"]["tokens_per_s_over_baseline"] = row["training"]["tokens_per_s"] / reference
+    return result
+
+
+def extras_markdown(extras: dict) -> str:
+    """The Markdown of `bench_extras`: a decoding table per model, the training step times, each family's own
+    measurements (JSON) and the profiles."""
+    out = []
+    for name, row in extras["models"].items():
+        if "decodings" in row:
+            table = []
+            for label, d in row["decodings"].items():
+                s, r = d["speed"], d["ratio_to_baseline"]
+                by_network = s["batch_1"].get("calls_per_token_by_network", {})
+                table.append([label, f"{s['batch_1']['model_calls_per_token']:.3f}",
+                              " / ".join(f"{k} {v:.3f}" for k, v in by_network.items()) or "—",
+                              f"{s['batch_1']['tokens_per_s']:.0f}", f"{s['batch_8']['tokens_per_s']:.0f}",
+                              f"{r['batch_1']:.2f}", f"{r['batch_8']:.2f}", format_ci(d["brier"]["brierlm_2"], 2)])
+            out += [f"\n{name}: decoding settings (BrierLM-2 on {extras['settings']['sweep_positions']} positions; "
+                    f"calls per generated token at batch 1, prefill included):\n",
+                    markdown_table(["decoding", "calls/token", "by network", "tok/s b1", "tok/s b8", "×baseline b1",
+                                    "×baseline b8", "BrierLM-2"], table)]
+    trained = {name: row["training"] for name, row in extras["models"].items() if "training" in row}
+    if trained:
+        out += [f"\nTraining step time, copies of the models, `{extras['settings']['train_preset']}` batches:\n",
+                markdown_table(["model", "s/step", "tokens/s", "×baseline tokens/s"],
+                               [[n, f"{t['seconds_per_step']:.3f}", f"{t['tokens_per_s']:.0f}",
+                                 f"{t['tokens_per_s_over_baseline']:.2f}"] for n, t in trained.items()])]
+    for name, row in extras["models"].items():
+        if "measurements" in row:
+            out.append(f"\n{name}: family measurements\n```json\n{json.dumps(row['measurements'], indent=1)}\n```")
+        if "profile" in row:
+            p = row["profile"]
+            out.append(f"\n{name}: cProfile of one batch-1 generate() ({p['new_tokens']} new tokens, {p['wall_s']:.2f} s "
+                       f"under the profiler), top by cumulative time:\n```\n{p['text'].strip()}\n```")
+    if extras["git"]["modified"]:
+        out.append(f"\nThe package differed from commit {extras['git']['commit'][:10]}: {extras['git']['modified']}")
+    return "\n".join(out) + "\n"

@@ -57,6 +57,15 @@ def summarize_brier(terms: torch.Tensor, num_bootstrap: int = 1000, seed: int = 
     return result
 
 
+def batch_starts(total: int, batch_size: int, progress: bool, desc: str):
+    """range(0, total, batch_size), shown as a progress bar named `desc` when `progress`."""
+    starts = range(0, total, batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+        starts = tqdm(starts, desc=desc, dynamic_ncols=True)
+    return starts
+
+
 def evaluate_brier(model, stream: torch.Tensor, num_positions: int = 20000, context_len: int = 128,
                    batch_size: int = 64, seed: int = 0, num_bootstrap: int = 1000, progress: bool = False,
                    generate_kwargs: dict | None = None) -> dict:
@@ -68,11 +77,7 @@ def evaluate_brier(model, stream: torch.Tensor, num_positions: int = 20000, cont
     """
     contexts, targets = evaluation_windows(stream, num_positions, context_len, MAX_N)
     all_terms = []
-    batches = range(0, len(contexts), batch_size)
-    if progress:
-        from tqdm.auto import tqdm
-        batches = tqdm(batches, desc="brier", dynamic_ncols=True)
-    for i, start in enumerate(batches):
+    for i, start in enumerate(batch_starts(len(contexts), batch_size, progress, "brier")):
         ctx = contexts[start:start + batch_size]
         draws = sample_continuations(model, torch.cat([ctx, ctx]), MAX_N, seed=seed * 1_000_003 + i,
                                      generate_kwargs=generate_kwargs)

@@ -10,7 +10,7 @@ import torch
 
 from ..training.corpus import load_corpus_documents
 from ..training.data import token_stream
-from .brier import evaluate_brier
+from .brier import batch_starts, evaluate_brier
 from .nll import evaluate_nll, has_likelihood
 from .sampling import evaluation_windows, sample_continuations
 
@@ -33,11 +33,7 @@ def generate_mauve_texts(model, tokenizer, stream: torch.Tensor, num_samples: in
     `generate_kwargs`: extra `generate()` options, merged over the unbiased-sampling defaults."""
     prompts, human = evaluation_windows(stream, num_samples, prompt_len, continuation_len)
     model_texts = []
-    batches = range(0, len(prompts), batch_size)
-    if progress:
-        from tqdm.auto import tqdm
-        batches = tqdm(batches, desc="mauve samples", dynamic_ncols=True)
-    for i, start in enumerate(batches):
+    for i, start in enumerate(batch_starts(len(prompts), batch_size, progress, "mauve samples")):
         draws = sample_continuations(model, prompts[start:start + batch_size], continuation_len, seed=seed * 7919 + i,
                                      generate_kwargs=generate_kwargs)
         model_texts += tokenizer.batch_decode(draws, skip_special_tokens=True)

@@ -46,19 +46,3 @@ def sampler_total_variation(model, rows: torch.Tensor, batch_size: int = 8) -> d
         fit.append(fit_tv)
     return {"sampler_vs_softmax_tv": float(torch.cat(sampler).mean()), "fit_tv": float(torch.cat(fit).mean())}
 
-
-def fresh_training_step_time(family: str, preset: str, tokenizer, rows: torch.Tensor, steps: int,
-                             batch_size: int | None = None, **overrides) -> dict:
-    """`training_step_time` of a fresh `family` model at `preset` (seed 0, the loop's optimizer), with config
-    `overrides`; for PLM also the share of each step spent fitting the auxiliaries (`auxiliary_owners_share`)."""
-    from ..families import build_model
-    from ..presets import get_preset
-    from ..training.loop import TrainConfig, make_optimizer
-    from .speed import training_step_time
-
-    torch.manual_seed(0)
-    model = build_model(family, preset, tokenizer, **overrides)
-    optimizer = make_optimizer(model, TrainConfig(preset=preset).resolved())
-    timed = "auxiliary_owners" if hasattr(model, "auxiliary_owners") else None
-    return training_step_time(model, rows, steps, batch_size or get_preset(preset).batch_size, optimizer,
-                              timed_method=timed)

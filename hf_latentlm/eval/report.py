@@ -16,9 +16,9 @@ import os
 from pathlib import Path
 
 from ..families import BASELINE_FAMILY, FAMILIES, family_of_model_type
-from ..loading import check_model_folder, read_json_file
+from ..folders import check_model_folder, read_json_file
 from ..training.checkpoint import STATE_FILE, latest_checkpoint
-from .bench import _fmt_ci, benchmark_models
+from .bench import benchmark_models, format_ci, markdown_table
 
 #: The name the AR baseline must be given (`--model ar=DIR`): every relative value divides by its entry.
 BASELINE_NAME = BASELINE_FAMILY
@@ -133,23 +133,21 @@ def _ratio(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def markdown_table(report: dict) -> str:
+def report_table(report: dict) -> str:
     """One row per model and decoding setting."""
-    head = ("| model | decoding | params | trained on | tok/s b1 | tok/s b8 | calls/token | speed×AR b1 | "
-            "speed×AR b8 | BrierLM-2 | BrierLM-2 ×AR | MAUVE |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    head = ["model", "decoding", "params", "trained on", "tok/s b1", "tok/s b8", "calls/token", "speed×AR b1",
+            "speed×AR b8", "BrierLM-2", "BrierLM-2 ×AR", "MAUVE"]
+    rows = []
     for name, row in report["models"].items():
         s, r = row["speed"], row["relative_to_ar"]
         relative_b2 = ("—" if r["brierlm_2"] is None else
                        f"{r['brierlm_2']:.2f} [{r['brierlm_2_ci_low']:.2f}, {r['brierlm_2_ci_high']:.2f}]")
-        mauve = f"{row['mauve']['mauve']:.3f}" if "mauve" in row else "—"
-        lines.append(
-            f"| {name} | {row['decoding']} | {row['num_parameters'] / 1e6:.2f}M | {_tokens(row['training'])} | "
-            f"{s['batch_1']['tokens_per_s']:.0f} | {s['batch_8']['tokens_per_s']:.0f} | "
-            f"{s['batch_1']['model_calls_per_token']:.2f} | {_ratio(r['tokens_per_s_batch_1'])} | "
-            f"{_ratio(r['tokens_per_s_batch_8'])} | {_fmt_ci(row['brier']['brierlm_2'], 2)} | {relative_b2} | "
-            f"{mauve} |")
-    return "\n".join(lines) + "\n"
+        rows.append([name, row["decoding"], f"{row['num_parameters'] / 1e6:.2f}M", _tokens(row["training"]),
+                     f"{s['batch_1']['tokens_per_s']:.0f}", f"{s['batch_8']['tokens_per_s']:.0f}",
+                     f"{s['batch_1']['model_calls_per_token']:.2f}", _ratio(r["tokens_per_s_batch_1"]),
+                     _ratio(r["tokens_per_s_batch_8"]), format_ci(row["brier"]["brierlm_2"], 2), relative_b2,
+                     f"{row['mauve']['mauve']:.3f}" if "mauve" in row else "—"])
+    return markdown_table(head, rows)
 
 
 def markdown_report(report: dict) -> str:
@@ -172,7 +170,7 @@ def markdown_report(report: dict) -> str:
                "on: tokens of the model's own training run (a component trained before it, e.g. an autoencoder, not "
                "counted); — where the folder holds no checkpoint with its training state.")
     out = ["# Speed and quality of every family against the AR baseline", "", "```bash", report["command"] or "",
-           "```", "", run, "", markdown_table(report), brier, speed, mauve, columns,
+           "```", "", run, "", report_table(report), brier, speed, mauve, columns,
            "- Plot: [speed_quality.png](speed_quality.png); raw numbers: [report.json](report.json)."]
     if report["families_not_reported"]:
         out.append(f"- Not in this report (no model given): {', '.join(report['families_not_reported'])}.")

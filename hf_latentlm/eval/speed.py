@@ -10,6 +10,7 @@ Absolute tokens/s drift on shared machines, so a family's speed is reported as a
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
@@ -66,15 +67,15 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
             out = model.generate(prompts, attention_mask=torch.ones_like(prompts), **kwargs)
             elapsed = time.perf_counter() - start
         sequences = out.sequences if hasattr(out, "sequences") else out
-        return elapsed, counter.calls, sequences.shape[1] - prompts.shape[1]
+        return elapsed, counter.calls, sequences.shape[1] - prompts.shape[1], getattr(out, "calls_by_network", None)
 
     run()  # warm-up: allocator, kernels, lazy initialisation
     runs = [run() for _ in range(repeats)]
     model.train(was_training)
     times = [r[0] for r in runs]
-    calls, new_tokens = runs[-1][1], runs[-1][2]
+    calls, new_tokens, by_network = runs[-1][1:]
     median = statistics.median(times)
-    return {
+    result = {
         "batch_size": prompts.shape[0],
         "prompt_len": prompts.shape[1],
         "new_tokens_per_row": new_tokens,
@@ -83,6 +84,9 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
         "median_s": median,
         "times_s": times,
     }
+    if by_network:  # a family with several networks, asked with return_dict_in_generate=True (first row's counts)
+        result["calls_per_token_by_network"] = {name: int(n[0]) / max(new_tokens, 1) for name, n in by_network.items()}
+    return result
 
 
 def speed_versus_baseline(model, baseline, prompts: torch.Tensor, batch_sizes: tuple[int, ...] | None = None,
@@ -171,3 +175,15 @@ def training_step_time(model, rows: torch.Tensor, steps: int, batch_size: int, o
     if timed_method:
         result[f"{timed_method}_share"] = statistics.fmean(shares)
     return result
+
+
+def fresh_training_step_time(model, rows: torch.Tensor, steps: int, batch_size: int,
+                             timed_method: str | None = None) -> dict:
+    """`training_step_time` of a copy of `model` (its own configuration; step time does not depend on the weights)
+    with a fresh optimizer of the training loop, from seed 0. `model` itself is left as it was."""
+    from ..training.loop import TrainConfig, make_optimizer
+
+    torch.manual_seed(0)
+    model = copy.deepcopy(model)
+    optimizer = make_optimizer(model, TrainConfig().resolved())
+    return training_step_time(model, rows, steps, batch_size, optimizer, timed_method)

@@ -87,3 +87,30 @@ def test_training_step_time_reports_throughput_and_the_share_of_a_timed_method()
     assert "slow_part" not in vars(model), "the timing wrapper must be removed afterwards"
     with pytest.raises(ValueError, match="need 16 rows"):
         training_step_time(model, rows, 3, 4, optimizer)
+
+
+def test_fresh_training_step_time_trains_a_copy_and_leaves_the_model_as_it_was(tokenizer, tiny_rows):
+    from hf_latentlm.eval.speed import fresh_training_step_time
+    from hf_latentlm.families import build_model
+
+    torch.manual_seed(0)
+    model = build_model("plm", "tiny", tokenizer).eval()
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    result = fresh_training_step_time(model, tiny_rows[:6, :32], 2, 2, timed_method="auxiliary_owners")
+    assert result["tokens_per_s"] == pytest.approx(2 * 32 / result["seconds_per_step"])
+    assert 0 < result["auxiliary_owners_share"] < 1
+    assert not model.training and all(torch.equal(p, before[name]) for name, p in model.state_dict().items())
+
+
+def test_speed_reports_calls_per_token_by_network_when_generate_returns_them(tokenizer, validation_stream):
+    """Cola runs three networks: asked with return_dict_in_generate, the speed row splits its calls per token by
+    network, and the parts add up to the hooked count."""
+    from hf_latentlm.families import build_model
+
+    torch.manual_seed(0)
+    cola = build_model("cola", "tiny", tokenizer, vae=build_model("cola-vae", "tiny", tokenizer)).eval()
+    prompts = evaluation_windows(validation_stream, 1, 8, 1)[0]
+    split = measure_generation_speed(cola, prompts, 8, repeats=1, generate_kwargs={"return_dict_in_generate": True})
+    assert set(split["calls_per_token_by_network"]) == set(cola.network_names.values())
+    assert sum(split["calls_per_token_by_network"].values()) == pytest.approx(split["model_calls_per_token"])
+    assert "calls_per_token_by_network" not in measure_generation_speed(cola, prompts, 8, repeats=1)

@@ -1,7 +1,7 @@
 """PLM ablations: auxiliary type (none / quantile / voronoi), representation alignment on / off, and the
 auxiliaries read in directly (paper) or through a learned projection.
 
-    python scripts/plm_ablation.py --preset small --max-steps 80 --output docs/plm_ablation.json
+    python scripts/experiments/plm_ablation.py --preset small --max-steps 80 --output docs/plm_ablation.json
 
 Each variant trains from the same seed on the same data for the same number of steps, then reports
 on 64 validation rows: encoder NLL, decoder NLL, R (reconstructed tokens per block), the share of

@@ -1,7 +1,7 @@
 """Training step time of PLM against the matched AR baseline at one preset, fresh models, one process run, for
 several auxiliary settings (N_aux / top-M), with the share of each PLM step spent fitting the auxiliaries.
 
-    python scripts/plm_step_time.py --preset small --settings 128/32 256/64 512/128
+    python scripts/experiments/plm_step_time.py --preset small --settings 128/32 256/64 512/128
 """
 
 import argparse
@@ -9,10 +9,22 @@ import cProfile
 import json
 import pstats
 
+import torch
+
 from hf_latentlm.eval.harness import nll_rows, split_stream
-from hf_latentlm.eval.plm import fresh_training_step_time as step_time
+from hf_latentlm.eval.speed import fresh_training_step_time
+from hf_latentlm.families import build_model
 from hf_latentlm.presets import get_preset
 from hf_latentlm.training.corpus import load_default_tokenizer
+
+
+def step_time(family: str, preset: str, tokenizer, rows, steps: int, **overrides) -> dict:
+    """Training step time of a fresh `family` model of `preset` (seed 0) with config `overrides`, and for PLM the
+    share of each step spent fitting the auxiliaries (`auxiliary_owners_share`)."""
+    torch.manual_seed(0)
+    model = build_model(family, preset, tokenizer, **overrides)
+    return fresh_training_step_time(model, rows, steps, get_preset(preset).batch_size,
+                                    "auxiliary_owners" if family == "plm" else None)
 
 
 def main():

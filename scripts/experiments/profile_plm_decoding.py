@@ -1,6 +1,6 @@
 """Where one quadratic-decoding call of PLM spends its time, next to an AR step, batch 1, one process run.
 
-    python scripts/profile_plm_decoding.py --plm runs/plm-small --ar runs/ar-small [--acceptance nucleus]
+    python scripts/experiments/profile_plm_decoding.py --plm runs/plm-small --ar runs/ar-small [--acceptance nucleus]
         [--k-pred N] [--task count --new-tokens 48]
 
 Times `generate()` of both models on the same prompt (a 64-token validation prompt, or with `--task` the first

@@ -1,7 +1,7 @@
 """MAUVE calibration on the embedded corpus: 400 human validation chunks of 128 tokens vs 400 other
 chunks (same distribution), the same chunks word-shuffled, and looped text.
 
-    SEEDS=0 python scripts/mauve_calibration.py hf_latentlm/data
+    SEEDS=0 python scripts/experiments/mauve_calibration.py hf_latentlm/data
 """
 import json, lzma, os, random, sys, time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

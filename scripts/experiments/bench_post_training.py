@@ -1,6 +1,6 @@
 """Post-training benchmark (issue 13): SFT then DPO of every given model on one task, AR included, in ONE run.
 
-    python scripts/bench_post_training.py --model ar=runs/ar-small-120 --model plm=runs/plm-small \
+    python scripts/experiments/bench_post_training.py --model ar=runs/ar-small-120 --model plm=runs/plm-small \
         --out runs/post --sft-steps 300 --dpo-steps 60 --dpo-pairs 400 --test-size 100 \
         --output docs/post_training.json
 

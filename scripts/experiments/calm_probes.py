@@ -1,16 +1,16 @@
 """Small CALM measurements quoted in docs/benchmarks.md and in tests, each reproducible from here.
 
-    python scripts/calm_probes.py params                       # parameter counts of the `small` CALM, both heads
-    python scripts/calm_probes.py ae-init --steps 80           # autoencoder: embedding init std 0.02 vs 1.0
-    python scripts/calm_probes.py ae-recipe --steps 1500       # autoencoder: this project's recipe vs the reference's
-    python scripts/calm_probes.py ae-recipe --trained project=runs/calm-ae-small --trained reference=runs/calm-ae-ref
+    python scripts/experiments/calm_probes.py params                       # parameter counts of the `small` CALM, both heads
+    python scripts/experiments/calm_probes.py ae-init --steps 80           # autoencoder: embedding init std 0.02 vs 1.0
+    python scripts/experiments/calm_probes.py ae-recipe --steps 1500       # autoencoder: this project's recipe vs the reference's
+    python scripts/experiments/calm_probes.py ae-recipe --trained project=runs/calm-ae-small --trained reference=runs/calm-ae-ref
                                                                # the same accuracies for autoencoders already trained
-    python scripts/calm_probes.py lr --autoencoder runs/calm-ae-small --steps 150   # CALM learning rate / head size
-    python scripts/calm_probes.py heads --autoencoder runs/calm-ae-small --steps 600  # energy heads × 1, 2, 4 blocks
-    python scripts/calm_probes.py ae-accuracy runs/calm-ae-small   # accuracy (μ, sampled z) and σ, 20k val tokens
-    python scripts/calm_probes.py context-spread runs/calm-small-600 [more folders]   # does the backbone use context?
-    python scripts/calm_probes.py pool-bias                    # pool sampler vs p^(1/T)/Σ on known laws (no model)
-    python scripts/calm_probes.py flops                        # FLOPs/token (inference, training): AR vs CALM small,
+    python scripts/experiments/calm_probes.py lr --autoencoder runs/calm-ae-small --steps 150   # CALM learning rate / head size
+    python scripts/experiments/calm_probes.py heads --autoencoder runs/calm-ae-small --steps 600  # energy heads × 1, 2, 4 blocks
+    python scripts/experiments/calm_probes.py ae-accuracy runs/calm-ae-small   # accuracy (μ, sampled z) and σ, 20k val tokens
+    python scripts/experiments/calm_probes.py context-spread runs/calm-small-600 [more folders]   # does the backbone use context?
+    python scripts/experiments/calm_probes.py pool-bias                    # pool sampler vs p^(1/T)/Σ on known laws (no model)
+    python scripts/experiments/calm_probes.py flops                        # FLOPs/token (inference, training): AR vs CALM small,
                                                                # and CALM backbones within AR small's FLOPs
 """
 
@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from hf_latentlm.eval.autoencoder import autoencoder_report
+from hf_latentlm.eval.components import calm_autoencoder_report
 from hf_latentlm.eval.brier import evaluate_brier
 from hf_latentlm.eval.harness import nll_rows, split_stream
 from hf_latentlm.families import build_model
@@ -243,7 +243,7 @@ def main():
     if args.probe in ("ae-accuracy", "context-spread") and not args.folder:
         parser.error(f"{args.probe} needs at least one model folder")
     if args.probe == "ae-accuracy":
-        print(autoencoder_report(args.folder[0]))
+        print(calm_autoencoder_report(*load_model_and_tokenizer(args.folder[0], language_model=False)))
         return
     if args.probe == "context-spread":
         print(json.dumps({folder: hidden_state_spread(folder) for folder in args.folder}, indent=1))

@@ -8,8 +8,8 @@ tempered per position to an entropy drawn in one of three regimes: peaked (0.5-1
 (4.5-6); trained LMs at this scale average ~3-5 nats. Reported: median wall time over `--repeats` calls, mean TV
 between fitted cell sizes and capacities per regime and overall (paper App. 12: < 0.3%).
 
-    python scripts/time_voronoi.py                       # default fit settings, 2 threads
-    python scripts/time_voronoi.py --settings 2,12,8 4,5,6 --threads 1
+    python scripts/experiments/time_voronoi.py                       # default fit settings, 2 threads
+    python scripts/experiments/time_voronoi.py --settings 2,12,8 4,5,6 --threads 1
 """
 import argparse
 import time

@@ -1,6 +1,6 @@
 """How well AURORA denoisers predict the clean latent block, at fixed noise levels, on validation rows.
 
-    python scripts/aurora_denoising_probe.py --model base=runs/aurora-abl-base --model no-stc=runs/aurora-abl-no-stc \
+    python scripts/experiments/aurora_denoising_probe.py --model base=runs/aurora-abl-base --model no-stc=runs/aurora-abl-no-stc \
         [--rows 32] [--sigmas 0.1,0.3,0.5,0.7,0.9] [--output docs/aurora_denoising_probe.json]
 
 For every model and σ: one dual-stream pass over validation rows (every block noised to σ with the same ε for every

@@ -2,7 +2,7 @@
 # AURORA-LM ablations (issue 12): short runs of the `small` preset on one frozen autoencoder, identical except for
 # the one field each changes. Budget per run: 120 steps x 16 rows x 128 tokens = 0.25M tokens (a tenth of the main
 # model's), with the consistency ramp shortened to 40 steps so that it is fully on for most of the run.
-# Usage: bash scripts/aurora_ablations.sh AUTOENCODER_DIR OUT_PREFIX
+# Usage: bash scripts/experiments/aurora_ablations.sh AUTOENCODER_DIR OUT_PREFIX
 set -euo pipefail
 ae=${1:-runs/aurora-ae-small}
 out=${2:-runs/aurora-abl}

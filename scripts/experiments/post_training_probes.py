@@ -1,11 +1,11 @@
 """Small measurements behind docs/post_training.md ("The count-tens task"), one sub-command each.
 
-    python scripts/post_training_probes.py dpo runs/tens/ar/sft OUT 5e-5 sigmoid ['{"policy_rejections": true}']
+    python scripts/experiments/post_training_probes.py dpo runs/tens/ar/sft OUT 5e-5 sigmoid ['{"policy_rejections": true}']
         # run_dpo with the bench's DPO settings (120 steps, 960 pairs, batch 8), then exact match on the 298 test
         # prompts
-    python scripts/post_training_probes.py sampled-rejections runs/tens/ar/sft runs/tens/plm/sft runs/tens/calm/sft
+    python scripts/experiments/post_training_probes.py sampled-rejections runs/tens/ar/sft runs/tens/plm/sft runs/tens/calm/sft
         # how many of the 960 DPO pairs get the model's own (wrong) answer as rejected, as run_dpo samples them
-    python scripts/post_training_probes.py calm-autoencoder runs/tens/calm/sft
+    python scripts/experiments/post_training_probes.py calm-autoencoder runs/tens/calm/sft
         # token accuracy of CALM's frozen autoencoder on count-tens answers and on as many validation-corpus tokens
 """
 import collections

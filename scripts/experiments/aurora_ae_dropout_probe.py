@@ -1,7 +1,7 @@
 """Probe: how fast the `small` AURORA autoencoder learns to reconstruct, with the paper's dropouts or lighter ones.
 
-    OMP_NUM_THREADS=1 python scripts/aurora_ae_dropout_probe.py default   # token 0.3 / latent 0.6 (paper)
-    OMP_NUM_THREADS=1 python scripts/aurora_ae_dropout_probe.py low       # token 0.1 / latent 0.2
+    OMP_NUM_THREADS=1 python scripts/experiments/aurora_ae_dropout_probe.py default   # token 0.3 / latent 0.6 (paper)
+    OMP_NUM_THREADS=1 python scripts/experiments/aurora_ae_dropout_probe.py low       # token 0.1 / latent 0.2
 
 300 AdamW steps (lr 2e-3, no schedule) of 64 rows × 64 train tokens; every 50 steps it prints the training loss and
 accuracy and the eval-mode reconstruction accuracy of 16 validation rows cut at 256 and at 64 tokens.

@@ -1,5 +1,5 @@
 """BrierLM-2 of Cola with a greedy VAE read-out (temperature 0) at w = 0 and w = 7, 1000 positions each:
-    python scripts/cola_greedy_readout.py   (reads runs/cola-small-600, writes docs/cola_greedy_readout.json)"""
+    python scripts/experiments/cola_greedy_readout.py   (reads runs/cola-small-600, writes docs/cola_greedy_readout.json)"""
 import json, time
 from hf_latentlm.eval.brier import evaluate_brier
 from hf_latentlm.eval.harness import split_stream
