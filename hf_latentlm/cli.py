@@ -90,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--output", default="docs/benchmarks.json")
     b.add_argument("--markdown", default="docs/benchmarks_table.md")
+    # Extras: each model measured further, next to the baseline, after the table.
+    b.add_argument("--extras", action="store_true",
+                   help="each model's family decoding settings and own measurements (PLM: acceptance rules, R; CALM: "
+                        "pool temperature, autoencoder, FLOPs; Cola / AURORA: guidance off, VAE / autoencoder)")
+    b.add_argument("--sweep", action="append", default=[], metavar="NAME:KEY=V1,V2,...",
+                   help="also measure model NAME with generate() option KEY at each value, e.g. "
+                        "cola:num_inference_steps=2,4,8 (repeatable)")
+    b.add_argument("--sweep-positions", type=int, default=500, help="BrierLM-2 positions of each extra decoding")
+    b.add_argument("--train-steps", type=int, default=0, help="time this many training steps of a copy of each model")
+    b.add_argument("--train-preset", default="small", help="batch size and row length of the timed training steps")
+    b.add_argument("--profile", action="store_true", help="cProfile of one batch-1 generate() of each model")
 
     for name, help_text in (("sft", "supervised fine-tuning of a trained model on an instruction task"),
                             ("dpo", "preference optimisation (DPO) of a fine-tuned model on an instruction task")):
@@ -274,13 +285,18 @@ def cmd_eval(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .eval.bench import benchmark_models, named_models, write_report
+    from .eval.bench import bench_extras, benchmark_models, named_models, parse_sweeps, write_report
 
     models = named_models(args.model)
     baseline = args.baseline or next(iter(models))
+    sweeps = parse_sweeps(args.sweep, models)  # before the long run, not after it
     report = benchmark_models(models, baseline, args.num_positions, args.context_len,
                               max_new_tokens=args.max_new_tokens, repeats=args.repeats, mauve=args.mauve,
                               seed=args.seed)
+    if args.extras or sweeps or args.train_steps or args.profile:
+        report["extras"] = bench_extras(models, baseline, sweeps, args.extras, args.train_steps, args.train_preset,
+                                        args.profile, args.sweep_positions, args.max_new_tokens, args.repeats,
+                                        args.seed)
     print(write_report(report, args.output, args.markdown))
     return 0
 
