@@ -91,9 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", default="docs/benchmarks.json")
     b.add_argument("--markdown", default="docs/benchmarks_table.md")
     # Extras: each model measured further, next to the baseline, after the table.
-    b.add_argument("--extras", action="store_true",
-                   help="each model's family decoding settings and own measurements (PLM: acceptance rules, R; CALM: "
-                        "pool temperature, autoencoder, FLOPs; Cola / AURORA: guidance off, VAE / autoencoder)")
+    b.add_argument("--extras", action="store_true", help="each model's family decoding settings and own "
+                   "measurements (hf_latentlm/eval/family_bench.py)")
     b.add_argument("--sweep", action="append", default=[], metavar="NAME:KEY=V1,V2,...",
                    help="also measure model NAME with generate() option KEY at each value, e.g. "
                         "cola:num_inference_steps=2,4,8 (repeatable)")
