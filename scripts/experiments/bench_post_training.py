@@ -27,7 +27,8 @@ from pathlib import Path
 from hf_latentlm.eval.task import evaluate_task
 from hf_latentlm.families import family_of_model_type
 from hf_latentlm.loading import load_model_and_tokenizer
-from hf_latentlm.training.post_training import find_checkpoint, run_dpo, run_sft
+from hf_latentlm.recipes import run_dpo, run_sft
+from hf_latentlm.training.checkpoint import latest_checkpoint
 from hf_latentlm.training.tasks import DEFAULT_TASK, load_task
 
 
@@ -66,7 +67,7 @@ def train_stage(run, model_dir: str, output_dir: str, **kwargs) -> dict:
         print(f"  {output_dir}: finished earlier ({steps} steps), reused", flush=True)
         return {"output_dir": output_dir, "steps": steps, "losses": losses, "reused": True}
     t = time.perf_counter()
-    summary = run(model_dir, output_dir, resume=find_checkpoint(output_dir) is not None, **kwargs)
+    summary = run(model_dir, output_dir, resume=latest_checkpoint(output_dir) is not None, **kwargs)
     summary["seconds"] = time.perf_counter() - t
     return summary
 

@@ -16,8 +16,8 @@ import torch
 
 from hf_latentlm.eval.task import evaluate_task
 from hf_latentlm.loading import load_model_and_tokenizer
+from hf_latentlm.recipes import SAMPLED_REJECTION, run_dpo, with_policy_rejections
 from hf_latentlm.training.corpus import load_corpus_documents
-from hf_latentlm.training.post_training import SAMPLED_REJECTION, run_dpo, with_policy_rejections
 from hf_latentlm.training.tasks import load_preference_task, load_task
 
 TASK = "count-tens"
