@@ -419,7 +419,7 @@ def _tempered_logits(head: torch.Tensor, entropy: torch.Tensor, seed: int) -> to
 
 def test_default_fit_meets_paper_tv_across_entropy_regimes():
     """Defaults (DEFAULT_ROUNDS x DEFAULT_SWEEPS x DEFAULT_SHORTLIST) on LM-like logits from peaked to flat: mean TV
-    per regime below the paper's 0.3% (scripts/time_voronoi.py measures the same at d=256, V=4096)."""
+    per regime below the paper's 0.3% (scripts/experiments/time_voronoi.py measures the same at d=256, V=4096)."""
     head = _lm_head(7, vocab=1024, dim=128)
     bank = sample_auxiliary_bank(N, 128, seed=3)
     regimes = {"peaked": (0.5, 1.5), "mid": (2.0, 4.0), "flat": (4.5, 6.0)}

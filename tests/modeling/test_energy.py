@@ -219,8 +219,8 @@ def test_pool_sampler_law_is_close_to_p_to_the_one_over_t(temperature):
     """Pool of S = 256 draws, 5000 pools (one pick each): every outcome's frequency is within the pool's bias plus
     4 binomial standard deviations of q = p^(1/T)/Σ. The largest deviation over 10^5 pools at S = 256 (bias plus
     noise of sd ≤ 0.0016) is 0.0101 at T = 0.3 (0.0012 / 0.0017 / 0.0034 at T = 0.8 / 0.6 / 0.5) and shrinks with
-    the pool (T = 0.3: 0.0368 at S = 64, 0.0030 at S = 1024): `python scripts/calm_probes.py pool-bias`. The bound
-    used is 0.015."""
+    the pool (T = 0.3: 0.0368 at S = 64, 0.0030 at S = 1024): `python scripts/experiments/calm_probes.py pool-bias`.
+    The bound used is 0.015."""
     gen = torch.Generator().manual_seed(1)
     pools, size = 5000, 256
     chunks = categorical_chunks(P, (pools, size), gen)
@@ -240,7 +240,8 @@ def test_pool_sampler_keeps_chunks_seen_once_at_t_between_half_and_one():
     """The issue's case: one chunk with p = 0.05 among 950 outcomes of p = 0.001, T = 0.8, pool of 200. The tempered
     law gives it 0.1228; weights of 0 for chunks seen once (the old C(count, 1/T) = 0 for count < 1/T) gave ≈ 0.32.
     Over 4000 pools it must be within the pool's bias (0.0959 over 10^5 pools, −0.027; 0.1176 at S = 1024:
-    `python scripts/calm_probes.py pool-bias`), bounded by 0.035, plus 4 binomial standard deviations (0.021)."""
+    `python scripts/experiments/calm_probes.py pool-bias`), bounded by 0.035, plus 4 binomial standard deviations
+    (0.021)."""
     gen = torch.Generator().manual_seed(2)
     p = torch.cat([torch.tensor([0.05]), torch.full((950,), 0.001)]).double()
     pools = 4000
