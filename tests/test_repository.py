@@ -22,6 +22,11 @@ def test_quickstart_has_two_commands_and_ci_runs_the_test_one_verbatim():
     assert commands[1] in ci_lines
 
 
+def test_readme_stays_a_front_door():
+    """At most 200 lines; family detail lives in docs/families/, measurements in docs/benchmarks.md."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
 def test_modeling_files_import_only_siblings_torch_and_transformers():
     folder = ROOT / "hf_latentlm" / "modeling"
     assert not [p for p in folder.iterdir() if p.is_dir() and p.name != "__pycache__"], "modeling/ must stay flat"
