@@ -91,7 +91,7 @@ COLA_CARD = FamilyCard(
              '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))\n'
              'print({name: calls.tolist() for name, calls in out.calls_by_network.items()})',
     limitations="At the `small` preset the samples are not yet text: in the package's benchmark (docs/"
-                "benchmarks.md, `python scripts/bench_cola.py ...`) BrierLM-2 was 0.00 against AR's 7.14 at "
+                "benchmarks.md, `hf-latentlm bench ... --extras`) BrierLM-2 was 0.00 against AR's 7.14 at "
                 "equal training tokens. Each block costs `num_inference_steps` DiT evaluations, twice that with "
                 "classifier-free guidance, so the default settings are slower than AR on a CPU. There is no "
                 "token likelihood.",
@@ -112,7 +112,7 @@ AURORA_CARD = FamilyCard(
              '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))\n'
              'print({name: calls.tolist() for name, calls in out.calls_by_network.items()})',
     limitations="At the `small` preset the samples are not yet text: in the package's benchmark (docs/"
-                "benchmarks.md, `python scripts/bench_aurora.py ...`) BrierLM-2 was 0.00 against AR's 5.32, "
+                "benchmarks.md, `hf-latentlm bench ... --extras`) BrierLM-2 was 0.00 against AR's 5.32, "
                 "with an autoencoder that reconstructs only 41-63% of tokens. Each block costs one or two "
                 "denoiser evaluations per Euler step, so the default settings are slower than AR on a CPU. "
                 "There is no token likelihood.",

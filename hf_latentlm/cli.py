@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--markdown", default="docs/benchmarks_table.md")
     # Extras: each model measured further, next to the baseline, after the table.
     b.add_argument("--extras", action="store_true", help="each model's family decoding settings and own "
-                   "measurements (hf_latentlm/eval/family_bench.py)")
+                   "measurements (the registry's bench_decodings / bench_measurements)")
     b.add_argument("--sweep", action="append", default=[], metavar="NAME:KEY=V1,V2,...",
                    help="also measure model NAME with generate() option KEY at each value, e.g. "
                         "cola:num_inference_steps=2,4,8 (repeatable)")
@@ -200,9 +200,12 @@ def cmd_train(args) -> int:
     metrics = train(cfg)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
     finished = cfg.stop_at_step is None or cfg.stop_at_step == cfg.resolved().max_steps
-    if finished and spec.training_report is not None and int(os.environ.get("RANK", "0")) == 0:
-        print(spec.training_report(args.output_dir))
-    if finished and spec.language_model and not args.no_sample and int(os.environ.get("RANK", "0")) == 0:
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    if finished and spec.training_report is not None and main_process:
+        from .loading import load_model_and_tokenizer
+
+        print(spec.training_report(*load_model_and_tokenizer(args.output_dir, language_model=False)))
+    if finished and spec.language_model and not args.no_sample and main_process:
         from .eval.speed import measure_generation_speed, speed_versus_fresh_baseline
         from .loading import load_model_and_tokenizer
 
@@ -328,7 +331,7 @@ def cmd_report(args) -> int:
 
 def cmd_post_train(args) -> int:
     """`sft` and `dpo`: TRL's stock trainers for the AR baseline, the hf_latentlm subclasses for the other families."""
-    from .training.post_training import run_dpo, run_sft
+    from .recipes import run_dpo, run_sft
 
     for option in ("max_steps", "batch_size", "train_size", "save_every"):
         value = getattr(args, option)
@@ -339,12 +342,9 @@ def cmd_post_train(args) -> int:
     run, options = run_sft, {}
     if args.command == "dpo":
         run, options = run_dpo, {"policy_rejections": args.policy_rejections}
-    try:
-        summary = run(args.model, args.output_dir, task=args.task, max_steps=args.max_steps, lora=args.lora,
-                      learning_rate=args.learning_rate, batch_size=args.batch_size, train_size=args.train_size,
-                      seed=args.seed, save_every=args.save_every, resume=args.resume, **options)
-    except NotImplementedError as err:  # a family without a response scorer yet
-        raise ValueError(str(err)) from err
+    summary = run(args.model, args.output_dir, task=args.task, max_steps=args.max_steps, lora=args.lora,
+                  learning_rate=args.learning_rate, batch_size=args.batch_size, train_size=args.train_size,
+                  seed=args.seed, save_every=args.save_every, resume=args.resume, **options)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
     return 0

@@ -34,6 +34,7 @@ MODELING = "hf_latentlm.modeling"
 SCORERS = "hf_latentlm.training.scorers"
 CARDS = "hf_latentlm.cards"
 COMPONENT_REPORTS = "hf_latentlm.eval.components"
+BENCH = "hf_latentlm.eval.family_bench"
 
 
 class ImportedOnRead:
@@ -77,6 +78,10 @@ class FamilySpec:
         component); see docs/using_the_models.md.
     speed_variants: label -> extra `generate()` options that `hf-latentlm train` also times against the baseline
         after a run, next to the default options (e.g. PLM's relaxed acceptance).
+    bench_decodings: label -> `generate()` options that `hf-latentlm bench --extras` measures (speed, BrierLM-2)
+        next to the default decoding.
+    bench_measurements: `measure(model, baseline, stream) -> dict`, the family's own numbers in `bench --extras`
+        (`hf_latentlm.eval.family_bench`); None: none.
     """
 
     name: str
@@ -91,6 +96,8 @@ class FamilySpec:
     model_card: object | str | None = ImportedOnRead()
     lora_target_modules: str | list[str] | None = None
     speed_variants: Mapping[str, Mapping] = field(default_factory=dict)
+    bench_decodings: Mapping[str, Mapping] = field(default_factory=dict)
+    bench_measurements: Callable | str | None = ImportedOnRead()
 
     @property
     def model_type(self) -> str | None:
@@ -248,9 +255,9 @@ def build_cola_vae(preset: Preset, tokenizer, **overrides) -> ColaTextVAE:
     """Cola DLM's causal text VAE; its size comes from the family's preset overrides."""
     from .modeling import ColaTextVAE, ColaVAEConfig
 
-    return ColaTextVAE(ColaVAEConfig(vocab_size=len(tokenizer), **special_token_kwargs(tokenizer),
-                                     max_position_embeddings=preset.max_position_embeddings, rope_theta=preset.rope_theta,
-                                     **overrides))
+    return ColaTextVAE(ColaVAEConfig(
+        vocab_size=len(tokenizer), **special_token_kwargs(tokenizer),
+        max_position_embeddings=preset.max_position_embeddings, rope_theta=preset.rope_theta, **overrides))
 
 
 def build_cola(preset: Preset, tokenizer, vae: ColaTextVAE, **overrides) -> ColaForCausalLM:
@@ -265,8 +272,8 @@ def build_aurora_autoencoder(preset: Preset, tokenizer, **overrides) -> AuroraAu
     from .modeling import AuroraAutoencoder, AuroraAutoencoderConfig
 
     return AuroraAutoencoder(AuroraAutoencoderConfig(
-        vocab_size=len(tokenizer), **special_token_kwargs(tokenizer), max_position_embeddings=preset.max_position_embeddings,
-        rope_theta=preset.rope_theta, **overrides))
+        vocab_size=len(tokenizer), **special_token_kwargs(tokenizer),
+        max_position_embeddings=preset.max_position_embeddings, rope_theta=preset.rope_theta, **overrides))
 
 
 def build_aurora(preset: Preset, tokenizer, autoencoder: AuroraAutoencoder, **overrides) -> AuroraForCausalLM:
@@ -282,6 +289,8 @@ register_family(FamilySpec(
     name="plm", build=build_plm, config_class=f"{MODELING}:PLMConfig", model_class=f"{MODELING}:PLMForCausalLM",
     lora_target_modules=BACKBONE_LORA_TARGETS, speed_variants={"nucleus acceptance": {"acceptance": "nucleus"}},
     response_scorer=f"{SCORERS}:PLMResponseScorer", model_card=f"{CARDS}:PLM_CARD",
+    bench_decodings={"epsilon acceptance": {"acceptance": "epsilon"}, "nucleus acceptance": {"acceptance": "nucleus"}},
+    bench_measurements=f"{BENCH}:plm_measurements",
     # The paper's N_aux = 512 / M = 128 are the config defaults (used by `base`). On 2 CPU cores fitting them at
     # every position of a `small` step (4080 positions) still costs about three AR steps, against ~0.5 of one
     # for N_aux = 128 / M = 32 (docs/benchmarks.md, "PLM second pass"), so the CPU presets use the latter.
@@ -310,6 +319,10 @@ register_family(FamilySpec(
     name="calm", build=build_calm, config_class=f"{MODELING}:CALMConfig", model_class=f"{MODELING}:CALMForCausalLM",
     components={"autoencoder": "calm-ae"}, lora_target_modules=BACKBONE_LORA_TARGETS,
     response_scorer=f"{SCORERS}:CALMResponseScorer", model_card=f"{CARDS}:CALM_CARD",
+    # Lower temperature through the pool approximation: on a model this small two draws almost never decode to the
+    # same chunk (`two_draws_agree_per_chunk`), so the exact sampler would spend its whole retry budget.
+    bench_decodings={"T=1/2 pool": {"temperature": 0.5, "temperature_sampler": "pool"}},
+    bench_measurements=f"{BENCH}:calm_measurements",
 ))
 
 register_family(FamilySpec(
@@ -332,6 +345,7 @@ register_family(FamilySpec(
     name="cola", build=build_cola, config_class=f"{MODELING}:ColaConfig", model_class=f"{MODELING}:ColaForCausalLM",
     components={"vae": "cola-vae"}, lora_target_modules=BACKBONE_LORA_TARGETS,
     response_scorer=f"{SCORERS}:ColaResponseScorer", model_card=f"{CARDS}:COLA_CARD",
+    bench_decodings={"no guidance": {"guidance_scale": 1.0}}, bench_measurements=f"{BENCH}:cola_measurements",
     preset_overrides={"tiny": {"block_size": 4}, "small": {"block_size": 16}, "base": {"block_size": 16}},
 ))
 
@@ -342,8 +356,8 @@ register_family(FamilySpec(
     # The paper's S autoencoder has 6 + 6 blocks of width D = 768; `small` keeps the query design at D = 128 with
     # 2 + 2 blocks, so that an autoencoder run takes minutes on 2 CPU cores. At that budget the paper's dropouts
     # (0.3 / 0.6) learn slowly: after 300 steps on 64-token rows, 31.1% reconstruction of 64-token validation rows
-    # against 70.9% with 0.1 / 0.2 (scripts/aurora_ae_dropout_probe.py, log in docs/aurora_ae_dropout_probe.txt),
-    # so `small` uses the lighter ones; `base` keeps the paper's.
+    # against 70.9% with 0.1 / 0.2 (scripts/experiments/aurora_ae_dropout_probe.py, log in
+    # docs/aurora_ae_dropout_probe.txt), so `small` uses the lighter ones; `base` keeps the paper's.
     preset_overrides={
         "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
                  "num_key_value_heads": 2},
@@ -359,6 +373,9 @@ register_family(FamilySpec(
     model_class=f"{MODELING}:AuroraForCausalLM",
     components={"autoencoder": "aurora-ae"},
     response_scorer=f"{SCORERS}:AuroraResponseScorer", model_card=f"{CARDS}:AURORA_CARD",
+    bench_decodings={"no SC-CFG": {"self_condition_guidance": 1.0},
+                     "no guidance": {"self_condition_guidance": 1.0, "guidance_scale": 1.0}},
+    bench_measurements=f"{BENCH}:aurora_measurements",
     lora_target_modules=r"model\.denoiser\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
     # D_b scales with the latent width (paper: 128 of 768); λ_ct ramps over the first half of a `small` run (paper:
     # 10k steps of the S model's run).

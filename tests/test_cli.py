@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import re
 
@@ -158,11 +159,14 @@ def test_bench_extras_measure_each_model_further_next_to_the_baseline(tmp_path, 
     with the options it says, and the ratios divide by the baseline."""
     import torch
 
-    from hf_latentlm.eval.family_bench import FAMILY_BENCH, plm_measurements
+    from hf_latentlm import families
+    from hf_latentlm.eval.family_bench import plm_measurements
     from hf_latentlm.families import build_model
 
     # PLM's measurements on 4 rows of the stream, not 64: the fit at every position is what costs.
-    monkeypatch.setitem(FAMILY_BENCH["plm"], "measurements", lambda m, b, stream: plm_measurements(m, b, stream[:1024]))
+    plm_spec = families.FAMILIES["plm"]
+    monkeypatch.setitem(families.FAMILIES, "plm", dataclasses.replace(
+        plm_spec, bench_measurements=lambda m, b, stream: plm_measurements(m, b, stream[:1024])))
     # ... and no NLL pass over the whole split in the side-by-side table (tested above with AR models).
     monkeypatch.setattr("hf_latentlm.eval.harness.has_likelihood", lambda model: False)
 
@@ -178,7 +182,7 @@ def test_bench_extras_measure_each_model_further_next_to_the_baseline(tmp_path, 
     assert code == 0
     extras = json.loads((tmp_path / "b.json").read_text())["extras"]
     plm, ar = extras["models"]["plm"], extras["models"]["ar"]
-    assert list(plm["decodings"]) == ["default", *FAMILY_BENCH["plm"]["decodings"], "k_pred=2"]
+    assert list(plm["decodings"]) == ["default", *plm_spec.bench_decodings, "k_pred=2"]
     assert plm["decodings"]["k_pred=2"]["generate_kwargs"] == {"k_pred": 2}
     assert plm["decodings"]["nucleus acceptance"]["generate_kwargs"] == {"acceptance": "nucleus"}
     # The AR baseline has no family extras, only its sweep; at one call per token.

@@ -4,7 +4,7 @@ Absolute speed on shared machines drifts, so the headline is each model's ratio 
 baseline measured in the same run: tokens/s at batch 1 and batch 8 (same prompts, same number
 of new tokens; the baseline is timed again next to each model), model calls per token, and
 quality (BrierLM-2, NLL, MAUVE). `bench_extras` measures each model further in the same process: other decoding
-settings (its family's, `family_bench.py`, and sweeps of one `generate()` option), the family's own measurements,
+settings (its family's, `FamilySpec.bench_decodings`, and sweeps of one `generate()` option), the family's own measurements,
 training step time and a profile of `generate()`.
 """
 
@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..families import family_of_model_type
 from ..loading import load_model_and_tokenizer
 from ..presets import get_preset
 from .brier import evaluate_brier
-from .family_bench import family_bench
 from .harness import evaluate_model, nll_rows, split_stream
 from .sampling import evaluation_windows
 from .speed import fresh_training_step_time, speed_versus_baseline
@@ -231,16 +231,16 @@ def bench_extras(models: dict[str, str], baseline: str, sweeps: dict[str, dict[s
               "git": git_state(), "models": {}}
     for name, path in models.items():
         model = base if name == baseline else load_model_and_tokenizer(path)[0].eval()
-        extras = family_bench(model) if family_extras else {}
+        spec = family_of_model_type(model.config.model_type) if family_extras else None
         row = {}
-        decodings = {**extras.get("decodings", {}), **sweeps.get(name, {})}
+        decodings = {**(spec.bench_decodings if spec else {}), **sweeps.get(name, {})}
         if decodings:
             decodings = {"default": {}, **decodings}
             row["decodings"] = {label: decoding_row(model, base, stream, prompts, options, sweep_positions,
                                                     max_new_tokens, repeats, seed)
                                 for label, options in decodings.items()}
-        if "measurements" in extras:
-            row["measurements"] = extras["measurements"](model, base, stream)
+        if spec is not None and spec.bench_measurements is not None:
+            row["measurements"] = spec.bench_measurements(model, base, stream)
         if train_steps:
             row["training"] = fresh_training_step_time(model, train_rows, train_steps, preset.batch_size)
         if profile:

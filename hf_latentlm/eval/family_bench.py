@@ -1,14 +1,11 @@
-"""What `hf-latentlm bench --extras` adds for a model of a family: decoding settings measured next to the baseline
-(label -> `generate()` options) and the family's own measurements (`measure(model, baseline, stream) -> dict`).
-
-`FAMILY_BENCH` is the one place that names families here; it is meant to move into the registry (`FamilySpec`).
-"""
+"""The families' own measurements of `hf-latentlm bench --extras`, `measure(model, baseline, stream) -> dict`; each
+family's registry entry names its function (`FamilySpec.bench_measurements`) and its extra decodings
+(`FamilySpec.bench_decodings`). This module never imports the registry (it is imported from it, on read)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..families import family_of_model_type
 from .components import autoencoder_accuracy, vae_measurements
 from .harness import nll_rows
 from .sampling import evaluation_windows, sample_continuations
@@ -50,24 +47,3 @@ def cola_measurements(model, baseline, stream: torch.Tensor) -> dict:
 def aurora_measurements(model, baseline, stream: torch.Tensor) -> dict:
     """Reconstruction accuracy of the frozen autoencoder inside AURORA."""
     return {"autoencoder": autoencoder_accuracy(model.model.autoencoder, stream)}
-
-
-FAMILY_BENCH = {
-    "plm": {"decodings": {"epsilon acceptance": {"acceptance": "epsilon"},
-                          "nucleus acceptance": {"acceptance": "nucleus"}},
-            "measurements": plm_measurements},
-    # Lower temperature through the pool approximation: on a model this small two draws almost never decode to the
-    # same chunk (`two_draws_agree_per_chunk`), so the exact sampler would spend its whole retry budget.
-    "calm": {"decodings": {"T=1/2 pool": {"temperature": 0.5, "temperature_sampler": "pool"}},
-             "measurements": calm_measurements},
-    "cola": {"decodings": {"no guidance": {"guidance_scale": 1.0}}, "measurements": cola_measurements},
-    "aurora": {"decodings": {"no SC-CFG": {"self_condition_guidance": 1.0},
-                             "no guidance": {"self_condition_guidance": 1.0, "guidance_scale": 1.0}},
-               "measurements": aurora_measurements},
-}
-
-
-def family_bench(model) -> dict:
-    """The bench extras of `model`'s family ({} for a family without any)."""
-    spec = family_of_model_type(model.config.model_type)
-    return FAMILY_BENCH.get(spec.name, {}) if spec else {}

@@ -34,9 +34,9 @@ import torch
 
 # Offset-fit constants (`fit_laguerre_offsets`). Temperatures are in units of the per-position score scale `sigma`
 # (RMS over the candidates of the std of e_v . e_u over the bank), so the fit is the same whatever the norm of the
-# LM-head rows. Chosen with scripts/time_voronoi.py on LM-head-like inputs (d=256, V=4096, row norms 1-3, N=512,
-# M=128, entropies 0.5-6 nats): with the defaults 4 rounds x 5 sweeps x shortlist 6 the mean TV is ~0.1% (paper:
-# < 0.3%), at a fraction of the cost of the paper's 2 x 12 x 8.
+# LM-head rows. Chosen with scripts/experiments/time_voronoi.py on LM-head-like inputs (d=256, V=4096, row norms
+# 1-3, N=512, M=128, entropies 0.5-6 nats): with the defaults 4 rounds x 5 sweeps x shortlist 6 the mean TV is
+# ~0.1% (paper: < 0.3%), at a fraction of the cost of the paper's 2 x 12 x 8.
 DEFAULT_ROUNDS = 4  # shortlist selections: one full selection, then 3 cheap refreshes (`_refresh_shortlist`)
 DEFAULT_SWEEPS = 5  # Sinkhorn updates per round
 CHUNK_ELEMENTS = 32 * 128 * 512  # default chunk budget of `voronoi_owners` in scores (8 MB of float32)

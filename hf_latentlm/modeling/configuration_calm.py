@@ -43,8 +43,8 @@ class CALMAutoencoderConfig(PretrainedConfig):
         rms_norm_eps (`float`, 1e-6), initializer_range (`float`, 0.02): std of the linear layers.
         embedding_init_std (`float`, 1.0): std of the token embedding, which is also the output layer (the
             reference: 0.02, its initializer_range). After 80 `small` steps, validation accuracy from a sampled z is
-            32.1% with 0.02 and 72.6% with 1.0 (`python scripts/calm_probes.py ae-init --steps 80`); which one gives
-            the better CALM downstream is not measured yet.
+            32.1% with 0.02 and 72.6% with 1.0 (`python scripts/experiments/calm_probes.py ae-init --steps 80`);
+            which one gives the better CALM downstream is not measured yet.
         log_std_min / log_std_max (`float`, -10 / 2): clamp of the posterior log σ, for numerical safety.
     Loss: K × token cross-entropy (mean over tokens) + kl_weight × clamped KL (mean over chunks).
     """

@@ -34,8 +34,8 @@ class PLMConfig(BackboneConfig):
             tokens per call (1.23 vs 1.15), so it is the default and False is the paper-faithful variant
             (docs/benchmarks.md, "PLM second pass").
         sinkhorn_rounds / sinkhorn_sweeps / sinkhorn_shortlist (`int`, 4 / 5 / 6): offset fitting. The paper uses
-            2 / 12 / 8; `python scripts/time_voronoi.py --settings 4,5,6 2,12,8 --threads 1 --positions 1020`
-            gave mean TV 0.067% vs 0.108% at about the same time, so these are the defaults.
+            2 / 12 / 8; `python scripts/experiments/time_voronoi.py --settings 4,5,6 2,12,8 --threads 1
+            --positions 1020` gave mean TV 0.067% vs 0.108% at about the same time, so these are the defaults.
     Alignment (REPA-style, Eq. 11):
         alignment_weight (`float`, 5.0): λ_align; 0 disables.
         alignment_decoder_layer / alignment_encoder_layer (`int`, None → ⌊L/3⌋ / ⌊L/2⌋): 0-based block
