@@ -221,6 +221,13 @@ def special_token_kwargs(tokenizer) -> dict:
                 pad_token_id=tokenizer.pad_token_id)
 
 
+def component_config_kwargs(preset: Preset, tokenizer) -> dict:
+    """Config fields of a component whose size comes from its family's preset overrides: the tokenizer's vocabulary
+    and ids, and the preset's positions (RoPE)."""
+    return dict(vocab_size=len(tokenizer), **special_token_kwargs(tokenizer),
+                max_position_embeddings=preset.max_position_embeddings, rope_theta=preset.rope_theta)
+
+
 def build_ar_baseline(preset: Preset, tokenizer, **overrides) -> LlamaForCausalLM:
     """The matched autoregressive baseline: transformers' own `LlamaForCausalLM` with the
     preset's dimensions (RMSNorm, SwiGLU, RoPE, GQA — the same core as our families)."""
@@ -255,9 +262,7 @@ def build_cola_vae(preset: Preset, tokenizer, **overrides) -> ColaTextVAE:
     """Cola DLM's causal text VAE; its size comes from the family's preset overrides."""
     from .modeling import ColaTextVAE, ColaVAEConfig
 
-    return ColaTextVAE(ColaVAEConfig(
-        vocab_size=len(tokenizer), **special_token_kwargs(tokenizer),
-        max_position_embeddings=preset.max_position_embeddings, rope_theta=preset.rope_theta, **overrides))
+    return ColaTextVAE(ColaVAEConfig(**{**component_config_kwargs(preset, tokenizer), **overrides}))
 
 
 def build_cola(preset: Preset, tokenizer, vae: ColaTextVAE, **overrides) -> ColaForCausalLM:
@@ -271,9 +276,7 @@ def build_aurora_autoencoder(preset: Preset, tokenizer, **overrides) -> AuroraAu
     """AURORA-LM's query autoencoder; its size comes from the family's preset overrides."""
     from .modeling import AuroraAutoencoder, AuroraAutoencoderConfig
 
-    return AuroraAutoencoder(AuroraAutoencoderConfig(
-        vocab_size=len(tokenizer), **special_token_kwargs(tokenizer),
-        max_position_embeddings=preset.max_position_embeddings, rope_theta=preset.rope_theta, **overrides))
+    return AuroraAutoencoder(AuroraAutoencoderConfig(**{**component_config_kwargs(preset, tokenizer), **overrides}))
 
 
 def build_aurora(preset: Preset, tokenizer, autoencoder: AuroraAutoencoder, **overrides) -> AuroraForCausalLM:

@@ -17,6 +17,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from ..modeling.modeling_backbone import training_hooks
 from .sampling import unbiased_sampling_kwargs
 
 
@@ -32,7 +33,7 @@ class CallCounter:
 
     def __enter__(self):
         self.calls = 0
-        modules = self.module.counted_modules() if hasattr(self.module, "counted_modules") else [self.module]
+        modules = training_hooks(self.module).counted_modules()
         self._handles = [m.register_forward_hook(self._hook) for m in modules]
         return self
 

@@ -555,6 +555,8 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentForCausalLM):
         autoencoder.train(was_training)
         autoencoder.set_latent_statistics(raw)
 
+    training_rows_needed = 64  # the latent statistics' rows (`estimate_latent_statistics`)
+
     def prepare_training(self, train_rows: torch.Tensor) -> None:
         """Called by the training loop before the first step: the latent statistics, from the training rows, unless
         the model (or the checkpoint it resumes) already has them."""

@@ -111,8 +111,13 @@ class TrainingHooks:
     """What the training loop and the evaluation harness call on a model besides `forward`, with their defaults.
     Every family has them (`BackbonePreTrainedModel`); `training_hooks(model)` gives them for any model."""
 
+    #: How many training rows `prepare_training` reads; 0: it is not called (reading a streamed corpus's first rows
+    #: costs a pass over its first documents).
+    training_rows_needed: int = 0
+
     def prepare_training(self, train_rows: torch.Tensor) -> None:
-        """Once before the first step, with (up to 64) training rows [N, L] (AURORA: its latent statistics)."""
+        """Once before the first step, with up to `training_rows_needed` training rows [N, L] (AURORA: its latent
+        statistics)."""
 
     def on_optimizer_step(self) -> None:
         """After every optimizer step (AURORA: its step count and EMA copy)."""

@@ -265,9 +265,11 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
     tokenizer, train_rows, val_rows = load_rows(cfg, tokenizer, train_rows, val_rows, accelerator)
     model, optimizer, scheduler = build(cfg, model, tokenizer)
     checkpoint, start_step = resume(cfg, accelerator, model, optimizer, scheduler, train_rows)
-    # e.g. AURORA's latent statistics, estimated once from the training rows (of a stream, the corpus's first rows,
-    # the same on every rank; AURORA reads at most 64)
-    training_hooks(model).prepare_training(train_rows.head(64) if isinstance(train_rows, StreamingRows) else train_rows)
+    hooks = training_hooks(model)
+    if hooks.training_rows_needed:  # e.g. AURORA's latent statistics, estimated once from the training rows (of a
+        # stream, the corpus's first rows, the same on every rank)
+        count = hooks.training_rows_needed
+        hooks.prepare_training(train_rows.head(count) if isinstance(train_rows, StreamingRows) else train_rows[:count])
     # Created only now that every input (files, tokenizer, components, checkpoint) has loaded: a run refused
     # for a bad input leaves nothing behind.
     if accelerator.is_main_process:

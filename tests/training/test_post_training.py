@@ -911,7 +911,7 @@ def test_every_stored_auxiliary_lies_in_the_cell_of_its_observed_target(tmp_path
 
 
 def test_cli_sft_and_dpo_pass_save_every_and_resume(tmp_path, run_cli, monkeypatch):
-    from hf_latentlm.training import post_training
+    from hf_latentlm import recipes
 
     calls = []
 
@@ -921,8 +921,8 @@ def test_cli_sft_and_dpo_pass_save_every_and_resume(tmp_path, run_cli, monkeypat
             return {"stage": kind, "steps": 0}
         return run
 
-    monkeypatch.setattr(post_training, "run_sft", fake("sft"))
-    monkeypatch.setattr(post_training, "run_dpo", fake("dpo"))
+    monkeypatch.setattr(recipes, "run_sft", fake("sft"))
+    monkeypatch.setattr(recipes, "run_dpo", fake("dpo"))
     base = ["--model", str(tmp_path), "--output-dir", str(tmp_path / "out")]
     assert run_cli("sft", *base)[0] == 0
     assert run_cli("dpo", *base, "--save-every", "7", "--resume")[0] == 0
