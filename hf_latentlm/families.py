@@ -146,6 +146,11 @@ def family_of_model_type(model_type: str) -> FamilySpec | None:
     return next((s for s in FAMILIES.values() if s.model_type == model_type), None)
 
 
+def families_using(component_family: str) -> list[str]:
+    """The families whose models are built around a trained `component_family` model (sorted)."""
+    return sorted(s.name for s in FAMILIES.values() if component_family in s.components.values())
+
+
 def component_names() -> list[str]:
     """Every component argument any family takes (each is a `--<name>` option of `hf-latentlm train`)."""
     return sorted({name for spec in FAMILIES.values() for name in spec.components})

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 from .cards import default_card
-from .families import BASELINE_FAMILY, FAMILIES, family_of_model_type, get_family
+from .families import BASELINE_FAMILY, families_using, family_of_model_type, get_family
 from .folders import (EVAL_RESULTS_FILE, POST_TRAINING_RECORD, check_model_folder, check_tokenizer_files,
                       read_json_file, weight_files)
 
@@ -116,7 +116,7 @@ def check_folder(folder: Path) -> dict:
     check_tokenizer_files(folder, label)
     spec = family_of_model_type(config["model_type"])
     if spec is not None and not spec.language_model:
-        users = sorted(s.name for s in FAMILIES.values() if spec.name in s.components.values())
+        users = families_using(spec.name)
         raise ValueError(f"{label} holds a {config['model_type']} (a component, not a language model): push the "
                          f"{'/'.join(users)} model, which carries it in its own weights")
     if spec is None and config["model_type"] != "llama":

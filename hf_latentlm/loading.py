@@ -23,7 +23,7 @@ def load_model_and_tokenizer(path: str, device: str | None = None, language_mode
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from . import modeling  # noqa: F401  (registers our classes before AutoConfig reads the folder)
-    from .families import FAMILIES, family_of_model_type
+    from .families import families_using, family_of_model_type
 
     folder = Path(path)
     label = f"model folder {path!r}"
@@ -36,7 +36,7 @@ def load_model_and_tokenizer(path: str, device: str | None = None, language_mode
     spec = family_of_model_type(config.model_type)
     is_component = spec is not None and not spec.language_model
     if language_model and is_component:
-        users = sorted(s.name for s in FAMILIES.values() if spec.name in s.components.values())
+        users = families_using(spec.name)
         raise ValueError(f"{path!r} holds a {config.model_type} (a component, not a language model); pass the folder "
                          f"written by `train --family {'/'.join(users)}`, which uses it")
     auto_class = AutoModel if is_component else AutoModelForCausalLM

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from trl import DPOTrainer, SFTTrainer
 
 from .eval.task import generate_answers
 from .families import BACKBONE_LORA_TARGETS, BASELINE_FAMILY, FamilySpec, family_of_model_type
@@ -65,8 +66,6 @@ class PostTrainingRun:
         return self.spec is None
 
     def trainer_class(self, stage: str):
-        from trl import DPOTrainer, SFTTrainer
-
         if stage == "sft":
             return SFTTrainer if self.autoregressive else LatentSFTTrainer
         return DPOTrainer if self.autoregressive else LatentDPOTrainer
