@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--save-every", type=int, default=100)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--corpus", help="'shakespeare' (default: the embedded corpus) or 'generated:LEVEL', a generated "
+                                     "language with a known optimum (LEVEL: easy, medium, hard; docs/generated_language.md)")
     t.add_argument("--train-file", action="append", help="your own text file (repeatable; one document each)")
     t.add_argument("--validation-file", action="append")
     t.add_argument("--dataset", help="a corpus too large for memory, streamed: a folder written by datasets' "
@@ -56,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                    help="override one field of the family's config (repeatable); VALUE is read as JSON "
                         "(64, 0.5, null, true, \"x0\") or else taken as a string, e.g. --config loss_space=velocity")
-    t.add_argument("--sample-prompt", default=DEFAULT_SAMPLE_PROMPT, help="prompt for the sample printed at the end")
+    t.add_argument("--sample-prompt", help="prompt for the sample printed at the end (default: "
+                                           f"{DEFAULT_SAMPLE_PROMPT!r}, or a generated language's first validation words)")
     t.add_argument("--no-sample", action="store_true", help="do not print a sample after training")
 
     g = sub.add_parser("generate", help="continue a prompt with a trained model")
@@ -188,7 +191,7 @@ def cmd_train(args) -> int:
         stop_at_step=args.stop_at_step, resume=args.resume, batch_size=args.batch_size, grad_accum=args.grad_accum,
         seq_len=args.seq_len, learning_rate=args.learning_rate, schedule=args.schedule,
         warmup_steps=args.warmup_steps, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
-        train_files=args.train_file, validation_files=args.validation_file, tokenizer=args.tokenizer,
+        corpus=args.corpus, train_files=args.train_file, validation_files=args.validation_file, tokenizer=args.tokenizer,
         dataset=args.dataset, text_column=args.text_column,
         components={name: getattr(args, name) for name in component_names() if getattr(args, name) is not None},
         model_kwargs=config_overrides(args.config),
@@ -197,6 +200,8 @@ def cmd_train(args) -> int:
     check_components(cfg.family, cfg.components)
     check_config_keys(spec, cfg.model_kwargs)
     cfg.resolved()  # fail on bad values before loading any data
+    if args.sample_prompt is None:
+        args.sample_prompt = sample_prompt(cfg.corpus)
     metrics = train(cfg)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
     finished = cfg.stop_at_step is None or cfg.stop_at_step == cfg.resolved().max_steps
@@ -233,6 +238,18 @@ def cmd_train(args) -> int:
         print("\n--- speed (batch 1, 64 new tokens, this process) ---\n" + "\n".join(lines))
         print(f"--- sample ---\n{args.sample_prompt}{text}\n---")
     return 0
+
+
+def sample_prompt(corpus: str | None) -> str:
+    """The default prompt of the sample `train` prints: a generated language's first eight validation words (its
+    word-level tokenizer knows no other text), else the embedded corpus's ROMEO."""
+    from .data.generated import parse_corpus
+
+    language = parse_corpus(corpus)
+    if language is None:
+        return DEFAULT_SAMPLE_PROMPT
+    words = language.document("validation", 0, 0)[:-1][:8]  # without its end-of-document id
+    return " ".join(language.tokenizer().convert_ids_to_tokens(words)) + " "
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, seed: int = 0, **sampling) -> tuple[str, int]:
@@ -278,11 +295,17 @@ def cmd_eval(args) -> int:
 
     if args.num_positions < 1:
         raise ValueError(f"--num-positions must be at least 1, got {args.num_positions}")
+    from .data.generated import GeneratedLanguage
+    from .eval.optimum import optimum_headline
+
     model, tokenizer = load_model_and_tokenizer(args.model)
+    language = GeneratedLanguage.from_folder(args.model)  # None unless it was trained on a generated language
     result = evaluate_model(model, tokenizer, args.split, args.num_positions, args.context_len, args.batch_size,
-                            args.seed, mauve=args.mauve, progress=True)
+                            args.seed, mauve=args.mauve, progress=True, language=language)
     result["model"] = args.model
     print(json.dumps(result, indent=1))
+    if language is not None:
+        print(f"against the optimum of generated:{language.name}: {optimum_headline(result['optimum'])}")
     return 0
 
 

@@ -368,7 +368,7 @@ register_family(FamilySpec(
     # docs/aurora_ae_dropout_probe.txt), so `small` uses the lighter ones; `base` keeps the paper's.
     preset_overrides={
         "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
-                 "num_key_value_heads": 2},
+                 "num_key_value_heads": 2, "token_dropout": 0.1, "latent_dropout": 0.2},
         "small": {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "token_dropout": 0.1, "latent_dropout": 0.2},
         "base": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 6, "num_attention_heads": 12,

@@ -66,23 +66,35 @@ def batch_starts(total: int, batch_size: int, progress: bool, desc: str):
     return starts
 
 
-def evaluate_brier(model, stream: torch.Tensor, num_positions: int = 20000, context_len: int = 128,
-                   batch_size: int = 64, seed: int = 0, num_bootstrap: int = 1000, progress: bool = False,
-                   generate_kwargs: dict | None = None) -> dict:
-    """Brier-1..4, BrierLM, BrierLM-2 of `model` over evenly spaced windows of a token stream.
-
-    Each batch of contexts is sampled twice in one call ([contexts; contexts]) so the two draws
-    are independent samples given the same context. `generate_kwargs`: extra `generate()` options (e.g. a
-    temperature), merged over the unbiased-sampling defaults.
-    """
-    contexts, targets = evaluation_windows(stream, num_positions, context_len, MAX_N)
-    all_terms = []
+def paired_draws(model, contexts: torch.Tensor, batch_size: int = 64, seed: int = 0, progress: bool = False,
+                 generate_kwargs: dict | None = None):
+    """Yields (start, draws_a, draws_b): two independent MAX_N-token samples for each context of the batch that
+    starts at row `start`. Each batch is sampled twice in one call ([contexts; contexts]). `generate_kwargs`:
+    extra `generate()` options (e.g. a temperature), merged over the unbiased-sampling defaults."""
     for i, start in enumerate(batch_starts(len(contexts), batch_size, progress, "brier")):
         ctx = contexts[start:start + batch_size]
         draws = sample_continuations(model, torch.cat([ctx, ctx]), MAX_N, seed=seed * 1_000_003 + i,
                                      generate_kwargs=generate_kwargs)
-        all_terms.append(brier_terms(draws[:len(ctx)], draws[len(ctx):], targets[start:start + batch_size]))
-    result = summarize_brier(torch.cat(all_terms), num_bootstrap=num_bootstrap, seed=seed)
+        yield start, draws[:len(ctx)], draws[len(ctx):]
+
+
+def brier_position_terms(model, stream: torch.Tensor, num_positions: int = 20000, context_len: int = 128,
+                         batch_size: int = 64, seed: int = 0, progress: bool = False,
+                         generate_kwargs: dict | None = None) -> torch.Tensor:
+    """Per-position Brier terms [P, MAX_N] of `model` over evenly spaced windows of a token stream."""
+    contexts, targets = evaluation_windows(stream, num_positions, context_len, MAX_N)
+    return torch.cat([brier_terms(a, b, targets[start:start + len(a)])
+                      for start, a, b in paired_draws(model, contexts, batch_size, seed, progress, generate_kwargs)])
+
+
+def evaluate_brier(model, stream: torch.Tensor, num_positions: int = 20000, context_len: int = 128,
+                   batch_size: int = 64, seed: int = 0, num_bootstrap: int = 1000, progress: bool = False,
+                   generate_kwargs: dict | None = None) -> dict:
+    """Brier-1..4, BrierLM, BrierLM-2 of `model` over evenly spaced windows of a token stream
+    (`brier_position_terms`, summarised with bootstrap intervals)."""
+    terms = brier_position_terms(model, stream, num_positions, context_len, batch_size, seed, progress,
+                                 generate_kwargs)
+    result = summarize_brier(terms, num_bootstrap=num_bootstrap, seed=seed)
     result["context_len"] = context_len
     return result
 
@@ -99,4 +111,4 @@ def headline(result: dict) -> str:
     return ", ".join(parts)
 
 
-__all__ = ["brier_terms", "summarize_brier", "evaluate_brier", "headline"]
+__all__ = ["brier_terms", "paired_draws", "brier_position_terms", "summarize_brier", "evaluate_brier", "headline"]

@@ -1,4 +1,5 @@
-"""Evaluate one model on a split of the embedded corpus: Brier-n/BrierLM(-2), NLL, MAUVE.
+"""Evaluate one model on a split of the embedded corpus (or of a generated language): Brier-n/BrierLM(-2), NLL,
+MAUVE, and against a generated language's optimum.
 
 Every family is measured through the same sampling interface (`sampling.sample_continuations`),
 on the same evenly spaced windows of the split, so numbers are comparable across families.
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from ..data.generated import GeneratedLanguage
 from ..training.corpus import load_corpus_documents
 from ..training.data import token_stream
 from .brier import batch_starts, evaluate_brier
 from .nll import evaluate_nll, has_likelihood
+from .optimum import evaluate_against_optimum, evaluation_stream
 from .sampling import evaluation_windows, sample_continuations
 
 
@@ -42,13 +45,25 @@ def generate_mauve_texts(model, tokenizer, stream: torch.Tensor, num_samples: in
 
 def evaluate_model(model, tokenizer, split: str = "validation", num_positions: int = 20000, context_len: int = 128,
                    batch_size: int = 64, seed: int = 0, mauve: bool = False, mauve_samples: int = 400,
-                   progress: bool = False, generate_kwargs: dict | None = None, nll: bool = True) -> dict:
+                   progress: bool = False, generate_kwargs: dict | None = None, nll: bool = True,
+                   language: GeneratedLanguage | None = None) -> dict:
     """Brier-1..4, BrierLM, BrierLM-2 (with intervals); NLL/perplexity when the model has a
     likelihood (and `nll`); MAUVE when asked (needs the `eval` extra). `generate_kwargs`: extra `generate()` options
-    for the Brier and MAUVE samples, merged over the unbiased-sampling defaults (NLL does not sample)."""
-    stream = split_stream(tokenizer, split)
-    result = {"split": split, "brier": evaluate_brier(model, stream, num_positions, context_len, batch_size, seed,
-                                                      progress=progress, generate_kwargs=generate_kwargs)}
+    for the Brier and MAUVE samples, merged over the unbiased-sampling defaults (NLL does not sample).
+
+    `language`: the generated language the model was trained on. The windows then come from its `split` and the
+    result has an `optimum` entry: the true language and its unigram on the same windows, and the gap the model
+    closes between them (`optimum.evaluate_against_optimum`)."""
+    if language is not None:
+        stream = evaluation_stream(language, split)
+        optimum = evaluate_against_optimum(model, language, num_positions, context_len, batch_size, seed,
+                                           progress=progress, generate_kwargs=generate_kwargs, split=split,
+                                           likelihood=nll)
+        result = {"split": split, "brier": {**optimum.pop("model"), "context_len": context_len}, "optimum": optimum}
+    else:
+        stream = split_stream(tokenizer, split)
+        result = {"split": split, "brier": evaluate_brier(model, stream, num_positions, context_len, batch_size, seed,
+                                                          progress=progress, generate_kwargs=generate_kwargs)}
     if nll and has_likelihood(model):
         result["nll"] = evaluate_nll(model, nll_rows(stream), batch_size=16)
     if mauve:

@@ -6,11 +6,16 @@ import math
 
 import torch
 
+from .sampling import model_device
+
 
 def has_likelihood(model) -> bool:
-    """AR models (and PLM's encoder) expose per-token logits; CALM-style samplers do not."""
-    return bool(getattr(model.config, "has_token_likelihood", True)) and hasattr(model, "get_output_embeddings") \
-        and model.get_output_embeddings() is not None
+    """AR models (and PLM's encoder) expose per-token logits; CALM-style samplers do not. A config that says
+    `has_token_likelihood` is taken at its word; otherwise an output embedding (an LM head) means logits."""
+    declared = getattr(model.config, "has_token_likelihood", None)
+    if declared is not None:
+        return bool(declared)
+    return hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None
 
 
 @torch.no_grad()
@@ -19,7 +24,7 @@ def evaluate_nll(model, rows: torch.Tensor, batch_size: int = 16) -> dict:
     (T − 1 predicted tokens per row), token-weighted."""
     if rows.dim() != 2 or rows.shape[0] == 0:
         raise ValueError(f"rows must be a non-empty [N, T] tensor, got shape {tuple(rows.shape)}")
-    device = next(model.parameters()).device
+    device = model_device(model)
     was_training = model.training
     model.eval()
     total, count = 0.0, 0

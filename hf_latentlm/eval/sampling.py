@@ -21,6 +21,13 @@ def unbiased_sampling_kwargs(num_tokens: int, generate_kwargs: dict | None = Non
                    eos_token_id=None), **(generate_kwargs or {})}
 
 
+def model_device(model) -> torch.device:
+    """Where the model's inputs go: its `device` (a transformers model, a reference language), else its first
+    parameter's."""
+    device = getattr(model, "device", None)
+    return torch.device(device) if device is not None else next(model.parameters()).device
+
+
 @torch.no_grad()
 def sample_continuations(model, contexts: torch.Tensor, num_tokens: int, seed: int,
                          attention_mask: torch.Tensor | None = None,
@@ -30,7 +37,7 @@ def sample_continuations(model, contexts: torch.Tensor, num_tokens: int, seed: i
     `generate_kwargs`: extra `generate()` options, merged over the unbiased-sampling defaults."""
     if contexts.dim() != 2 or contexts.shape[0] == 0:
         raise ValueError(f"contexts must be a non-empty [batch, length] tensor, got shape {tuple(contexts.shape)}")
-    device = next(model.parameters()).device
+    device = model_device(model)
     contexts = contexts.to(device)
     if attention_mask is None:
         attention_mask = torch.ones_like(contexts)

@@ -17,28 +17,16 @@ Nothing here touches the network.
 
 from __future__ import annotations
 
-import json
-import lzma
 from pathlib import Path
 
+from ..data import TOKENIZER_DIR, read_corpus_records
+
 CORPUS_SPLITS = ("train", "validation", "test")
-
-_CORPUS_FILE = ("data", "shakespeare.jsonl.xz")
-_TOKENIZER_DIR = ("data", "tokenizer")
-
-
-def _data_path(*parts: str) -> Path:
-    """Filesystem path of a file shipped under ``hf_latentlm/``."""
-    # The package is installed as plain files (editable or wheel), so the data
-    # folder sits next to this module's parent package.
-    return Path(__file__).resolve().parent.parent.joinpath(*parts)
 
 
 def load_corpus_records() -> list[dict[str, str]]:
     """All works of the packaged corpus as ``{"name", "split", "text"}`` dicts, in file order."""
-    raw = _data_path(*_CORPUS_FILE).read_bytes()
-    lines = lzma.decompress(raw).decode("utf-8").splitlines()
-    return [json.loads(line) for line in lines if line]
+    return read_corpus_records()
 
 
 def load_corpus_documents(split: str) -> list[str]:
@@ -54,7 +42,7 @@ def load_corpus_documents(split: str) -> list[str]:
 
 def default_tokenizer_path() -> str:
     """Folder of the packaged default tokenizer (loadable with ``AutoTokenizer``)."""
-    return str(_data_path(*_TOKENIZER_DIR))
+    return str(TOKENIZER_DIR)
 
 
 def load_default_tokenizer():

@@ -89,6 +89,10 @@ class StreamingRows:
         self.rank, self.world = rank, world
         self.load_state_dict({"epoch": 0, "document": 0, "offset": 0})
 
+    def for_rank(self, rank: int, world: int) -> "StreamingRows":
+        """The same corpus read as rank `rank` of `world`, from its start."""
+        return StreamingRows(self.documents, self.tokenizer, self.seq_len, rank, world)
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "document": self.document, "offset": self.offset}
 
@@ -148,13 +152,34 @@ class StreamingRows:
     def head(self, count: int) -> torch.Tensor:
         """The first `count` rows of the whole corpus (every rank's documents, one epoch at most), without moving
         this stream: the same on every rank."""
-        whole = StreamingRows(self.documents, self.tokenizer, self.seq_len)
+        whole = self.for_rank(0, 1)
         rows = []
         while len(rows) < count and whole.epoch == 0:
             row = whole._next_row()
             if whole.epoch == 0:
                 rows.append(row)
         return torch.tensor(rows, dtype=torch.long).view(len(rows), self.seq_len)
+
+
+class GeneratedRows(StreamingRows):
+    """Packed rows of a generated language (`hf_latentlm.data.generated`), drawn as they are read: an endless
+    corpus whose documents come from per-document seeds, so rank `rank` of `world` reads documents rank,
+    rank + world, ... of `stream` and a resumed run jumps straight to its position (`state_dict()` as for any
+    `StreamingRows`; the epoch never changes)."""
+
+    def __init__(self, language, split: str, stream: int, tokenizer, seq_len: int, rank: int = 0, world: int = 1):
+        self.language, self.split, self.stream = language, split, stream
+        super().__init__(None, tokenizer, seq_len, rank, world)
+
+    def for_rank(self, rank: int, world: int) -> "GeneratedRows":
+        return GeneratedRows(self.language, self.split, self.stream, self.tokenizer, self.seq_len, rank, world)
+
+    def _token_stream(self, first_document: int, offset: int):
+        for index in itertools.count(first_document):
+            ids = self.language.document(self.split, self.stream, self.rank + self.world * index)[offset:]
+            if ids:
+                yield index, offset, ids
+            offset = 0
 
 
 TEXT_BLOCK_CHARS = 1 << 20  # a large text file is tokenized in blocks of whole lines of about this many characters

@@ -30,6 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
+from ..data.generated import LANGUAGE_RECORD, parse_corpus
 from ..families import build_model
 from ..modeling.modeling_backbone import training_hooks
 from ..presets import get_preset
@@ -45,6 +46,7 @@ from .checkpoint import (
 )
 from .corpus import load_default_tokenizer
 from .data import (
+    GeneratedRows,
     StreamingRows,
     dataset_documents,
     documents_to_dataset,
@@ -75,6 +77,10 @@ class TrainConfig:
         validation split (eval_every 0 disables). save_every: checkpoint period (the last step
         always saves); keep_checkpoints: how many to keep (0 keeps all). log_every: metrics period
         (loss values leave the device only on log steps).
+    corpus: "shakespeare" (the embedded corpus, the default) or "generated:LEVEL", a generated language with an
+        exact likelihood (`hf_latentlm.data.generated`): endless training documents from stream `seed` (every rank
+        its own documents), fixed validation documents, the language's word-level tokenizer, and the language
+        recorded in `output_dir` (`generated_language.json`) for `eval` / `bench` to measure against its optimum.
     train_files / validation_files: the user's own text files instead of the embedded corpus;
         tokenizer: a tokenizer folder or hub id instead of the embedded one.
     dataset: a corpus too large for memory, streamed (`data.dataset_documents`): a folder written by
@@ -114,6 +120,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     resume: bool = False
+    corpus: str | None = None
     train_files: list[str] | None = None
     validation_files: list[str] | None = None
     tokenizer: str | None = None
@@ -156,6 +163,11 @@ class TrainConfig:
             raise ValueError(f"stop_at_step must be in [1, max_steps={cfg.max_steps}], got {cfg.stop_at_step}")
         if cfg.dataset is not None and cfg.train_files:
             raise ValueError("dataset and train_files are two sources of training text: give one")
+        if parse_corpus(cfg.corpus) is not None:
+            given = [name for name in ("dataset", "train_files", "validation_files", "tokenizer") if getattr(cfg, name)]
+            if given:
+                raise ValueError(f"corpus {cfg.corpus} brings its own documents and tokenizer; drop "
+                                 f"{', '.join(given)}")
         if cfg.seq_len > preset.max_position_embeddings:
             raise ValueError(f"seq_len {cfg.seq_len} exceeds the preset's max_position_embeddings "
                              f"{preset.max_position_embeddings}")
@@ -274,6 +286,10 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
     # for a bad input leaves nothing behind.
     if accelerator.is_main_process:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        language = parse_corpus(cfg.corpus)
+        if language is not None:  # what eval / bench measure the model against
+            record = {**language.record(), "train_stream": cfg.seed}
+            (Path(cfg.output_dir) / LANGUAGE_RECORD).write_text(json.dumps(record, indent=1) + "\n")
     accelerator.wait_for_everyone()
     # The scheduler is stepped by us once per optimizer step, so it is not prepared.
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -297,9 +313,16 @@ def load_rows(cfg: TrainConfig, tokenizer, train_rows, val_rows, accelerator: Ac
     """Phase 1: the tokenizer and the packed [N, seq_len] train / validation rows (the given ones, or
     the embedded corpus / the user's files), or this process's `StreamingRows` of `cfg.dataset`; validation is cut
     to `eval_batches` batches."""
-    if tokenizer is None:
+    language = parse_corpus(cfg.corpus)
+    if tokenizer is None and language is not None:
+        tokenizer = language.tokenizer()
+    elif tokenizer is None:
         tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else load_default_tokenizer()
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
+    if language is not None and train_rows is None:
+        train_rows = GeneratedRows(language, "train", cfg.seed, tokenizer, cfg.seq_len)
+    if language is not None and val_rows is None and cfg.eval_every > 0:
+        val_rows = GeneratedRows(language, "validation", 0, tokenizer, cfg.seq_len).head(cfg.eval_batches * cfg.batch_size)
     if cfg.dataset is not None and train_rows is None:
         train_rows = StreamingRows(dataset_documents(cfg.dataset, cfg.text_column), tokenizer, cfg.seq_len)
         if val_rows is None and cfg.eval_every > 0 and not cfg.validation_files:
@@ -311,11 +334,11 @@ def load_rows(cfg: TrainConfig, tokenizer, train_rows, val_rows, accelerator: Ac
                       f"no evaluation")
     if isinstance(train_rows, StreamingRows):
         train_rows.head(1)  # a corpus shorter than one row is refused now, not at the first step
-        train_rows = StreamingRows(train_rows.documents, train_rows.tokenizer, train_rows.seq_len, rank, world)
+        train_rows = train_rows.for_rank(rank, world)
     elif train_rows is None:
         docs = load_split_documents("train", cfg.train_files, cfg.validation_files)
         train_rows = pack_dataset(documents_to_dataset(docs), tokenizer, cfg.seq_len)["input_ids"]
-    if val_rows is None and cfg.eval_every > 0 and (cfg.dataset is None or cfg.validation_files):
+    if val_rows is None and cfg.eval_every > 0 and language is None and (cfg.dataset is None or cfg.validation_files):
         docs = load_split_documents("validation", cfg.train_files, cfg.validation_files)
         val_rows = pack_dataset(documents_to_dataset(docs), tokenizer, cfg.seq_len)["input_ids"]
     if val_rows is not None:
