@@ -25,11 +25,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..data.generated import GeneratedLanguage
 from ..families import family_of_model_type
 from ..loading import load_model_and_tokenizer
 from ..presets import get_preset
 from .brier import evaluate_brier
 from .harness import evaluate_model, nll_rows, split_stream
+from .optimum import evaluation_stream
 from .sampling import evaluation_windows
 from .speed import fresh_training_step_time, speed_versus_baseline
 
@@ -66,8 +68,10 @@ def benchmark_models(models: dict[str, str], baseline: str, num_positions: int =
     if set(generate_kwargs) - set(models):
         raise ValueError(f"generate_kwargs names models {sorted(set(generate_kwargs) - set(models))} that are not "
                          f"among {sorted(models)}")
+    language = shared_language(models)
     base_model, base_tokenizer = load_model_and_tokenizer(models[baseline])
-    prompts, _ = evaluation_windows(split_stream(base_tokenizer, "validation"), max(batch_sizes), speed_prompt_len, 1)
+    stream = split_stream(base_tokenizer, "validation") if language is None else evaluation_stream(language)
+    prompts, _ = evaluation_windows(stream, max(batch_sizes), speed_prompt_len, 1)
     rows = {}
     for name, path in tqdm(models.items(), desc="models", disable=not progress, dynamic_ncols=True):
         model, tokenizer = (base_model, base_tokenizer) if name == baseline else load_model_and_tokenizer(path)
@@ -78,7 +82,7 @@ def benchmark_models(models: dict[str, str], baseline: str, num_positions: int =
                                       generate_kwargs.get(name), generate_kwargs.get(baseline))
         quality = evaluate_model(model, tokenizer, "validation", num_positions, context_len, seed=seed, mauve=mauve,
                                  mauve_samples=mauve_samples, progress=progress,
-                                 generate_kwargs=generate_kwargs.get(name), nll=nll)
+                                 generate_kwargs=generate_kwargs.get(name), nll=nll, language=language)
         rows[name] = {"path": str(path), "num_parameters": speed["num_parameters"]["model"],
                       "model_type": model.config.model_type, "speed": speed["model"],
                       "baseline_speed": speed["baseline"], **quality,
@@ -102,6 +106,26 @@ def benchmark_models(models: dict[str, str], baseline: str, num_positions: int =
     }
 
 
+def shared_language(models: dict[str, str]) -> GeneratedLanguage | None:
+    """The generated language every model folder records (`train --corpus generated:LEVEL`), or None when none
+    does; ValueError when they were trained on different corpora (their numbers would not be comparable)."""
+    languages = {name: GeneratedLanguage.from_folder(path) for name, path in models.items()}
+    specs = {name: None if language is None else language.spec for name, language in languages.items()}
+    if len(set(specs.values())) > 1:
+        described = ", ".join(f"{name}: {'the embedded corpus' if spec is None else languages[name].name or spec}"
+                              for name, spec in specs.items())
+        raise ValueError(f"the models were trained on different corpora ({described}); compare models of one corpus")
+    return next(iter(languages.values()))
+
+
+def gap_cell(row: dict) -> str:
+    """BrierLM-2 gap closed with its interval, in percent, or — for a model not trained on a generated language."""
+    if "optimum" not in row:
+        return "—"
+    e = row["optimum"]["gap_closed"]["brierlm_2"]
+    return f"{100 * e['value']:.1f}% [{100 * e['ci_low']:.1f}, {100 * e['ci_high']:.1f}]"
+
+
 def _safe_ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
@@ -122,6 +146,9 @@ def bench_table(report: dict) -> str:
     """One row per model: speed, calls/token, ratios, quality with intervals."""
     head = ["model", "params", "tok/s b1", "tok/s b8", "calls/token", "speed×AR b1", "speed×AR b8", "NLL",
             "Brier-1", "Brier-2", "Brier-3", "Brier-4", "BrierLM-2", "MAUVE"]
+    optimum = any("optimum" in row for row in report["models"].values())
+    if optimum:
+        head.append("gap closed (BrierLM-2)")
     rows = []
     for name, row in report["models"].items():
         s, b, r = row["speed"], row["brier"], row["ratio_to_baseline"]
@@ -130,7 +157,7 @@ def bench_table(report: dict) -> str:
                      f"{r['tokens_per_s_batch_1']:.2f}", f"{r['tokens_per_s_batch_8']:.2f}",
                      f"{row['nll']['nll']:.3f}" if "nll" in row else "—",
                      *(format_ci(b[f"brier_{n}"], 4) for n in range(1, 5)), format_ci(b["brierlm_2"], 2),
-                     f"{row['mauve']['mauve']:.3f}" if "mauve" in row else "—"])
+                     f"{row['mauve']['mauve']:.3f}" if "mauve" in row else "—", *([gap_cell(row)] if optimum else [])])
     return markdown_table(head, rows)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..families import BASELINE_FAMILY, FAMILIES, family_of_model_type
 from ..folders import check_model_folder, read_json_file
 from ..training.checkpoint import STATE_FILE, latest_checkpoint
-from .bench import benchmark_models, format_ci, markdown_table
+from .bench import benchmark_models, format_ci, gap_cell, markdown_table
 
 #: The name the AR baseline must be given (`--model ar=DIR`): every relative value divides by its entry.
 BASELINE_NAME = BASELINE_FAMILY
@@ -137,6 +137,9 @@ def report_table(report: dict) -> str:
     """One row per model and decoding setting."""
     head = ["model", "decoding", "params", "trained on", "tok/s b1", "tok/s b8", "calls/token", "speed×AR b1",
             "speed×AR b8", "BrierLM-2", "BrierLM-2 ×AR", "MAUVE"]
+    optimum = any("optimum" in row for row in report["models"].values())
+    if optimum:  # trained on a generated language: the share of the gap between its unigram and its optimum
+        head.append("gap closed (BrierLM-2)")
     rows = []
     for name, row in report["models"].items():
         s, r = row["speed"], row["relative_to_ar"]
@@ -146,7 +149,7 @@ def report_table(report: dict) -> str:
                      f"{s['batch_1']['tokens_per_s']:.0f}", f"{s['batch_8']['tokens_per_s']:.0f}",
                      f"{s['batch_1']['model_calls_per_token']:.2f}", _ratio(r["tokens_per_s_batch_1"]),
                      _ratio(r["tokens_per_s_batch_8"]), format_ci(row["brier"]["brierlm_2"], 2), relative_b2,
-                     f"{row['mauve']['mauve']:.3f}" if "mauve" in row else "—"])
+                     f"{row['mauve']['mauve']:.3f}" if "mauve" in row else "—", *([gap_cell(row)] if optimum else [])])
     return markdown_table(head, rows)
 
 

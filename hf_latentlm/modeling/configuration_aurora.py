@@ -29,6 +29,11 @@ class AuroraAutoencoderConfig(BackboneConfig):
         latent_dropout (`float`, 0.6): probability of zeroing a latent coordinate before decoding (training only,
             no rescaling, as in the paper).
         statistics_eps (`float`, 1e-6): ε of the per-channel standardisation z = (z_enc − μ) / sqrt(var + ε).
+        query_residual (`bool`, False): **ours, not the paper's**: each query starts from the learned query plus the
+            context item at its own position (encoder slot i: token embedding i; decoder position j: latent j), a copy
+            path the shared query must otherwise learn through RoPE alone. Still causal by position; keep_ratio 1
+            only. The `tiny` and `small` presets turn it on (docs/generated_language.md: reconstruction before and
+            after).
     Loss: token cross-entropy only. The standardisation statistics are buffers of the autoencoder, estimated by the
     denoiser's first training batch from this (then frozen) encoder and saved with the denoiser's weights.
     """
@@ -36,10 +41,11 @@ class AuroraAutoencoderConfig(BackboneConfig):
     model_type = "aurora_autoencoder"
 
     def __init__(self, keep_ratio: float = 1.0, token_dropout: float = 0.3, latent_dropout: float = 0.6,
-                 statistics_eps: float = 1e-6, **kwargs):
+                 statistics_eps: float = 1e-6, query_residual: bool = False, **kwargs):
         kwargs.setdefault("num_hidden_layers", 2)
         super().__init__(**kwargs)
         self.keep_ratio = keep_ratio
+        self.query_residual = query_residual
         self.token_dropout = token_dropout
         self.latent_dropout = latent_dropout
         self.statistics_eps = statistics_eps
@@ -55,6 +61,9 @@ class AuroraAutoencoderConfig(BackboneConfig):
         if not 0 < self.keep_ratio <= 1:
             raise ValueError(f"AuroraAutoencoderConfig.keep_ratio must be in (0, 1], got {self.keep_ratio}")
         check_fraction(self, ("token_dropout", "latent_dropout"))
+        if self.query_residual and self.keep_ratio != 1:
+            raise ValueError(f"AuroraAutoencoderConfig.query_residual needs keep_ratio 1 (one query per context item), "
+                             f"got keep_ratio {self.keep_ratio}")
         if not self.statistics_eps > 0:
             raise ValueError(f"AuroraAutoencoderConfig.statistics_eps must be > 0, got {self.statistics_eps}")
 

@@ -111,17 +111,23 @@ class QueryStack(nn.Module):
     def __init__(self, config: AuroraAutoencoderConfig):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(config.hidden_size))
+        self.query_residual = config.query_residual
         self.layers = decoder_layers(config)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary = RotaryEmbedding.from_config(config)
 
     def read(self, context: torch.Tensor, is_context: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-             cache=None) -> torch.Tensor:
+             cache=None, query_start: torch.Tensor | None = None) -> torch.Tensor:
+        """query_start [B, m, d]: what each query starts from (default: the learned query alone)."""
         batch, dtype = context.shape[0], self.query.dtype
         stream = context.new_zeros(batch, is_context.numel(), context.shape[-1], dtype=dtype)
         stream[:, is_context] = context.to(dtype)
         fixed = is_context[None, :, None]
-        x = torch.where(fixed, stream, self.query)
+        if query_start is None:
+            x = torch.where(fixed, stream, self.query)
+        else:
+            x = stream.clone()
+            x[:, ~is_context] = query_start.to(dtype)
         cos, sin = self.rotary(positions.expand(batch, -1), dtype=dtype)
         for layer in self.layers:
             x = torch.where(fixed, stream, layer(x, cos, sin, mask, cache=cache))
@@ -137,7 +143,9 @@ class QueryStack(nn.Module):
             positions = torch.arange(past + context.shape[1], device=context.device)[None]
         is_context, key_pos, key_valid = interleaved_stream(positions, attention_mask)
         mask = causal_by_position_mask(key_pos[:, 2 * past:], key_pos, key_valid)
-        return self.read(context, is_context[2 * past:], key_pos[:, 2 * past:], mask, cache=cache)
+        # The residual copy path: query i starts from the learned query plus item i, which it shares a position with.
+        start = self.query + context if self.query_residual else None
+        return self.read(context, is_context[2 * past:], key_pos[:, 2 * past:], mask, cache=cache, query_start=start)
 
     def read_compressed(self, context: torch.Tensor, context_positions: torch.Tensor,
                         query_positions: torch.Tensor) -> torch.Tensor:

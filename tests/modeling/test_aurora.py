@@ -145,14 +145,16 @@ def unchanged(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return ((a - b).abs().flatten(2).amax(-1) <= 1e-6)[0]
 
 
-@pytest.mark.parametrize("keep_ratio,slots", [(1.0, 12), (0.75, 9), (0.5, 6)])
-def test_query_encoder_and_decoder_see_what_the_paper_says(keep_ratio, slots):
+@pytest.mark.parametrize("keep_ratio,slots,residual", [(1.0, 12, False), (0.75, 9, False), (0.5, 6, False),
+                                                        (1.0, 12, True)])
+def test_query_encoder_and_decoder_see_what_the_paper_says(keep_ratio, slots, residual):
     """L = 12 tokens, N slots, two layers of random weights, brute force over every token and slot (0-based):
     changing token t changes slot i iff t ≤ ⌈(i+1)L/N⌉ − 1 (at N = L: slots ≥ t), and changing slot i changes the
-    decoder's output j iff i ≤ ⌊j·N/L⌋ (at N = L: outputs ≥ i); everything else stays as it was."""
+    decoder's output j iff i ≤ ⌊j·N/L⌋ (at N = L: outputs ≥ i); everything else stays as it was. The residual copy
+    path (query i starts from the learned query plus item i) keeps exactly the same dependencies."""
     length = 12
     autoencoder = make_autoencoder(randomize=True, keep_ratio=keep_ratio, num_hidden_layers=2,
-                                   initializer_range=0.2).eval()
+                                   initializer_range=0.2, query_residual=residual).eval()
     ids = tokens(1, length, seed=4)
     latents = torch.randn(1, slots, D, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -206,10 +208,30 @@ def test_a_denoiser_refuses_a_compressed_autoencoder_by_name():
         make_aurora(autoencoder=make_autoencoder(keep_ratio=0.5))
 
 
-def test_left_padded_rows_encode_and_decode_as_alone():
+def test_the_residual_copy_path_starts_each_query_from_its_own_item():
+    """With zero learned queries and no layers' effect on the first query state, the residual start is item i
+    itself: slot i of a stack whose layers are switched off is norm(E[w_i]); and keep_ratio < 1 is refused."""
+    autoencoder = make_autoencoder(query_residual=True).eval()
+    ids = tokens(1, 7, seed=2)
+    with torch.no_grad():
+        for layer in autoencoder.encoder.layers:  # a layer whose sub-blocks add nothing passes its input through
+            for param in layer.parameters():
+                param.zero_()
+            for name, module in layer.named_modules():
+                if "norm" in name and hasattr(module, "weight"):
+                    module.weight.fill_(1.0)
+        slots = autoencoder.encode(ids)
+        embeds = autoencoder.get_input_embeddings()(ids)
+        torch.testing.assert_close(slots, autoencoder.encoder.norm(embeds), atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="query_residual needs keep_ratio 1"):
+        AuroraAutoencoderConfig(**AE_KW, keep_ratio=0.5, query_residual=True)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_left_padded_rows_encode_and_decode_as_alone(residual):
     """keep_ratio 1: encode and decode_logits of left-padded rows equal each row alone, whatever the padded
     positions' latents hold (garbage there changes nothing)."""
-    autoencoder = make_autoencoder(randomize=True, initializer_range=0.2).eval()
+    autoencoder = make_autoencoder(randomize=True, initializer_range=0.2, query_residual=residual).eval()
     rows = [tokens(1, n, seed=n)[0] for n in (5, 11, 3)]
     ids, mask = lf.left_padded(rows)
     with torch.no_grad():
