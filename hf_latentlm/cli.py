@@ -15,6 +15,7 @@ from .families import BASELINE_FAMILY, FAMILIES, check_components, component_nam
 from .presets import PRESETS
 
 DEFAULT_SAMPLE_PROMPT = "ROMEO.\n"
+OPTIMUM_POSITIONS = 1000  # windows of the quick measurement `train` prints after a run on a generated language
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -211,6 +212,7 @@ def cmd_train(args) -> int:
 
         print(spec.training_report(*load_model_and_tokenizer(args.output_dir, language_model=False)))
     if finished and spec.language_model and not args.no_sample and main_process:
+        from .data.generated import GeneratedLanguage
         from .eval.speed import measure_generation_speed, speed_versus_fresh_baseline
         from .loading import load_model_and_tokenizer
 
@@ -236,6 +238,13 @@ def cmd_train(args) -> int:
                              f"{1 / ar['model_calls_per_token']:.2f} tokens per call"
                              f" | speed ratio {compared['ratio']['batch_1']:.2f}x")
         print("\n--- speed (batch 1, 64 new tokens, this process) ---\n" + "\n".join(lines))
+        language = GeneratedLanguage.from_folder(args.output_dir)
+        if language is not None:  # what the run reached, as a share of what the language allows
+            from .eval.optimum import evaluate_against_optimum, optimum_headline
+
+            optimum = evaluate_against_optimum(model.eval(), language, OPTIMUM_POSITIONS, seed=args.seed)
+            print(f"--- against the optimum of generated:{language.name} ({OPTIMUM_POSITIONS} validation windows; "
+                  f"`hf-latentlm eval` measures more) ---\n{optimum_headline(optimum)}")
         print(f"--- sample ---\n{args.sample_prompt}{text}\n---")
     return 0
 
