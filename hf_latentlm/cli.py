@@ -210,7 +210,12 @@ def cmd_train(args) -> int:
     if finished and spec.training_report is not None and main_process:
         from .loading import load_model_and_tokenizer
 
-        print(spec.training_report(*load_model_and_tokenizer(args.output_dir, language_model=False)))
+        from .data.generated import GeneratedLanguage
+        from .eval.optimum import evaluation_stream
+
+        language = GeneratedLanguage.from_folder(args.output_dir)  # measured on the language it was trained on
+        stream = None if language is None else evaluation_stream(language)
+        print(spec.training_report(*load_model_and_tokenizer(args.output_dir, language_model=False), stream=stream))
     if finished and spec.language_model and not args.no_sample and main_process:
         from .data.generated import GeneratedLanguage
         from .eval.speed import measure_generation_speed, speed_versus_fresh_baseline

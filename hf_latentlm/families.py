@@ -69,7 +69,8 @@ class FamilySpec:
     language_model: True if the family generates text; False for components (autoencoders, VAEs).
     components: argument name -> family that produces it; each becomes a `--<name> DIR` option of `train`.
     preset_overrides: preset name -> config overrides that depend on scale.
-    training_report: `report(model, tokenizer) -> str`, printed by `hf-latentlm train` when a run of this family
+    training_report: `report(model, tokenizer, stream=None) -> str` (`stream`: validation ids of the generated
+        language the run trained on, else None: the embedded corpus's), printed by `hf-latentlm train` when a run of this family
         finishes (components: reconstruction on the validation split); None: no report.
     response_scorer: the `ResponseScorer` class DPO scores this family's responses with
         (`hf_latentlm.training.scorers`); None: the token-likelihood score where the family has one.

@@ -32,11 +32,16 @@ def row_batches(rows: torch.Tensor):
 # CALM
 # ---------------------------------------------------------------------------------------------------------------------
 
-def calm_autoencoder_report(model, tokenizer, num_tokens: int = 20000) -> str:
+def validation_stream(tokenizer, stream: torch.Tensor | None) -> torch.Tensor:
+    """`stream` when given (a generated language's validation ids), else the embedded corpus's validation split."""
+    return stream if stream is not None else split_stream(tokenizer, "validation")
+
+
+def calm_autoencoder_report(model, tokenizer, num_tokens: int = 20000, stream: torch.Tensor | None = None) -> str:
     """One line on a trained CALM autoencoder: token accuracy decoding μ and a sampled z, and the mean σ, on the
     first `num_tokens` tokens of the validation split."""
     model.eval()
-    stream = split_stream(tokenizer, "validation")
+    stream = validation_stream(tokenizer, stream)
     k = model.config.chunk_size
     ids = stream[: (min(num_tokens, stream.numel()) // k) * k][None]
     r = model.reconstruction_accuracy(ids, generator=torch.Generator().manual_seed(0))
@@ -70,9 +75,9 @@ def vae_measurements(model, stream: torch.Tensor, num_tokens: int = 20000, row_l
             "accuracy_vs_noise": {t: average([p["accuracy_vs_noise"][t] for p in parts]) for t in noise_levels}}
 
 
-def cola_vae_report(model, tokenizer, num_tokens: int = 20000) -> str:
+def cola_vae_report(model, tokenizer, num_tokens: int = 20000, stream: torch.Tensor | None = None) -> str:
     """Lines on a trained Cola VAE, on the validation split: accuracy from μ and from sampled z, and versus noise."""
-    r = vae_measurements(model, split_stream(tokenizer, "validation"), num_tokens)
+    r = vae_measurements(model, validation_stream(tokenizer, stream), num_tokens)
     curve = ", ".join(f"t={t:g}: {a:.2%}" for t, a in r["accuracy_vs_noise"].items())
     return (f"VAE on {r['num_tokens']} validation tokens: accuracy {r['accuracy_mean']:.4%} (mean), "
             f"{r['accuracy_sampled']:.4%} (sampled z), logSNR {r['logsnr']:.2f}\n"
@@ -93,8 +98,8 @@ def autoencoder_accuracy(model, stream: torch.Tensor, num_tokens: int = 20000, r
     return {"num_tokens": rows.numel(), "accuracy": correct / rows.numel()}
 
 
-def aurora_autoencoder_report(model, tokenizer, num_tokens: int = 20000) -> str:
+def aurora_autoencoder_report(model, tokenizer, num_tokens: int = 20000, stream: torch.Tensor | None = None) -> str:
     """One line on a trained AURORA autoencoder: reconstruction accuracy on the validation split."""
-    r = autoencoder_accuracy(model, split_stream(tokenizer, "validation"), num_tokens)
+    r = autoencoder_accuracy(model, validation_stream(tokenizer, stream), num_tokens)
     return (f"autoencoder on {r['num_tokens']} validation tokens: reconstruction accuracy {r['accuracy']:.4%} "
             f"(keep ratio {model.config.keep_ratio:g}, D = {model.config.latent_size})")

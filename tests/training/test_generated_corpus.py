@@ -127,3 +127,20 @@ def test_bench_measures_models_of_one_language_against_its_optimum_and_refuses_a
     code, _, err = run_cli("bench", "--model", f"ar={paths['ar']}", "--model", f"s={shakespeare}",
                            "--num-positions", "8", "--repeats", "1", "--output", str(tmp_path / "c.json"))
     assert code == 2 and "trained on different corpora" in err and "s: the embedded corpus" in err
+
+
+def test_a_component_reports_on_the_language_it_was_trained_on(tmp_path, run_cli, easy):
+    """`train --family aurora-ae --corpus generated:easy` prints its reconstruction on the language's validation
+    ids, not on the embedded corpus (which its word-level tokenizer would mostly read as <|unk|>)."""
+    from hf_latentlm.eval.components import autoencoder_accuracy
+    from hf_latentlm.eval.optimum import evaluation_stream
+    from hf_latentlm.loading import load_model_and_tokenizer
+
+    out = tmp_path / "ae"
+    code, stdout, err = run_cli("train", "--family", "aurora-ae", "--preset", "tiny", "--corpus", "generated:easy",
+                                "--output-dir", str(out), "--max-steps", "30", "--eval-every", "30")
+    assert code == 0, err
+    model, _ = load_model_and_tokenizer(str(out), language_model=False)
+    expected = autoencoder_accuracy(model.eval(), evaluation_stream(easy))
+    assert f"reconstruction accuracy {expected['accuracy']:.4%}" in stdout, stdout
+    assert expected["accuracy"] > 0.5  # the residual copy path of the tiny preset copies within 30 steps
