@@ -136,6 +136,8 @@ class GeneratedLanguage:
         self.transitions[end] = self.start
         self.emissions[end, EOS_ID] = 1.0
         self.stationary = self._stationary()
+        self._transition_cum = np.cumsum(self.transitions, axis=1)  # row-wise, for batched draws
+        self._emission_cum_dense = np.cumsum(self.emissions, axis=1)
         self._start_cum = _cumulative(self.start[:num_states])
         self._emission_cum = [_cumulative(p) for p in self.state_emissions]
         self._move_cum = [_cumulative(p) for p in self.state_moves]
@@ -229,14 +231,21 @@ class GeneratedLanguage:
         solution = np.linalg.lstsq(system, np.append(np.zeros(size), 1.0), rcond=None)[0]
         return np.clip(solution, 0.0, None) / np.clip(solution, 0.0, None).sum()
 
-    def _observe(self, prior: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """Bayes then one transition: the distribution of the next emitting state after seeing `tokens` [P]
-        from states distributed as `prior` [P, S+1]."""
+    def _condition(self, prior: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Bayes then one transition: (the distribution of the next emitting state after seeing `tokens` [P] from
+        states distributed as `prior` [P, S+1], the probability of each token under `prior`). A row whose token
+        is impossible keeps its prior."""
         posterior = prior * self.emissions[:, tokens].T
         total = posterior.sum(axis=1, keepdims=True)
+        return np.where(total > 0, posterior / np.where(total > 0, total, 1.0), prior) @ self.transitions, total[:, 0]
+
+    def _observe(self, prior: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """`_condition`'s next-state distribution; ValueError when a token is impossible (a context the language
+        cannot produce has no true continuation)."""
+        following, total = self._condition(prior, tokens)
         if (total <= 0).any():
             raise ValueError("a context has probability 0 under this language (a token no state emits there)")
-        return (posterior / total) @ self.transitions
+        return following
 
     def position_probs(self, rows) -> np.ndarray:
         """[N, T, vocab] with [n, t] = p(x_{t+1} | rows[n, :t+1]), each row a window of the packed stream (prior:
@@ -257,38 +266,41 @@ class GeneratedLanguage:
             prior = self._observe(prior, contexts[:, t])
         return np.ascontiguousarray(prior)
 
-    def continuation_probs(self, contexts, continuations) -> np.ndarray:
+    def continuation_probs(self, contexts, continuations, states: np.ndarray | None = None) -> np.ndarray:
         """[P, n] with [p, k] = the true probability of continuations[p, :k+1] right after contexts[p] (0 from the
-        first token the language cannot emit there on)."""
+        first token the language cannot emit there on). `states`: `next_state_probs(contexts)`, when the caller
+        already has it."""
         continuations = np.asarray(continuations, dtype=np.int64)
-        prior = self.next_state_probs(contexts)
+        prior = self.next_state_probs(contexts) if states is None else states
         out = np.empty(continuations.shape)
         running = np.ones(len(continuations))
         for k in range(continuations.shape[1]):
-            posterior = prior * self.emissions[:, continuations[:, k]].T
-            total = posterior.sum(axis=1, keepdims=True)
-            running = running * total[:, 0]
+            prior, probability = self._condition(prior, continuations[:, k])
+            running = running * probability
             out[:, k] = running
-            prior = np.where(total > 0, posterior / np.where(total > 0, total, 1.0), prior) @ self.transitions
         return out
 
     def unigram_probs(self) -> np.ndarray:
         """The marginal token distribution of the packed stream: the best model that ignores the prefix."""
         return self.stationary @ self.emissions
 
+    def sample_unigram(self, uniforms) -> np.ndarray:
+        """[P, n] ids drawn from `unigram_probs()` independently, one per uniform in [0, 1)."""
+        uniforms = np.asarray(uniforms, dtype=np.float64)
+        cumulative = np.broadcast_to(np.cumsum(self.unigram_probs()), (uniforms.size, self.vocab_size))
+        return _draw(cumulative, uniforms.reshape(-1)).reshape(uniforms.shape)
+
     def sample_continuations(self, contexts, uniforms) -> np.ndarray:
         """[P, n] ids drawn from the true distribution after each context row, from `uniforms` [P, 2n] in [0, 1)
         (two per token: the emitting state, then its word)."""
         uniforms = np.asarray(uniforms, dtype=np.float64)
         states = self.next_state_probs(contexts)
-        state_cum = np.cumsum(self.transitions, axis=1)
-        emission_cum = np.cumsum(self.emissions, axis=1)
         out = np.empty((uniforms.shape[0], uniforms.shape[1] // 2), dtype=np.int64)
         current = _draw(np.cumsum(states, axis=1), uniforms[:, 0])
         for n in range(out.shape[1]):
             if n:
-                current = _draw(state_cum[current], uniforms[:, 2 * n])
-            out[:, n] = _draw(emission_cum[current], uniforms[:, 2 * n + 1])
+                current = _draw(self._transition_cum[current], uniforms[:, 2 * n])
+            out[:, n] = _draw(self._emission_cum_dense[current], uniforms[:, 2 * n + 1])
         return out
 
     def conditional_entropy(self, num_tokens: int = 200_000, split: str = "validation") -> float:

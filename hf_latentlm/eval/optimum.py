@@ -69,9 +69,7 @@ class LanguageReference(torch.nn.Module):
             raise ValueError("the reference language scores whole windows: no padding")
         uniforms = torch.rand(input_ids.shape[0], 2 * max_new_tokens, dtype=torch.float64).numpy()
         if self.kind == "unigram":
-            cumulative = np.cumsum(self.language.unigram_probs())
-            new = np.minimum(np.searchsorted(cumulative, uniforms[:, 1::2] * cumulative[-1], side="right"),
-                             len(cumulative) - 1)
+            new = self.language.sample_unigram(uniforms[:, 1::2])
         else:
             new = self.language.sample_continuations(input_ids.cpu().numpy(), uniforms)
         return torch.cat([input_ids.cpu(), torch.from_numpy(new).long()], dim=1)
@@ -87,7 +85,8 @@ def exact_target_terms(language: GeneratedLanguage, contexts: torch.Tensor, draw
     """Per-position Brier estimates [P, MAX_N] with each hit indicator 1{x₁..ₙ = y₁..ₙ} replaced by its
     expectation over the target y, the true probability p(x₁..ₙ | context): the same expectation as
     `brier.brier_terms`, without the target's sampling noise."""
-    prob_a, prob_b = (torch.from_numpy(language.continuation_probs(contexts.numpy(), d[:, :MAX_N].numpy()))
+    states = language.next_state_probs(contexts.numpy())  # the context's filter, shared by both draws
+    prob_a, prob_b = (torch.from_numpy(language.continuation_probs(None, d[:, :MAX_N].numpy(), states))
                       for d in (draws_a, draws_b))
     agree = (draws_a[:, :MAX_N] == draws_b[:, :MAX_N]).long().cumprod(dim=1)
     return (prob_a + prob_b - agree).double()
@@ -102,14 +101,12 @@ def optimum_position_terms(model, language: GeneratedLanguage, stream: torch.Ten
     contexts, targets = evaluation_windows(stream, num_positions, context_len, MAX_N)
     plain, exact = [], []
     for pair in range(pairs):
-        plain.append([]), exact.append([])
         for start, a, b in paired_draws(model, contexts, batch_size, seed + 7919 * pair, progress and pair == 0,
                                         generate_kwargs):
-            ctx = contexts[start:start + len(a)]
-            plain[-1].append(brier_terms(a, b, targets[start:start + len(a)]))
-            exact[-1].append(exact_target_terms(language, ctx, a, b))
-    mean = lambda parts: torch.stack([torch.cat(p) for p in parts]).mean(dim=0)  # noqa: E731
-    return mean(plain), mean(exact)
+            plain.append(brier_terms(a, b, targets[start:start + len(a)]))
+            exact.append(exact_target_terms(language, contexts[start:start + len(a)], a, b))
+    # Concatenated pair after pair: [pairs, P, MAX_N], averaged over the pairs.
+    return tuple(torch.cat(parts).view(pairs, len(contexts), MAX_N).mean(dim=0) for parts in (plain, exact))
 
 
 def _bootstrap_gap(terms: dict[str, torch.Tensor], num_bootstrap: int, seed: int) -> dict:
