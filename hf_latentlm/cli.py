@@ -185,6 +185,7 @@ def check_config_keys(spec, overrides: dict) -> None:
 
 
 def cmd_train(args) -> int:
+    from .data.generated import parse_corpus
     from .training.loop import TrainConfig, train
 
     cfg = TrainConfig(
@@ -207,17 +208,14 @@ def cmd_train(args) -> int:
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
     finished = cfg.stop_at_step is None or cfg.stop_at_step == cfg.resolved().max_steps
     main_process = int(os.environ.get("RANK", "0")) == 0
+    language = parse_corpus(cfg.corpus)  # None for the embedded corpus or the user's text
     if finished and spec.training_report is not None and main_process:
+        from .eval.optimum import evaluation_stream
         from .loading import load_model_and_tokenizer
 
-        from .data.generated import GeneratedLanguage
-        from .eval.optimum import evaluation_stream
-
-        language = GeneratedLanguage.from_folder(args.output_dir)  # measured on the language it was trained on
-        stream = None if language is None else evaluation_stream(language)
+        stream = None if language is None else evaluation_stream(language)  # measured on what it trained on
         print(spec.training_report(*load_model_and_tokenizer(args.output_dir, language_model=False), stream=stream))
     if finished and spec.language_model and not args.no_sample and main_process:
-        from .data.generated import GeneratedLanguage
         from .eval.speed import measure_generation_speed, speed_versus_fresh_baseline
         from .loading import load_model_and_tokenizer
 
@@ -243,7 +241,6 @@ def cmd_train(args) -> int:
                              f"{1 / ar['model_calls_per_token']:.2f} tokens per call"
                              f" | speed ratio {compared['ratio']['batch_1']:.2f}x")
         print("\n--- speed (batch 1, 64 new tokens, this process) ---\n" + "\n".join(lines))
-        language = GeneratedLanguage.from_folder(args.output_dir)
         if language is not None:  # what the run reached, as a share of what the language allows
             from .eval.optimum import evaluate_against_optimum, optimum_headline
 

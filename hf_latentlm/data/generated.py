@@ -178,7 +178,12 @@ class GeneratedLanguage:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.tokenizer().save_pretrained(str(folder))
-        (folder / LANGUAGE_RECORD).write_text(json.dumps(self.record(), indent=1) + "\n")
+        self.write_record(folder)
+
+    def write_record(self, folder: str | Path, **extra) -> None:
+        """`generated_language.json` in `folder`: the record (and `extra` fields, e.g. the training stream), which
+        `from_folder` reads back."""
+        (Path(folder) / LANGUAGE_RECORD).write_text(json.dumps({**self.record(), **extra}, indent=1) + "\n")
 
     @property
     def vocab_size(self) -> int:

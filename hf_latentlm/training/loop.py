@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
-from ..data.generated import LANGUAGE_RECORD, parse_corpus
+from ..data.generated import parse_corpus
 from ..families import build_model
 from ..modeling.modeling_backbone import training_hooks
 from ..presets import get_preset
@@ -288,8 +288,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         language = parse_corpus(cfg.corpus)
         if language is not None:  # what eval / bench measure the model against
-            record = {**language.record(), "train_stream": cfg.seed}
-            (Path(cfg.output_dir) / LANGUAGE_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+            language.write_record(cfg.output_dir, train_stream=cfg.seed)
     accelerator.wait_for_everyone()
     # The scheduler is stepped by us once per optimizer step, so it is not prepared.
     model, optimizer = accelerator.prepare(model, optimizer)
