@@ -27,10 +27,11 @@ from tqdm.auto import tqdm
 
 from ..data.generated import GeneratedLanguage
 from ..families import family_of_model_type
+from ..folders import check_model_folder
 from ..loading import load_model_and_tokenizer
 from ..presets import get_preset
 from .brier import evaluate_brier
-from .harness import evaluate_model, nll_rows, split_stream
+from .harness import check_evaluation_lengths, evaluate_model, nll_rows, split_stream
 from .optimum import evaluation_stream
 from .sampling import evaluation_windows
 from .speed import fresh_training_step_time, speed_versus_baseline
@@ -68,6 +69,8 @@ def benchmark_models(models: dict[str, str], baseline: str, num_positions: int =
     if set(generate_kwargs) - set(models):
         raise ValueError(f"generate_kwargs names models {sorted(set(generate_kwargs) - set(models))} that are not "
                          f"among {sorted(models)}")
+    for name, path in models.items():  # before anything runs: a model trained at shorter rows is refused now
+        check_evaluation_lengths(check_model_folder(path, f"model {name!r}"), context_len, mauve, f"model {name!r}")
     language = shared_language(models)
     base_model, base_tokenizer = load_model_and_tokenizer(models[baseline])
     stream = split_stream(base_tokenizer, "validation") if language is None else evaluation_stream(language)

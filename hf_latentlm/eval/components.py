@@ -7,11 +7,20 @@ from __future__ import annotations
 import torch
 
 from .harness import split_stream
+from .sampling import trained_length
 
 #: Noise levels t of Cola's robustness curve: the decoder reads z_t = (1 − t)·z + t·ε (paper 004, §4.3).
 NOISE_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5)
 #: Rows per reconstruction call.
 ROWS_PER_CALL = 16
+#: Row length of the reconstruction checks, or the length the component was trained at when that is shorter.
+ROW_LENGTH = 256
+
+
+def checked_row_length(model) -> int:
+    """`ROW_LENGTH`, or the component's `config.trained_seq_len` when shorter: a component is measured only at
+    positions it was trained at. The reports name the length they used."""
+    return min(ROW_LENGTH, trained_length(getattr(model, "config", None)) or ROW_LENGTH)
 
 
 def reconstruction_rows(stream: torch.Tensor, num_tokens: int, row_length: int) -> torch.Tensor:
@@ -54,10 +63,12 @@ def calm_autoencoder_report(model, tokenizer, num_tokens: int = 20000, stream: t
 # ---------------------------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def vae_measurements(model, stream: torch.Tensor, num_tokens: int = 20000, row_length: int = 256,
+def vae_measurements(model, stream: torch.Tensor, num_tokens: int = 20000, row_length: int | None = None,
                      noise_levels: tuple[float, ...] = NOISE_LEVELS, seed: int = 0) -> dict:
     """Token accuracy of a `ColaTextVAE` on the first `num_tokens` of `stream` (cut into rows of `row_length`):
-    decoding the posterior mean, a sampled z, and z_t for each noise level; plus the logSNR and the token count."""
+    decoding the posterior mean, a sampled z, and z_t for each noise level; plus the logSNR, the token count and
+    the row length (default `checked_row_length`)."""
+    row_length = row_length or checked_row_length(model)
     rows = reconstruction_rows(stream, num_tokens, row_length)
     model.eval()
     generator = torch.Generator().manual_seed(seed)
@@ -69,7 +80,7 @@ def vae_measurements(model, stream: torch.Tensor, num_tokens: int = 20000, row_l
     def average(values):
         return sum(v * w for v, w in zip(values, weights)) / sum(weights)
 
-    return {"num_tokens": rows.numel(), "logsnr": parts[0]["logsnr"],
+    return {"num_tokens": rows.numel(), "row_length": row_length, "logsnr": parts[0]["logsnr"],
             "accuracy_mean": average([p["accuracy_mean"] for p in parts]),
             "accuracy_sampled": average([p["accuracy_sampled"] for p in parts]),
             "accuracy_vs_noise": {t: average([p["accuracy_vs_noise"][t] for p in parts]) for t in noise_levels}}
@@ -79,7 +90,7 @@ def cola_vae_report(model, tokenizer, num_tokens: int = 20000, stream: torch.Ten
     """Lines on a trained Cola VAE, on the validation split: accuracy from μ and from sampled z, and versus noise."""
     r = vae_measurements(model, validation_stream(tokenizer, stream), num_tokens)
     curve = ", ".join(f"t={t:g}: {a:.2%}" for t, a in r["accuracy_vs_noise"].items())
-    return (f"VAE on {r['num_tokens']} validation tokens: accuracy {r['accuracy_mean']:.4%} (mean), "
+    return (f"VAE on {r['num_tokens']} validation tokens (rows of {r['row_length']}): accuracy {r['accuracy_mean']:.4%} (mean), "
             f"{r['accuracy_sampled']:.4%} (sampled z), logSNR {r['logsnr']:.2f}\n"
             f"accuracy of z_t = (1-t)z + t*noise: {curve}")
 
@@ -89,17 +100,18 @@ def cola_vae_report(model, tokenizer, num_tokens: int = 20000, stream: torch.Ten
 # ---------------------------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def autoencoder_accuracy(model, stream: torch.Tensor, num_tokens: int = 20000, row_length: int = 256) -> dict:
+def autoencoder_accuracy(model, stream: torch.Tensor, num_tokens: int = 20000, row_length: int | None = None) -> dict:
     """Token accuracy of an `AuroraAutoencoder` (eval mode: no dropout) reconstructing the first `num_tokens` of
-    `stream`, cut into rows of `row_length`."""
+    `stream`, cut into rows of `row_length` (default `checked_row_length`)."""
+    row_length = row_length or checked_row_length(model)
     rows = reconstruction_rows(stream, num_tokens, row_length)
     model.eval()
     correct = sum(model.reconstruction_accuracy(batch) * batch.numel() for batch, _ in row_batches(rows))
-    return {"num_tokens": rows.numel(), "accuracy": correct / rows.numel()}
+    return {"num_tokens": rows.numel(), "row_length": row_length, "accuracy": correct / rows.numel()}
 
 
 def aurora_autoencoder_report(model, tokenizer, num_tokens: int = 20000, stream: torch.Tensor | None = None) -> str:
     """One line on a trained AURORA autoencoder: reconstruction accuracy on the validation split."""
     r = autoencoder_accuracy(model, validation_stream(tokenizer, stream), num_tokens)
-    return (f"autoencoder on {r['num_tokens']} validation tokens: reconstruction accuracy {r['accuracy']:.4%} "
+    return (f"autoencoder on {r['num_tokens']} validation tokens (rows of {r['row_length']}): reconstruction accuracy {r['accuracy']:.4%} "
             f"(keep ratio {model.config.keep_ratio:g}, D = {model.config.latent_size})")

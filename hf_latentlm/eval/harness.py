@@ -12,25 +12,30 @@ import torch
 from ..data.generated import GeneratedLanguage
 from ..training.corpus import load_corpus_documents
 from ..training.data import token_stream
-from .brier import batch_starts, evaluate_brier
+from .brier import MAX_N, batch_starts, evaluate_brier
 from .nll import evaluate_nll, has_likelihood
 from .optimum import evaluate_against_optimum, evaluation_stream
-from .sampling import evaluation_windows, sample_continuations
+from .sampling import check_trained_length, evaluation_windows, sample_continuations, trained_length
 
 
 def split_stream(tokenizer, split: str = "validation") -> torch.Tensor:
     return token_stream(load_corpus_documents(split), tokenizer)
 
 
-def nll_rows(stream: torch.Tensor, seq_len: int = 256) -> torch.Tensor:
+#: Row length of the NLL evaluation, and of MAUVE's prompts and continuations.
+NLL_ROW_LENGTH = 256
+MAUVE_PROMPT_LEN, MAUVE_CONTINUATION_LEN = 64, 128
+
+
+def nll_rows(stream: torch.Tensor, seq_len: int = NLL_ROW_LENGTH) -> torch.Tensor:
     n = stream.numel() // seq_len
     if n == 0:
         raise ValueError(f"stream of {stream.numel()} tokens is shorter than seq_len {seq_len}")
     return stream[: n * seq_len].view(n, seq_len)
 
 
-def generate_mauve_texts(model, tokenizer, stream: torch.Tensor, num_samples: int = 400, prompt_len: int = 64,
-                         continuation_len: int = 128, batch_size: int = 16, seed: int = 0,
+def generate_mauve_texts(model, tokenizer, stream: torch.Tensor, num_samples: int = 400,
+                         prompt_len: int = MAUVE_PROMPT_LEN, continuation_len: int = MAUVE_CONTINUATION_LEN, batch_size: int = 16, seed: int = 0,
                          generate_kwargs: dict | None = None, progress: bool = False) -> tuple[list[str], list[str]]:
     """Model continuations of held-out prompts and the human continuations of the same prompts.
     `generate_kwargs`: extra `generate()` options, merged over the unbiased-sampling defaults."""
@@ -53,7 +58,12 @@ def evaluate_model(model, tokenizer, split: str = "validation", num_positions: i
 
     `language`: the generated language the model was trained on. The windows then come from its `split` and the
     result has an `optimum` entry: the true language and its unigram on the same windows, and the gap the model
-    closes between them (`optimum.evaluate_against_optimum`)."""
+    closes between them (`optimum.evaluate_against_optimum`).
+
+    Only positions the model was trained at are evaluated (`config.trained_seq_len`): Brier windows or MAUVE
+    samples that reach past it are refused before anything runs, and the NLL rows are that long when it is below
+    `NLL_ROW_LENGTH` (the result's `nll.row_length` says so)."""
+    check_evaluation_lengths(model.config, context_len, mauve)
     if language is not None:
         stream = evaluation_stream(language, split)
         optimum = evaluate_against_optimum(model, language, num_positions, context_len, batch_size, seed,
@@ -65,10 +75,19 @@ def evaluate_model(model, tokenizer, split: str = "validation", num_positions: i
         result = {"split": split, "brier": evaluate_brier(model, stream, num_positions, context_len, batch_size, seed,
                                                           progress=progress, generate_kwargs=generate_kwargs)}
     if nll and has_likelihood(model):
-        result["nll"] = evaluate_nll(model, nll_rows(stream), batch_size=16)
+        row_length = min(NLL_ROW_LENGTH, trained_length(model.config) or NLL_ROW_LENGTH)
+        result["nll"] = {**evaluate_nll(model, nll_rows(stream, row_length), batch_size=16), "row_length": row_length}
     if mauve:
         from .mauve import mauve_score
         model_texts, human_texts = generate_mauve_texts(model, tokenizer, stream, num_samples=mauve_samples, seed=seed,
                                                         generate_kwargs=generate_kwargs, progress=progress)
         result["mauve"] = mauve_score(model_texts, human_texts, seed=seed)
     return result
+
+
+def check_evaluation_lengths(config, context_len: int, mauve: bool, label: str = "the model") -> None:
+    """Refuse (ValueError naming both lengths) an evaluation whose Brier windows (context + MAX_N drawn tokens) or
+    MAUVE samples reach past the length `config` (an object or config.json's dict) was trained at."""
+    check_trained_length(config, context_len, MAX_N, f"Brier windows (--context-len {context_len})", label)
+    if mauve:
+        check_trained_length(config, MAUVE_PROMPT_LEN, MAUVE_CONTINUATION_LEN, "MAUVE samples", label)

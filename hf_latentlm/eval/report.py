@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..families import BASELINE_FAMILY, FAMILIES, family_of_model_type
 from ..folders import check_model_folder, read_json_file
+from ..presets import get_preset
 from ..training.checkpoint import STATE_FILE, latest_checkpoint
 from .bench import benchmark_models, format_ci, gap_cell, markdown_table
 
@@ -35,7 +36,7 @@ def training_record(folder: str | os.PathLike) -> dict:
     was copied), never a guess from the preset.
     """
     folder = Path(folder)
-    steps = tokens = None
+    steps = tokens = components = None
     metrics = folder / "metrics.jsonl"
     if metrics.is_file():
         logged = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -43,13 +44,46 @@ def training_record(folder: str | os.PathLike) -> dict:
         # Logged by the training loop since it records them; older folders fall back to the checkpoint below.
         tokens = max((record["tokens"] for record in logged if "tokens" in record), default=None)
     checkpoint = latest_checkpoint(folder) if folder.is_dir() else None
-    if tokens is None and checkpoint is not None and (checkpoint / STATE_FILE).is_file():
+    if checkpoint is not None and (checkpoint / STATE_FILE).is_file():
         state = read_json_file(checkpoint / STATE_FILE, f"checkpoint {str(checkpoint)!r}")
-        if state.get("step"):
+        components = state["config"].get("components") or None  # the component folders it was built from
+        if tokens is None and state.get("step"):
             tokens_per_step = state["data_position"] * state["config"]["seq_len"] / state["step"]
             steps = steps if steps is not None else state["step"]
             tokens = round(tokens_per_step * steps)
-    return {"steps": steps, "tokens": tokens}
+    return {"steps": steps, "tokens": tokens, "components": components}
+
+
+def training_compute(folder: str | os.PathLike, language_model: bool = True) -> dict:
+    """`training_record` of a `train` folder plus its training FLOPs: tokens × the FLOPs per token of one training
+    step of the saved model (`flops.training_flops_per_token` at the length it was trained at; a frozen component
+    counts its forward only, as in training), and the same for each component it was built from. `train_flops` is
+    None where the tokens are unknown."""
+    from ..loading import load_model_and_tokenizer
+    from .flops import training_flops_per_token
+    from .sampling import trained_length
+
+    record = training_record(folder)
+    model, _ = load_model_and_tokenizer(str(folder), language_model=language_model)
+    seq_len = trained_length(model.config) or get_preset("small").seq_len
+    per_token = training_flops_per_token(model, seq_len)["per_token"]
+    del model
+    record.update(flops_per_token=per_token,
+                  train_flops=None if record["tokens"] is None else record["tokens"] * per_token)
+    record["components"] = {name: training_compute(path, language_model=False)
+                            for name, path in (record["components"] or {}).items() if Path(path).is_dir()}
+    return record
+
+
+#: A model whose training FLOPs differ from AR's by more than this fraction is flagged in the table.
+BUDGET_TOLERANCE = 0.10
+
+
+def budget_ratios(records: dict[str, dict], baseline: str = BASELINE_NAME) -> dict[str, float | None]:
+    """Each model's training FLOPs ÷ the baseline's (its own run; components apart); None where either is unknown."""
+    reference = records[baseline]["train_flops"]
+    return {name: None if not reference or r["train_flops"] is None else r["train_flops"] / reference
+            for name, r in records.items()}
 
 
 def decoding_settings(model_type: str) -> dict[str, dict]:
@@ -108,10 +142,12 @@ def build_report(models: dict[str, str], num_positions: int = 2000, context_len:
                               mauve=mauve, mauve_samples=mauve_samples, nll=False, seed=seed, progress=progress,
                               generate_kwargs={n: e["generate_kwargs"] for n, e in entries.items()
                                                if e["generate_kwargs"]})
-    records = {name: training_record(path) for name, path in models.items()}
+    records = {name: training_compute(path) for name, path in models.items()}
+    ratios = budget_ratios(records)
     for name, row in report["models"].items():
+        model = entries[name]["model"]
         row.update({key: entries[name][key] for key in ("model", "family", "decoding", "generate_kwargs")},
-                   training=records[entries[name]["model"]])
+                   training={**records[model], "flops_over_ar": ratios[model]})
     relative_to_baseline(report["models"])
     present = {e["family"] for e in entries.values()}
     report["families_not_reported"] = sorted(
@@ -129,13 +165,30 @@ def _tokens(training: dict) -> str:
     return f"— ({training['steps']} steps)" if training["steps"] is not None else "—"
 
 
+def _flops(training: dict) -> str:
+    """Training FLOPs with their ratio to AR's, flagged when it is off by more than `BUDGET_TOLERANCE`."""
+    if training.get("train_flops") is None:
+        return "—"
+    ratio = training.get("flops_over_ar")
+    if ratio is None:
+        return f"{training['train_flops']:.3g}"
+    flag = " ⚠ not AR's budget" if abs(ratio - 1) > BUDGET_TOLERANCE else ""
+    return f"{training['train_flops']:.3g} ({ratio:.2f}× AR){flag}"
+
+
+def _components(training: dict) -> str:
+    parts = [f"{name}: {_tokens(c)}, {c['train_flops']:.3g}" if c.get("train_flops") is not None else
+             f"{name}: {_tokens(c)}" for name, c in (training.get("components") or {}).items()]
+    return "; ".join(parts) or "—"
+
+
 def _ratio(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
 def report_table(report: dict) -> str:
     """One row per model and decoding setting."""
-    head = ["model", "decoding", "params", "trained on", "tok/s b1", "tok/s b8", "calls/token", "speed×AR b1",
+    head = ["model", "decoding", "params", "trained on", "train FLOPs", "components (tokens, FLOPs)", "tok/s b1", "tok/s b8", "calls/token", "speed×AR b1",
             "speed×AR b8", "BrierLM-2", "BrierLM-2 ×AR", "MAUVE"]
     optimum = any("optimum" in row for row in report["models"].values())
     if optimum:  # trained on a generated language: the share of the gap between its unigram and its optimum
@@ -146,6 +199,7 @@ def report_table(report: dict) -> str:
         relative_b2 = ("—" if r["brierlm_2"] is None else
                        f"{r['brierlm_2']:.2f} [{r['brierlm_2_ci_low']:.2f}, {r['brierlm_2_ci_high']:.2f}]")
         rows.append([name, row["decoding"], f"{row['num_parameters'] / 1e6:.2f}M", _tokens(row["training"]),
+                     _flops(row["training"]), _components(row["training"]),
                      f"{s['batch_1']['tokens_per_s']:.0f}", f"{s['batch_8']['tokens_per_s']:.0f}",
                      f"{s['batch_1']['model_calls_per_token']:.2f}", _ratio(r["tokens_per_s_batch_1"]),
                      _ratio(r["tokens_per_s_batch_8"]), format_ci(row["brier"]["brierlm_2"], 2), relative_b2,
@@ -170,8 +224,11 @@ def markdown_report(report: dict) -> str:
     mauve = (f"- MAUVE: {settings['mauve_samples']} continuations of 128 tokens against the human ones "
              f"(all-MiniLM-L6-v2 features)." if "mauve_samples" in settings else "- MAUVE: not measured in this run.")
     columns = ("- params: every parameter of the checkpoint (frozen autoencoders and EMA copies included). trained "
-               "on: tokens of the model's own training run (a component trained before it, e.g. an autoencoder, not "
-               "counted); — where the folder holds no checkpoint with its training state.")
+               "on: tokens of the model's own training run; — where the folder holds no record of it. train FLOPs: "
+               "those tokens × the FLOPs of one training step per token (forward + backward, torch's FlopCounterMode; "
+               "a frozen component's forward included), and the ratio to AR's; ⚠ marks a model whose budget differs "
+               f"from AR's by more than {BUDGET_TOLERANCE:.0%}. components: the stages trained before the model "
+               "(an autoencoder, a VAE), listed apart as the papers count them, not in its train FLOPs.")
     out = ["# Speed and quality of every family against the AR baseline", "", "```bash", report["command"] or "",
            "```", "", run, "", report_table(report), brier, speed, mauve, columns,
            "- Plot: [speed_quality.png](speed_quality.png); raw numbers: [report.json](report.json)."]

@@ -28,6 +28,22 @@ def model_device(model) -> torch.device:
     return torch.device(device) if device is not None else next(model.parameters()).device
 
 
+def trained_length(config) -> int | None:
+    """The sequence length a model was trained at: `trained_seq_len` of its config (an object or config.json's
+    dict), recorded by the training loop; None for a model trained elsewhere (then nothing is checked)."""
+    return config.get("trained_seq_len") if isinstance(config, dict) else getattr(config, "trained_seq_len", None)
+
+
+def check_trained_length(config, context_len: int, num_tokens: int, what: str, label: str = "the model") -> None:
+    """ValueError naming both lengths when `what` (contexts of `context_len` tokens followed by `num_tokens` more)
+    reaches past the sequence length the model was trained at: positions it never trained at are not evaluated."""
+    trained = trained_length(config)
+    if trained is not None and context_len + num_tokens > trained:
+        raise ValueError(f"{what}: a {context_len}-token context + {num_tokens} tokens reach {context_len + num_tokens} "
+                         f"positions, beyond the {trained} {label} was trained at (config.trained_seq_len); use "
+                         f"contexts of at most {max(trained - num_tokens, 0)} tokens")
+
+
 @torch.no_grad()
 def sample_continuations(model, contexts: torch.Tensor, num_tokens: int, seed: int,
                          attention_mask: torch.Tensor | None = None,
@@ -37,6 +53,7 @@ def sample_continuations(model, contexts: torch.Tensor, num_tokens: int, seed: i
     `generate_kwargs`: extra `generate()` options, merged over the unbiased-sampling defaults."""
     if contexts.dim() != 2 or contexts.shape[0] == 0:
         raise ValueError(f"contexts must be a non-empty [batch, length] tensor, got shape {tuple(contexts.shape)}")
+    check_trained_length(getattr(model, "config", None), contexts.shape[1], num_tokens, "sampling")
     device = model_device(model)
     contexts = contexts.to(device)
     if attention_mask is None:

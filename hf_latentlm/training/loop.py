@@ -365,6 +365,8 @@ def build(cfg: TrainConfig, model, tokenizer):
     learning-rate schedule."""
     if model is None:  # components are checked (folder intact, type, weights) by the registry
         model = build_model(cfg.family, cfg.preset, tokenizer, **cfg.components, **cfg.model_kwargs)
+    # Saved with the weights: evaluation refuses windows that reach past the positions the model was trained at.
+    model.config.trained_seq_len = max(cfg.seq_len, getattr(model.config, "trained_seq_len", None) or 0)
     optimizer = make_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     return model, optimizer, scheduler

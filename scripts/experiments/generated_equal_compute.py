@@ -10,6 +10,9 @@ folder with `optimum.json`) are kept, so a rerun after an interruption continues
         --families ar,plm,calm,cola,aurora --multipliers 1 --output runs/generated-medium
 
 writes `runs/generated-medium/results.json` and prints the Markdown table (docs/generated_language.md).
+
+`--corpus shakespeare` trains the same budgets on the embedded corpus and writes the runs' budgets only (no
+optimum exists there): `hf-latentlm report` then measures the models (docs/report/).
 """
 
 from __future__ import annotations
@@ -19,18 +22,20 @@ import json
 import time
 from pathlib import Path
 
-from hf_latentlm.data.generated import GeneratedLanguage
+from hf_latentlm.data.generated import parse_corpus
 from hf_latentlm.eval.bench import format_ci, markdown_table
 from hf_latentlm.eval.flops import training_flops_per_token
 from hf_latentlm.eval.optimum import evaluate_against_optimum
 from hf_latentlm.families import build_model, get_family
 from hf_latentlm.loading import load_model_and_tokenizer
+from hf_latentlm.training.corpus import load_default_tokenizer
 from hf_latentlm.training.loop import TrainConfig, train
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--level", default="medium")
+    p.add_argument("--corpus", help="'shakespeare' for the embedded corpus (default: generated:LEVEL)")
     p.add_argument("--preset", default="small")
     p.add_argument("--ar-steps", type=int, default=400, help="AR's optimizer steps: the 1x budget")
     p.add_argument("--families", default="ar,plm,calm,cola,aurora")
@@ -83,9 +88,9 @@ def main():
     args = parse_args()
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    language = GeneratedLanguage.from_level(args.level)
-    tokenizer = language.tokenizer()
-    corpus = f"generated:{args.level}"
+    corpus = args.corpus or f"generated:{args.level}"
+    language = parse_corpus(corpus)
+    tokenizer = language.tokenizer() if language is not None else load_default_tokenizer()
     families = args.families.split(",")
     multipliers = [float(m) for m in args.multipliers.split(",")]
     seq_len, batch_size = 256, 16  # the small preset's; every family trains on the same rows per step
@@ -117,7 +122,7 @@ def main():
     ar_flops = flops_per_token["ar"] * args.ar_steps * batch_size * seq_len
     print("training FLOPs per token:", {k: f"{v:.3g}" for k, v in flops_per_token.items()})
 
-    results = {"level": args.level, "language": language.record(), "preset": args.preset, "ar_steps": args.ar_steps,
+    results = {"corpus": corpus, "language": language.record() if language is not None else None, "preset": args.preset, "ar_steps": args.ar_steps,
                "ar_train_flops": ar_flops, "flops_per_token": flops_per_token, "components": component_records,
                "settings": vars(args), "runs": {}}
     if (out / "results.json").is_file():  # runs of earlier invocations on the same folder (other multipliers)
@@ -132,6 +137,15 @@ def main():
                               corpus=corpus, seed=args.seed, progress_bar=False, components=components_of(family),
                               model_kwargs=overrides_for(family, args.config))
             record = run_training(cfg, folder)
+            if language is None:  # no optimum to measure against: the report evaluates these folders
+                results["runs"][name] = {"family": family, "multiplier": multiplier, "steps": steps, "folder": str(folder),
+                                         "train_tokens": steps * batch_size * seq_len,
+                                         "train_flops": steps * batch_size * seq_len * flops_per_token[family],
+                                         "train_seconds": record["seconds"], "val_loss": record["metrics"].get("val_loss")}
+                print(f"{name}: {steps} steps, {record['seconds']:.0f} s, val_loss {record['metrics'].get('val_loss')}",
+                      flush=True)
+                (out / "results.json").write_text(json.dumps(results, indent=1))
+                continue
             decodings = {"": {}, **{json.dumps(options, sort_keys=True): options
                                     for options in decodings_for(family, args.decoding)}}
             for label, options in decodings.items():
@@ -157,7 +171,8 @@ def main():
                 print(f"{row_name}: {steps} steps, {record['seconds']:.0f} s, BrierLM-2 gap closed "
                       f"{100 * gap['value']:.1f}% [{100 * gap['ci_low']:.1f}, {100 * gap['ci_high']:.1f}]", flush=True)
                 (out / "results.json").write_text(json.dumps(results, indent=1))
-    print(results_table(results))
+    if language is not None:
+        print(results_table(results))
 
 
 def results_table(results: dict) -> str:

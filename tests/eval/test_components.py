@@ -23,7 +23,14 @@ class StubAutoencoder(torch.nn.Module):
 
     config = type("Config", (), {"keep_ratio": 1.0, "latent_size": 4})
 
+    def __init__(self, trained_seq_len=None):
+        super().__init__()
+        self.row_lengths = []
+        if trained_seq_len is not None:
+            self.config = type("Config", (), {"keep_ratio": 1.0, "latent_size": 4, "trained_seq_len": trained_seq_len})
+
     def reconstruction_accuracy(self, rows):
+        self.row_lengths.append(rows.shape[1])
         return share(rows, EVEN)
 
 
@@ -67,9 +74,23 @@ def test_vae_measurements_weight_each_batch_by_its_rows(stream):
 def test_the_registry_names_each_components_report(tokenizer):
     """`hf-latentlm train` prints `spec.training_report(model, tokenizer)` for these families, on the validation split."""
     line = get_family("aurora-ae").training_report(StubAutoencoder(), tokenizer, num_tokens=512)
-    assert line.startswith("autoencoder on 512 validation tokens: reconstruction accuracy ") and "D = 4" in line
+    assert line.startswith("autoencoder on 512 validation tokens (rows of 256): reconstruction accuracy ") and "D = 4" in line
     lines = get_family("cola-vae").training_report(StubVAE(), tokenizer, num_tokens=512).splitlines()
     assert lines[0].startswith("VAE on 512 validation tokens") and "logSNR 1.50" in lines[0]
     assert lines[1].startswith("accuracy of z_t = (1-t)z + t*noise: t=0.1: ")
     assert get_family("calm-ae").training_report is not None
     assert all(get_family(name).training_report is None for name in ("ar", "plm", "calm", "cola", "aurora"))
+
+
+def test_a_component_is_measured_on_rows_no_longer_than_it_was_trained_at():
+    stream = torch.randint(0, 1000, (4096,), generator=torch.Generator().manual_seed(1))
+    trained_at_64 = StubAutoencoder(trained_seq_len=64)
+    result = autoencoder_accuracy(trained_at_64, stream, num_tokens=4096)
+    assert result["row_length"] == 64 and set(trained_at_64.row_lengths) == {64} and result["num_tokens"] == 4096
+    # Trained at longer rows (or unrecorded): the default 256-token rows.
+    assert autoencoder_accuracy(StubAutoencoder(trained_seq_len=512), stream, num_tokens=4096)["row_length"] == 256
+    assert autoencoder_accuracy(StubAutoencoder(), stream, num_tokens=4096)["row_length"] == 256
+    # The report names the length it used.
+    from hf_latentlm.eval.components import aurora_autoencoder_report
+
+    assert "(rows of 64)" in aurora_autoencoder_report(StubAutoencoder(trained_seq_len=64), None, 4096, stream=stream)

@@ -14,23 +14,25 @@ import struct
 import pytest
 import torch
 
+from hf_latentlm.eval.harness import nll_rows
 from hf_latentlm.eval.report import relative_to_baseline, speed_quality_figure
 from hf_latentlm.families import build_model
 from hf_latentlm.training.loop import TrainConfig, train
 
 pytest.importorskip("matplotlib")
 
-AR_STEPS, AR_BATCH, AR_SEQ = 3, 2, 32
+# MAUVE's samples are 64 + 128 tokens: the baseline is trained at rows that hold them.
+AR_STEPS, AR_BATCH, AR_SEQ = 3, 2, 192
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory, tokenizer, tiny_rows):
+def folders(tmp_path_factory, tokenizer, validation_stream):
     """A tiny AR trained 3 steps by the training loop (checkpoint and metrics.jsonl: a training record) and an
     untrained tiny PLM saved with save_pretrained (no record)."""
     root = tmp_path_factory.mktemp("report")
     train(TrainConfig(family="ar", preset="tiny", output_dir=str(root / "ar"), max_steps=AR_STEPS,
                       batch_size=AR_BATCH, seq_len=AR_SEQ, eval_every=0, save_every=AR_STEPS, log_every=1,
-                      progress_bar=False), tokenizer=tokenizer, train_rows=tiny_rows[:64, :AR_SEQ])
+                      progress_bar=False), tokenizer=tokenizer, train_rows=nll_rows(validation_stream, AR_SEQ)[:16])
     torch.manual_seed(0)
     build_model("plm", "tiny", tokenizer).save_pretrained(root / "plm")
     tokenizer.save_pretrained(root / "plm")
@@ -83,18 +85,18 @@ def test_report_writes_a_table_that_matches_its_json(report_run):
         b2, rel = row["brier"]["brierlm_2"], row["relative_to_ar"]
         assert cells[1] == row["decoding"]
         assert cells[2] == f"{row['num_parameters'] / 1e6:.2f}M"
-        assert float(cells[4]) == pytest.approx(row["speed"]["batch_1"]["tokens_per_s"], abs=0.5)
-        assert float(cells[5]) == pytest.approx(row["speed"]["batch_8"]["tokens_per_s"], abs=0.5)
-        assert float(cells[6]) == pytest.approx(row["speed"]["batch_1"]["model_calls_per_token"], abs=0.005)
-        assert float(cells[7]) == pytest.approx(rel["tokens_per_s_batch_1"], abs=0.005)
-        assert float(cells[8]) == pytest.approx(rel["tokens_per_s_batch_8"], abs=0.005)
-        assert cells[9].startswith(f"{b2['value']:.2f} [{b2['ci_low']:.2f}, {b2['ci_high']:.2f}]")
-        assert float(cells[11]) == pytest.approx(row["mauve"]["mauve"], abs=5e-4)
+        assert float(cells[6]) == pytest.approx(row["speed"]["batch_1"]["tokens_per_s"], abs=0.5)
+        assert float(cells[7]) == pytest.approx(row["speed"]["batch_8"]["tokens_per_s"], abs=0.5)
+        assert float(cells[8]) == pytest.approx(row["speed"]["batch_1"]["model_calls_per_token"], abs=0.005)
+        assert float(cells[9]) == pytest.approx(rel["tokens_per_s_batch_1"], abs=0.005)
+        assert float(cells[10]) == pytest.approx(rel["tokens_per_s_batch_8"], abs=0.005)
+        assert cells[11].startswith(f"{b2['value']:.2f} [{b2['ci_low']:.2f}, {b2['ci_high']:.2f}]")
+        assert float(cells[13]) == pytest.approx(row["mauve"]["mauve"], abs=5e-4)
         assert row["mauve"]["num_model"] == 10 and row["brier"]["num_positions"] == 24
     assert rows["ar"][0:2] == ["ar", "default"] and rows["plm (nucleus acceptance)"][1] == "nucleus acceptance"
     # An untrained tiny AR has BrierLM-2 0, where "×AR" is undefined: the table says so instead of dividing by 0.
     if report["models"]["ar"]["brier"]["brierlm_2"]["value"] == 0:
-        assert all(cells[10] == "—" for cells in rows.values())
+        assert all(cells[12] == "—" for cells in rows.values())
 
 
 def test_speed_ratios_divide_by_the_ar_baseline_timed_next_to_each_entry(report_run):
@@ -111,12 +113,23 @@ def test_speed_ratios_divide_by_the_ar_baseline_timed_next_to_each_entry(report_
 
 
 def test_training_record_comes_from_the_checkpoint_and_metrics(report_run):
+    from hf_latentlm.eval.flops import training_flops_per_token
+    from hf_latentlm.loading import load_model_and_tokenizer
+
     report = json.loads((report_run[2] / "report.json").read_text())
-    assert report["models"]["ar"]["training"] == {"steps": AR_STEPS, "tokens": AR_STEPS * AR_BATCH * AR_SEQ}
+    ar = report["models"]["ar"]["training"]
+    tokens = AR_STEPS * AR_BATCH * AR_SEQ
+    assert (ar["steps"], ar["tokens"], ar["components"]) == (AR_STEPS, tokens, {})
+    # FLOPs: the tokens times one training step's FLOPs per token at the length it was trained at, counted here again.
+    per_token = training_flops_per_token(load_model_and_tokenizer(str(report_run[2].parent / "ar"))[0], AR_SEQ)
+    assert ar["flops_per_token"] == per_token["per_token"] and ar["train_flops"] == tokens * per_token["per_token"]
+    assert ar["flops_over_ar"] == 1.0
     # A folder written by save_pretrained alone holds no record: none is invented.
-    assert report["models"]["plm"]["training"] == {"steps": None, "tokens": None}
+    plm = report["models"]["plm"]["training"]
+    assert (plm["steps"], plm["tokens"], plm["train_flops"], plm["flops_over_ar"]) == (None, None, None, None)
     rows = table_rows((report_run[2] / "report.md").read_text())
-    assert rows["ar"][3] == f"{AR_STEPS * AR_BATCH * AR_SEQ} ({AR_STEPS} steps)" and rows["plm"][3] == "—"
+    assert rows["ar"][3] == f"{tokens} ({AR_STEPS} steps)" and rows["plm"][3] == "—"
+    assert rows["ar"][4] == f"{ar['train_flops']:.3g} (1.00× AR)" and rows["plm"][4] == "—"
 
 
 def test_training_tokens_come_from_metrics_when_no_checkpoint_is_left(tmp_path):
@@ -125,7 +138,21 @@ def test_training_tokens_come_from_metrics_when_no_checkpoint_is_left(tmp_path):
     lines = [{"step": 10, "loss": 3.0, "tokens": 10 * 2048}, {"step": 10, "val_loss": 3.1},
              {"step": 20, "loss": 2.5, "tokens": 20 * 2048}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert training_record(tmp_path) == {"steps": 20, "tokens": 40960}
+    assert training_record(tmp_path) == {"steps": 20, "tokens": 40960, "components": None}
+
+
+def test_a_budget_off_by_more_than_ten_percent_is_flagged_in_the_table():
+    from hf_latentlm.eval.report import _flops, budget_ratios
+
+    records = {"ar": {"train_flops": 1e13}, "same": {"train_flops": 1.09e13}, "short": {"train_flops": 0.85e13},
+               "long": {"train_flops": 1.2e13}, "unknown": {"train_flops": None}}
+    ratios = budget_ratios(records)
+    assert ratios == {"ar": 1.0, "same": pytest.approx(1.09), "short": pytest.approx(0.85),
+                      "long": pytest.approx(1.2), "unknown": None}
+    cells = {name: _flops({**records[name], "flops_over_ar": ratios[name]}) for name in records}
+    assert cells["same"] == "1.09e+13 (1.09× AR)" and cells["ar"] == "1e+13 (1.00× AR)"
+    assert cells["short"] == "8.5e+12 (0.85× AR) ⚠ not AR's budget"
+    assert cells["long"] == "1.2e+13 (1.20× AR) ⚠ not AR's budget" and cells["unknown"] == "—"
 
 
 def test_png_is_written_with_one_point_per_entry_and_interval(report_run):

@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -5,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_latentlm.eval.nll import evaluate_nll
-from hf_latentlm.eval.sampling import evaluation_windows, sample_continuations
+from hf_latentlm.eval.sampling import check_trained_length, evaluation_windows, sample_continuations
 from hf_latentlm.eval.speed import measure_generation_speed
 
 
@@ -114,3 +115,38 @@ def test_speed_reports_calls_per_token_by_network_when_generate_returns_them(tok
     assert set(split["calls_per_token_by_network"]) == set(cola.network_names.values())
     assert sum(split["calls_per_token_by_network"].values()) == pytest.approx(split["model_calls_per_token"])
     assert "calls_per_token_by_network" not in measure_generation_speed(cola, prompts, 8, repeats=1)
+
+
+def test_sampling_refuses_positions_past_the_trained_length_and_names_both(small_vocab_model):
+    model = copy.deepcopy(small_vocab_model)
+    model.config.trained_seq_len = 12
+    contexts = torch.randint(2, 8, (3, 8))
+    assert sample_continuations(model, contexts, 4, seed=0).shape == (3, 4)  # 8 + 4 = 12: every position trained
+    with pytest.raises(ValueError, match=r"8-token context \+ 5 tokens reach 13 positions, beyond the 12 the model "
+                                         r"was trained at .*contexts of at most 7 tokens"):
+        sample_continuations(model, contexts, 5, seed=0)
+    # A config without the record (a model trained elsewhere), or a config.json dict, is read the same way.
+    check_trained_length(small_vocab_model.config, 1000, 4, "x")
+    with pytest.raises(ValueError, match="beyond the 16 model 'a' was trained at"):
+        check_trained_length({"trained_seq_len": 16}, 16, 1, "x", "model 'a'")
+
+
+def test_evaluation_stays_inside_the_trained_length(tokenizer):
+    from hf_latentlm.eval.harness import evaluate_model
+    from hf_latentlm.families import build_model
+
+    torch.manual_seed(0)
+    model = build_model("ar", "tiny", tokenizer).eval()
+    model.config.trained_seq_len = 64
+    result = evaluate_model(model, tokenizer, num_positions=8, context_len=16, batch_size=8)
+    # NLL rows are the trained 64 tokens, not the default 256, and say so.
+    assert result["nll"]["row_length"] == 64
+    with pytest.raises(ValueError, match=r"Brier windows \(--context-len 61\): a 61-token context \+ 4 tokens reach "
+                                         r"65 positions, beyond the 64"):
+        evaluate_model(model, tokenizer, num_positions=8, context_len=61)
+    # MAUVE's 64 + 128-token samples are refused before any Brier sampling runs.
+    calls = []
+    model.generate = lambda *a, **k: calls.append(1)
+    with pytest.raises(ValueError, match="MAUVE samples: a 64-token context \\+ 128 tokens reach 192"):
+        evaluate_model(model, tokenizer, num_positions=8, context_len=16, mauve=True)
+    assert calls == []

@@ -317,3 +317,20 @@ def test_two_process_resume_matches_uninterrupted_two_process_run(tmp_path, toke
         resumed = load_file(tmp_path / "resumed" / f"rank{rank}.safetensors")
         for name, value in straight.items():
             torch.testing.assert_close(resumed[name], value, atol=1e-5, rtol=0, msg=f"rank {rank}: {name}")
+
+
+def test_the_saved_model_records_the_longest_rows_it_was_trained_at(tmp_path, tokenizer, tiny_rows):
+    from hf_latentlm.loading import load_model_and_tokenizer
+
+    first = TrainConfig(family="ar", preset="tiny", output_dir=str(tmp_path / "first"), max_steps=2, batch_size=2,
+                        seq_len=48, eval_every=0, save_every=2, progress_bar=False)
+    train(first, tokenizer=tokenizer, train_rows=tiny_rows[:8, :48])
+    model, _ = load_model_and_tokenizer(str(tmp_path / "first"))
+    assert model.config.trained_seq_len == 48
+    # Trained further at shorter rows, it has still been trained at every position up to 48.
+    train(dataclasses.replace(first, output_dir=str(tmp_path / "second"), seq_len=16), model=model, tokenizer=tokenizer,
+          train_rows=tiny_rows[:8, :16])
+    assert load_model_and_tokenizer(str(tmp_path / "second"))[0].config.trained_seq_len == 48
+    train(dataclasses.replace(first, output_dir=str(tmp_path / "third"), seq_len=64), model=model, tokenizer=tokenizer,
+          train_rows=tiny_rows[:8, :64])
+    assert load_model_and_tokenizer(str(tmp_path / "third"))[0].config.trained_seq_len == 64
