@@ -68,6 +68,10 @@ class AuroraAutoencoderConfig(BackboneConfig):
             raise ValueError(f"AuroraAutoencoderConfig.statistics_eps must be > 0, got {self.statistics_eps}")
 
 
+#: What the next Euler step sees as its self-conditioning draft (`AuroraConfig.self_condition_draft`).
+SELF_CONDITION_DRAFTS = ("guided", "unguided")
+
+
 class AuroraConfig(BlockLatentConfig):
     r"""AURORA-LM: a frozen query autoencoder (a submodule, saved in this checkpoint) and a block-causal denoiser
     that predicts clean latent blocks.
@@ -108,6 +112,9 @@ class AuroraConfig(BlockLatentConfig):
     Generation defaults (each can be overridden in `generate()`):
         num_ode_steps (`int`, 16): Euler steps per block (σ from 1 to 0 on a uniform grid).
         self_condition_guidance (`float`, 4.0): w_sc of SC-CFG, ẑ = ẑ_blind + w_sc·(ẑ_aware − ẑ_blind) (1 = off).
+        self_condition_draft (`str`, "guided"): the draft the next Euler step sees, one of `SELF_CONDITION_DRAFTS`:
+            "guided", the step's final (guided) prediction, or "unguided", its aware prediction before any
+            guidance, the kind of draft training shows (a detached first-pass prediction). The paper does not say.
         cfg_scale (`float`, 2.0): w of prompt CFG (1 = off), applied only while σ ≥ `cfg_min_sigma` and only to
             rows with a clean prefix. cfg_min_sigma (`float`, 0.9).
         decode_temperature (`float`, 0.0): 0 reads tokens out greedily from the decoder; > 0 samples.
@@ -132,6 +139,7 @@ class AuroraConfig(BlockLatentConfig):
         consistency_steps: int = 16,
         ema_decay: float = 0.9999,
         self_condition_guidance: float = 4.0,
+        self_condition_draft: str = "guided",
         cfg_min_sigma: float = 0.9,
         **kwargs,
     ):
@@ -149,6 +157,7 @@ class AuroraConfig(BlockLatentConfig):
         self.consistency_steps = consistency_steps
         self.ema_decay = ema_decay
         self.self_condition_guidance = self_condition_guidance
+        self.self_condition_draft = self_condition_draft
         self.cfg_min_sigma = cfg_min_sigma
         self.validate_aurora()
 
@@ -178,6 +187,9 @@ class AuroraConfig(BlockLatentConfig):
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"AuroraConfig.ema_decay must be in [0, 1), got {self.ema_decay}")
         check_non_negative(self, ("consistency_warmup_steps", "consistency_weight", "self_condition_guidance"))
+        if self.self_condition_draft not in SELF_CONDITION_DRAFTS:
+            raise ValueError(f"AuroraConfig.self_condition_draft must be one of {SELF_CONDITION_DRAFTS}, got "
+                             f"{self.self_condition_draft!r}")
 
 
-__all__ = ["AURORA_TIME_SAMPLERS", "AuroraAutoencoderConfig", "AuroraConfig", "LOSS_SPACES"]
+__all__ = ["AURORA_TIME_SAMPLERS", "AuroraAutoencoderConfig", "AuroraConfig", "LOSS_SPACES", "SELF_CONDITION_DRAFTS"]

@@ -103,6 +103,11 @@ class ColaConfig(BlockLatentConfig):
             kept as `reference_encoder`; its weights are saved, so a resumed run keeps the same anchor).
         vae_learning_rate_ratio (`float`, 1.0): VAE learning rate / DiT learning rate. 1 = joint (paper's best);
             0 = frozen VAE (no VAE or reference terms, no reference copy).
+        vae_frozen_steps (`int`, 0): **ours**: the VAE is held as at ratio 0 (no VAE or reference terms, no gradient
+            into it) for the first N optimizer steps, then trains jointly, so the prior's first steps learn on a
+            fixed latent space. 0 = joint from the first step. The steps are counted in the `optimizer_steps`
+            buffer (saved, so a resumed run continues the count). Under DDP the held VAE's parameters get no
+            gradient: launch with `find_unused_parameters=True`.
         The paper publishes none of the λ values: these are choices, logged as loss parts.
     Generation defaults (each can be overridden in `generate()`):
         num_ode_steps (`int`, 16): Euler (or Heun) steps per block. ode_solver (`str`, "euler").
@@ -123,6 +128,7 @@ class ColaConfig(BlockLatentConfig):
         vae_loss_weight: float = 1.0,
         reference_kl_weight: float = 0.1,
         vae_learning_rate_ratio: float = 1.0,
+        vae_frozen_steps: int = 0,
         ode_solver: str = "euler",
         **kwargs,
     ):
@@ -133,6 +139,7 @@ class ColaConfig(BlockLatentConfig):
         self.vae_loss_weight = vae_loss_weight
         self.reference_kl_weight = reference_kl_weight
         self.vae_learning_rate_ratio = vae_learning_rate_ratio
+        self.vae_frozen_steps = vae_frozen_steps
         self.ode_solver = ode_solver
         self.validate_cola()
 
@@ -151,6 +158,11 @@ class ColaConfig(BlockLatentConfig):
         self.validate_block_latent()
         check_non_negative(self, ("flow_matching_weight", "vae_loss_weight", "reference_kl_weight",
                                   "vae_learning_rate_ratio"))
+        if not isinstance(self.vae_frozen_steps, int) or self.vae_frozen_steps < 0:
+            raise ValueError(f"ColaConfig.vae_frozen_steps must be an int >= 0, got {self.vae_frozen_steps!r}")
+        if self.vae_frozen_steps and not self.trains_vae:
+            raise ValueError("ColaConfig.vae_frozen_steps holds a VAE that trains later: it needs "
+                             "vae_learning_rate_ratio > 0 (at 0 the VAE is frozen throughout)")
         if self.ode_solver not in ODE_SOLVERS:
             raise ValueError(f"ColaConfig.ode_solver must be one of {ODE_SOLVERS}, got {self.ode_solver!r}")
 

@@ -25,7 +25,7 @@ from transformers.utils import ModelOutput
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_aurora import AuroraAutoencoderConfig, AuroraConfig
+from .configuration_aurora import SELF_CONDITION_DRAFTS, AuroraAutoencoderConfig, AuroraConfig
 from .flow import (
     FlowMatchEulerSampler,
     TimestepEmbedding,
@@ -436,6 +436,8 @@ class AuroraGenerationOptions(BlockLatentGenerationOptions):
         unconditional branch is the block alone (with the draft); applied only while σ ≥ cfg_min_sigma and only to
         rows with a complete history block; 1 = off.
     cfg_min_sigma (default config.cfg_min_sigma = 0.9).
+    self_condition_draft (default config.self_condition_draft = "guided"): the next step's draft, the guided
+        prediction or the aware one before guidance ("unguided").
     """
 
     family: ClassVar[str] = "AURORA-LM"
@@ -443,6 +445,7 @@ class AuroraGenerationOptions(BlockLatentGenerationOptions):
     self_condition_guidance: float | None = None
     guidance_scale: float | None = None
     cfg_min_sigma: float | None = None
+    self_condition_draft: str | None = None
 
     def resolved(self, config: AuroraConfig, batch_size: int) -> "AuroraGenerationOptions":
         shared = self.resolved_block_options(config, batch_size)
@@ -455,6 +458,10 @@ class AuroraGenerationOptions(BlockLatentGenerationOptions):
                 raise ValueError(f"{name} must be >= 0, got {values[name]}")
         if values["cfg_min_sigma"] > 1:
             raise ValueError(f"cfg_min_sigma must be in [0, 1], got {values['cfg_min_sigma']}")
+        values["self_condition_draft"] = self.self_condition_draft or config.self_condition_draft
+        if values["self_condition_draft"] not in SELF_CONDITION_DRAFTS:
+            raise ValueError(f"self_condition_draft must be one of {SELF_CONDITION_DRAFTS}, got "
+                             f"{values['self_condition_draft']!r}")
         return replace(self, **values, **shared)
 
 
@@ -500,14 +507,14 @@ class AuroraBlockVelocity(BlockVelocityField):
         draft = None
         if self.uses_draft:
             draft = torch.zeros_like(x) if self.draft is None else self.draft
-        prediction = self.predict(x, sigma, self.conditional_mask, draft, self.cache)
+        prediction = aware = self.predict(x, sigma, self.conditional_mask, draft, self.cache)
         if self.draft is not None and options.self_condition_guidance != 1.0:
             blind = self.predict(x, sigma, self.conditional_mask, torch.zeros_like(draft), self.cache)
             prediction = classifier_free_guidance(prediction, blind, options.self_condition_guidance)
         if self.guided and float(sigma) >= options.cfg_min_sigma:
             prediction = self.guide(prediction, self.predict(x, sigma, self.alone_mask, draft, None))
         if self.uses_draft:
-            self.draft = prediction
+            self.draft = prediction if options.self_condition_draft == "guided" else aware
         # σ > 0 at every evaluated grid point.
         return x0_to_velocity(x, prediction.to(x.dtype), sigma.to(x.dtype))
 

@@ -457,6 +457,8 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
         self.reference_encoder = None
         if config.trains_vae and config.reference_kl_weight > 0:
             self.reference_encoder = ColaVAEEncoder(config.vae_config)  # frozen stage-1 encoder: KL anchor
+        if config.vae_frozen_steps:  # only then: older checkpoints have no such buffer
+            self.register_buffer("optimizer_steps", torch.zeros((), dtype=torch.long))
         self.post_init()
         self.freeze_components()
 
@@ -485,6 +487,17 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
         at `vae_learning_rate_ratio` × the DiT's rate."""
         return {"model.vae.": self.config.vae_learning_rate_ratio}
 
+    @torch.no_grad()
+    def on_optimizer_step(self) -> None:
+        """After each optimizer step: count it while `vae_frozen_steps` holds the VAE."""
+        if self.config.vae_frozen_steps:
+            self.optimizer_steps += 1
+
+    def trains_vae_now(self) -> bool:
+        """Whether this step's objective trains the VAE: `trains_vae`, and past the first `vae_frozen_steps`."""
+        cfg = self.config
+        return cfg.trains_vae and not (cfg.vae_frozen_steps and int(self.optimizer_steps) < cfg.vae_frozen_steps)
+
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """Predicted velocity [B, T, d_z] (float32) of latents [B, T, d_z] at per-position times [B, T]: one DiT
@@ -507,7 +520,8 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
         batch, length = input_ids.shape
         vae = self.model.vae
         parts = {}
-        if cfg.trains_vae:
+        joint = self.trains_vae_now()
+        if joint:
             vae_out, z0 = vae.losses(input_ids, labels, attention_mask)
             parts.update(vae_loss=vae_out.loss, reconstruction_nll=vae_out.reconstruction_nll, kl=vae_out.kl,
                          mask_nll=vae_out.mask_nll)
@@ -517,7 +531,7 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
                 mean = vae.encoder(input_ids, attention_mask)
                 z0 = vae.sample_latents(mean)
         scored = scored_positions(labels, attention_mask)
-        if self.reference_encoder is not None:
+        if self.reference_encoder is not None and joint:
             with torch.no_grad():
                 ref_mean = self.reference_encoder(input_ids, attention_mask)
                 ref_std = self.reference_encoder.posterior_std()

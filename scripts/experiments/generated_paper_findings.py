@@ -9,6 +9,11 @@ Findings (docs/generated_language.md, "The papers' findings"):
   alike beforehand).
 - `aurora`: self-trajectory consistency on/off at 4 and 8 sampling steps, x0 against velocity loss space.
 - `cola` (a trained model, `--cola-model DIR`): CFG scale w and Euler steps, decoding only.
+- `cola-recipe`: the small-budget recipe at equal steps: the paper's (LogitNormal loc 1, VAE trained jointly,
+  weight decay 0.1) against one change each (loc 0.5; VAE frozen; VAE frozen for the first 100 steps; weight decay
+  0.01), each decoded at w ∈ {1, 2, 3, 7}.
+- `aurora-sc` (a trained model, `--aurora-model DIR`): SC-CFG w_sc ∈ {1, 2, 4} with the next step's draft guided or
+  unguided (prompt CFG off), decoding only.
 
 Every training run is `tiny` on `--level` (default easy) unless `--preset` says otherwise; `--seeds` repeats each
 (training and evaluation seed alike). One process; JSON to `--output`, a Markdown table printed per finding.
@@ -39,7 +44,7 @@ NO_GUIDANCE = {"aurora": {"self_condition_guidance": 1.0, "guidance_scale": 1.0}
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--finding", required=True, choices=["plm", "calm", "aurora", "cola"])
+    p.add_argument("--finding", required=True, choices=["plm", "calm", "aurora", "cola", "cola-recipe", "aurora-sc"])
     p.add_argument("--level", default="easy")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps of each trained variant")
@@ -48,16 +53,19 @@ def parse_args():
     p.add_argument("--positions", type=int, default=2000)
     p.add_argument("--context-len", type=int, default=32)
     p.add_argument("--cola-model", help="--finding cola: the trained Cola folder to decode")
+    p.add_argument("--aurora-model", help="--finding aurora-sc: the trained AURORA folder to decode")
     p.add_argument("--output", default="runs/generated-findings")
     return p.parse_args()
 
 
-def trained(family: str, folder: Path, args, seed: int, steps: int, components: dict | None = None, **overrides):
-    """Train once (kept in `folder`), return the folder."""
+def trained(family: str, folder: Path, args, seed: int, steps: int, components: dict | None = None,
+            training: dict | None = None, **overrides):
+    """Train once (kept in `folder`), return the folder. `training`: TrainConfig overrides; the rest: the model's."""
     if not (folder / "model.safetensors").is_file():
         train(TrainConfig(family=family, preset=args.preset, output_dir=str(folder), max_steps=steps, eval_every=0,
                           save_every=steps, keep_checkpoints=1, corpus=f"generated:{args.level}", seed=seed,
-                          progress_bar=False, components=components or {}, model_kwargs=overrides))
+                          progress_bar=False, components=components or {}, model_kwargs=overrides,
+                          **(training or {})))
     return str(folder)
 
 
@@ -154,6 +162,42 @@ def cola_finding(args, language, seeds, out):
     return rows, table
 
 
+def cola_recipe_finding(args, language, seeds, out):
+    variants = {"paper (loc 1, joint VAE, wd 0.1)": {}, "loc 0.5": {"time_loc": 0.5},
+                "VAE frozen": {"vae_learning_rate_ratio": 0.0}, "VAE frozen for 100 steps": {"vae_frozen_steps": 100},
+                "wd 0.01": {"training": {"weight_decay": 0.01}}}
+    rows = {}
+    for seed in seeds:
+        vae = trained("cola-vae", out / f"cola-vae-s{seed}", args, seed, args.component_steps)
+        for label, overrides in variants.items():
+            folder = out / f"cola-recipe-{label.split(' (')[0].replace(' ', '-').replace('.', '')}-s{seed}"
+            model, _ = load_model_and_tokenizer(trained("cola", folder, args, seed, args.steps,
+                                                        components={"vae": vae}, **overrides))
+            for w in (1.0, 2.0, 3.0, 7.0):
+                rows[f"{label}, w = {w:g} (seed {seed})"] = gap(model, language, args, seed, guidance_scale=w)
+    table = markdown_table(["Cola recipe", "gap closed BrierLM-2", "gap closed Brier-1", "BrierLM-2"],
+                           [[k, pct(v["brierlm_2"]), pct(v["brier_1"]), f"{v['model_brierlm_2']:.2f}"]
+                            for k, v in rows.items()])
+    return rows, table
+
+
+def aurora_sc_finding(args, language, seeds, out):
+    if not args.aurora_model:
+        raise SystemExit("--finding aurora-sc needs --aurora-model DIR")
+    model, _ = load_model_and_tokenizer(args.aurora_model)
+    rows = {}
+    for seed in seeds:
+        for w_sc, draft in ((1.0, "guided"), (2.0, "guided"), (2.0, "unguided"), (4.0, "guided"), (4.0, "unguided")):
+            label = "w_sc = 1 (off)" if w_sc == 1 else f"w_sc = {w_sc:g}, {draft} draft"
+            rows[f"{label} (seed {seed})"] = gap(model, language, args, seed, guidance_scale=1.0,
+                                                 self_condition_guidance=w_sc, self_condition_draft=draft)
+    table = markdown_table(["AURORA SC-CFG (prompt CFG off)", "gap closed BrierLM-2", "gap closed Brier-1",
+                            "BrierLM-2"],
+                           [[k, pct(v["brierlm_2"]), pct(v["brier_1"]), f"{v['model_brierlm_2']:.2f}"]
+                            for k, v in rows.items()])
+    return rows, table
+
+
 def main():
     args = parse_args()
     out = Path(args.output)
@@ -161,7 +205,8 @@ def main():
     language = GeneratedLanguage.from_level(args.level)
     seeds = [int(s) for s in args.seeds.split(",")]
     start = time.perf_counter()
-    finding = {"plm": plm_finding, "calm": calm_finding, "aurora": aurora_finding, "cola": cola_finding}[args.finding]
+    finding = {"plm": plm_finding, "calm": calm_finding, "aurora": aurora_finding, "cola": cola_finding,
+               "cola-recipe": cola_recipe_finding, "aurora-sc": aurora_sc_finding}[args.finding]
     rows, table = finding(args, language, seeds, out)
     record = {"finding": args.finding, "settings": vars(args), "seconds": time.perf_counter() - start, "rows": rows}
     (out / f"{args.finding}-{args.level}.json").write_text(json.dumps(record, indent=1))

@@ -180,6 +180,30 @@ def test_query_encoder_and_decoder_see_what_the_paper_says(keep_ratio, slots, re
                 assert bool(changed(new, base_logits)[j] if sees else unchanged(new, base_logits)[j]), (i, j, sees)
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_slot_gradients_reach_only_the_tokens_at_or_before_the_slot(residual):
+    """Brute-force gradient check of the encoder's causality: for every slot i of 10, the gradient of slot i's latent
+    (a random projection of it, so that no component cancels) reaches the embeddings of tokens 0..i and no later
+    one; the decoder's output j gets gradient from latents 0..j only. The residual copy path adds item i to query i:
+    token i's gradient to slot i is then nonzero by construction, and nothing past i may appear."""
+    length = 10
+    autoencoder = make_autoencoder(randomize=True, num_hidden_layers=2, initializer_range=0.2,
+                                   query_residual=residual).eval()
+    ids = tokens(1, length, seed=7)
+    embeds = autoencoder.embed_tokens(ids).detach().requires_grad_(True)
+    slots = autoencoder.encoder(embeds, None).float()
+    projection = torch.randn(D, generator=torch.Generator().manual_seed(8))
+    for i in range(length):
+        (grad,) = torch.autograd.grad((slots[0, i] @ projection), embeds, retain_graph=True)
+        reached = grad[0].abs().amax(-1) > 0
+        assert reached.tolist() == [t <= i for t in range(length)], (i, reached.tolist())
+    latents = torch.randn(1, length, D, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    logits = autoencoder.decode_logits(latents, length)
+    for j in range(length):
+        (grad,) = torch.autograd.grad(logits[0, j].logsumexp(-1), latents, retain_graph=True)
+        assert (grad[0].abs().amax(-1) > 0).tolist() == [i <= j for i in range(length)], j
+
+
 def test_compressed_autoencoder_refuses_padding_and_caches():
     autoencoder = make_autoencoder(keep_ratio=0.5).eval()
     ids = tokens(2, 8)
@@ -830,3 +854,39 @@ def test_sampled_read_out_uses_each_rows_own_generator(generator_model):
     """temperature 1: rows of different prompt lengths (no history, mid-block, whole blocks), left padded, give in
     a batch exactly what they give alone; the read-out does sample (other seeds or greedy give other tokens)."""
     lf.assert_sampled_rows_as_alone(generator_model, [tokens(1, n, seed=10 + n)[0] for n in (3, 6, 8)])
+
+
+@pytest.mark.parametrize("draft", ["guided", "unguided"])
+def test_the_next_draft_is_the_guided_or_the_aware_prediction(generator_model, monkeypatch, draft):
+    """Every denoiser evaluation of one block recorded in order (aware, then blind from the second step; prompt CFG
+    off): the draft step k + 1's aware call sees is blind + 4·(aware − blind) of step k ("guided") or step k's aware
+    prediction itself ("unguided"); the blind calls always see a zero draft."""
+    from hf_latentlm.modeling.modeling_aurora import AuroraBlockVelocity
+
+    calls = []
+    original = AuroraBlockVelocity.predict
+
+    def recorded(self, x, sigma, mask, draft_in, cache):
+        out = original(self, x, sigma, mask, draft_in, cache)
+        calls.append((draft_in.clone(), out.clone()))
+        return out
+
+    monkeypatch.setattr(AuroraBlockVelocity, "predict", recorded)
+    steps, w = 4, 4.0
+    generator_model.generate(tokens(1, Q), max_new_tokens=1, eos_token_id=None, num_inference_steps=steps,
+                             self_condition_guidance=w, guidance_scale=1.0, self_condition_draft=draft,
+                             noise_seeds=[3])
+    assert len(calls) == 2 * steps - 1  # aware at every step, blind from the second
+    aware = [calls[0]] + [calls[i] for i in range(1, len(calls), 2)]
+    blind = [calls[i] for i in range(2, len(calls), 2)]
+    assert not aware[0][0].any() and all(not b[0].any() for b in blind)
+    for k in range(1, steps):
+        previous = aware[k - 1][1]
+        if k > 1:  # from the second step on the step's prediction was guided
+            previous_guided = blind[k - 2][1] + w * (aware[k - 1][1] - blind[k - 2][1])
+            assert (previous_guided - previous).abs().max() > 1e-4  # the two candidates differ here
+            if draft == "guided":
+                previous = previous_guided
+        torch.testing.assert_close(aware[k][0], previous, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="self_condition_draft must be one of"):
+        generator_model.generate(tokens(1, 5), max_new_tokens=2, self_condition_draft="blind")

@@ -495,6 +495,42 @@ def test_vae_learning_rate_ratio_zero_freezes_the_vae():
     assert set(lr.values()) == {1e-3}
 
 
+def test_vae_frozen_steps_hold_the_vae_for_the_first_steps_then_train_it(tmp_path):
+    """vae_frozen_steps = 2: for two optimizer steps the objective is exactly the frozen-VAE one (the same loss as
+    a ratio-0 copy with the same weights and draws; no VAE term, no gradient into the VAE); from the third step on
+    it is the joint one (VAE loss and reference KL in the loss, gradient in the VAE). The count is saved."""
+    held = make_cola(vae_frozen_steps=2).train()
+    frozen = make_cola(vae_learning_rate_ratio=0.0).train()
+    frozen.load_state_dict({k: v for k, v in held.state_dict().items() if k in frozen.state_dict()})
+    vae = held.model.vae
+    ids = tokens(2, 9)
+    for step in range(2):
+        torch.manual_seed(5)
+        out = held(input_ids=ids, labels=ids)
+        torch.manual_seed(5)
+        reference = frozen(input_ids=ids, labels=ids)
+        assert out.vae_loss is None and out.reference_kl is None
+        torch.testing.assert_close(out.loss, reference.loss, rtol=1e-6, atol=1e-7)
+        held.zero_grad(set_to_none=True)
+        out.loss.backward()
+        assert all(p.grad is None for p in vae.parameters()), step
+        held.on_optimizer_step()
+    torch.manual_seed(5)
+    out = held(input_ids=ids, labels=ids)
+    assert out.vae_loss is not None and out.reference_kl is not None
+    expected = (held.config.flow_matching_weight * out.flow_matching_loss + held.config.vae_loss_weight * out.vae_loss
+                + held.config.reference_kl_weight * out.reference_kl)
+    torch.testing.assert_close(out.loss.detach(), expected, rtol=1e-6, atol=1e-6)
+    out.loss.backward()
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in vae.encoder.parameters())
+    held.save_pretrained(tmp_path)
+    assert int(ColaForCausalLM.from_pretrained(tmp_path).optimizer_steps) == 2
+    with pytest.raises(ValueError, match="vae_frozen_steps holds a VAE that trains later"):
+        ColaConfig(vae_frozen_steps=3, vae_learning_rate_ratio=0.0)
+    with pytest.raises(ValueError, match="vae_frozen_steps must be an int >= 0"):
+        ColaConfig(vae_frozen_steps=-1)
+
+
 def test_vae_learning_rate_ratio_half_gives_the_vae_half_the_rate():
     model = make_cola(vae_learning_rate_ratio=0.5)
     lr, decay = optimizer_lrs(model, learning_rate=2e-3)
