@@ -235,3 +235,28 @@ def test_a_missing_folder_is_refused_before_anything_runs(folders, run_cli, tmp_
 def test_bad_arguments_are_named(run_cli, argv, message):
     code, _, err = run_cli("report", *argv)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_latent_model_lists_the_component_it_was_built_from_apart(tmp_path, tokenizer, tiny_rows):
+    """A tiny Cola VAE (2 steps) and a Cola around it (3 steps), both through the training loop: the Cola's record
+    has its own tokens and FLOPs, and the VAE's run apart, each FLOPs = tokens × that model's training FLOPs per
+    token at the length it was trained at, counted here again."""
+    from hf_latentlm.eval.flops import training_flops_per_token
+    from hf_latentlm.eval.report import _components, training_compute
+    from hf_latentlm.loading import load_model_and_tokenizer
+
+    common = dict(preset="tiny", batch_size=2, seq_len=32, eval_every=0, log_every=1, progress_bar=False)
+    train(TrainConfig(family="cola-vae", output_dir=str(tmp_path / "vae"), max_steps=2, save_every=2, **common),
+          tokenizer=tokenizer, train_rows=tiny_rows[:16, :32])
+    train(TrainConfig(family="cola", output_dir=str(tmp_path / "cola"), max_steps=3, save_every=3,
+                      components={"vae": str(tmp_path / "vae")}, **common),
+          tokenizer=tokenizer, train_rows=tiny_rows[:16, :32])
+    record = training_compute(tmp_path / "cola")
+    vae = record["components"]["vae"]
+    assert (record["steps"], record["tokens"], vae["steps"], vae["tokens"]) == (3, 3 * 2 * 32, 2, 2 * 2 * 32)
+    for folder, entry, language_model in ((tmp_path / "cola", record, True), (tmp_path / "vae", vae, False)):
+        model = load_model_and_tokenizer(str(folder), language_model=language_model)[0]
+        per_token = training_flops_per_token(model, 32)["per_token"]
+        assert entry["flops_per_token"] == per_token and entry["train_flops"] == entry["tokens"] * per_token
+    assert record["flops_per_token"] > vae["flops_per_token"] > 0  # the Cola step runs the VAE and the DiT
+    assert _components(record) == f"vae: 128 (2 steps), {vae['train_flops']:.3g}"
