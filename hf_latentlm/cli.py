@@ -244,9 +244,10 @@ def cmd_train(args) -> int:
         if language is not None:  # what the run reached, as a share of what the language allows
             from .eval.optimum import evaluate_against_optimum, optimum_headline
 
-            optimum = evaluate_against_optimum(model.eval(), language, OPTIMUM_POSITIONS, seed=args.seed)
-            print(f"--- against the optimum of generated:{language.name} ({OPTIMUM_POSITIONS} validation windows; "
-                  f"`hf-latentlm eval` measures more) ---\n{optimum_headline(optimum)}")
+            context_len = min(128, cfg.resolved().seq_len - 4)  # windows inside the rows it was trained at
+            optimum = evaluate_against_optimum(model.eval(), language, OPTIMUM_POSITIONS, context_len, seed=args.seed)
+            print(f"--- against the optimum of generated:{language.name} ({OPTIMUM_POSITIONS} validation windows, "
+                  f"context {context_len}; `hf-latentlm eval` measures more) ---\n{optimum_headline(optimum)}")
         print(f"--- sample ---\n{args.sample_prompt}{text}\n---")
     return 0
 

@@ -66,7 +66,11 @@ def test_train_generate_eval_round_trip(tmp_path, run_cli):
     code, _, err = run_cli("generate", "--model", str(out), "--prompt", "x", "--max-new-tokens", "5000")
     assert code == 2 and "position limit" in err
 
-    code, stdout, _ = run_cli("eval", "--model", str(out), "--num-positions", "64", "--batch-size", "32")
+    # Trained at tiny's 64-token rows: the default 128-token contexts are refused, naming both lengths.
+    code, _, err = run_cli("eval", "--model", str(out), "--num-positions", "64", "--batch-size", "32")
+    assert code == 2 and "reach 132 positions, beyond the 64 the model was trained at" in err
+    code, stdout, _ = run_cli("eval", "--model", str(out), "--num-positions", "64", "--batch-size", "32",
+                              "--context-len", "32")
     assert code == 0
     result = json.loads(stdout)
     for key in ("brier_1", "brier_2", "brier_3", "brier_4", "brierlm", "brierlm_2"):

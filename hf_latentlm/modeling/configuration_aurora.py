@@ -112,9 +112,11 @@ class AuroraConfig(BlockLatentConfig):
     Generation defaults (each can be overridden in `generate()`):
         num_ode_steps (`int`, 16): Euler steps per block (σ from 1 to 0 on a uniform grid).
         self_condition_guidance (`float`, 4.0): w_sc of SC-CFG, ẑ = ẑ_blind + w_sc·(ẑ_aware − ẑ_blind) (1 = off).
-        self_condition_draft (`str`, "guided"): the draft the next Euler step sees, one of `SELF_CONDITION_DRAFTS`:
-            "guided", the step's final (guided) prediction, or "unguided", its aware prediction before any
-            guidance, the kind of draft training shows (a detached first-pass prediction). The paper does not say.
+        self_condition_draft (`str`, "unguided"): the draft the next Euler step sees, one of
+            `SELF_CONDITION_DRAFTS`: "unguided", the step's aware prediction before any guidance, the kind of draft
+            training shows (a detached first-pass prediction), or "guided", its final (guided) prediction. The paper
+            does not say; at w_sc = 2 and 4 "unguided" closed more of the gap on generated:easy
+            (docs/families/aurora.md).
         cfg_scale (`float`, 2.0): w of prompt CFG (1 = off), applied only while σ ≥ `cfg_min_sigma` and only to
             rows with a clean prefix. cfg_min_sigma (`float`, 0.9).
         decode_temperature (`float`, 0.0): 0 reads tokens out greedily from the decoder; > 0 samples.
@@ -139,7 +141,7 @@ class AuroraConfig(BlockLatentConfig):
         consistency_steps: int = 16,
         ema_decay: float = 0.9999,
         self_condition_guidance: float = 4.0,
-        self_condition_draft: str = "guided",
+        self_condition_draft: str = "unguided",
         cfg_min_sigma: float = 0.9,
         **kwargs,
     ):

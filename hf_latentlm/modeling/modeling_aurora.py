@@ -429,15 +429,15 @@ class AuroraGenerationOptions(BlockLatentGenerationOptions):
     timestep_shift (default 1.0, the uniform grid), temperature (default config.decode_temperature = 0: the greedy
     read-out; the ODE always starts from seeded noise), noise_seeds (one per row: its noise and read-out draws, so a
     row gives the same tokens alone or in any batch), top_k / top_p refused.
-    self_condition_guidance (default config.self_condition_guidance = 4): w_sc of SC-CFG, ẑ = ẑ_blind +
+    self_condition_guidance (default config.self_condition_guidance = 4; `small`: 1): w_sc of SC-CFG, ẑ = ẑ_blind +
         w_sc·(ẑ_aware − ẑ_blind), where "aware" sees the previous step's draft and "blind" a zero draft (two denoiser
         evaluations per step from the second step on; 1 = one evaluation, the aware prediction).
     guidance_scale (default config.cfg_scale = 2): w of prompt CFG, ẑ = ẑ_uncond + w·(ẑ − ẑ_uncond), where the
         unconditional branch is the block alone (with the draft); applied only while σ ≥ cfg_min_sigma and only to
         rows with a complete history block; 1 = off.
     cfg_min_sigma (default config.cfg_min_sigma = 0.9).
-    self_condition_draft (default config.self_condition_draft = "guided"): the next step's draft, the guided
-        prediction or the aware one before guidance ("unguided").
+    self_condition_draft (default config.self_condition_draft = "unguided"): the next step's draft, the aware
+        prediction before guidance ("unguided") or the guided one ("guided").
     """
 
     family: ClassVar[str] = "AURORA-LM"

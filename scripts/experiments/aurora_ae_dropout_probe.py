@@ -1,7 +1,7 @@
 """How fast the `small` AURORA autoencoder learns to copy: the paper's shared query against our residual copy path
 (`query_residual`), each with the paper's dropouts (token 0.3 / latent 0.6) and the lighter 0.1 / 0.2.
 
-    OMP_NUM_THREADS=1 python scripts/experiments/aurora_ae_dropout_probe.py --steps 200 --output runs/aurora-ae-copy
+    OMP_NUM_THREADS=1 python scripts/experiments/aurora_ae_dropout_probe.py --steps 100 --eval-at 25,50,100
 
 Each variant trains with the preset's rows and batch (16 × 256 tokens of the embedded corpus's train split) and
 learning rate (AdamW, betas 0.9 / 0.95, constant after nothing: the probe measures learning speed, not a schedule),

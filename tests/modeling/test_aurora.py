@@ -801,7 +801,8 @@ def test_prompt_guidance_is_skipped_exactly_for_a_row_without_history(generator_
         for w in (1.0, 3.0):
             blocks.clear()
             sequences = model.generate(ids, attention_mask=mask, max_new_tokens=1, eos_token_id=None,
-                                       num_inference_steps=3, guidance_scale=w, noise_seeds=[4, 5])
+                                       num_inference_steps=3, guidance_scale=w, cfg_min_sigma=0.3,
+                                       noise_seeds=[4, 5])
             results[w] = sequences, blocks[-1]  # the generated block (the first decoder call reads the history)
     (plain, plain_block), (guided, guided_block) = results[1.0], results[3.0]
     assert torch.equal(guided_block[0], plain_block[0])

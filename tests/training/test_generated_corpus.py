@@ -77,7 +77,7 @@ def test_cli_trains_and_evaluates_against_the_optimum(tmp_path, capsys):
                  "--max-steps", "40", "--eval-every", "40", "--save-every", "40"])
     assert code in (0, None)
     printed = capsys.readouterr().out
-    assert "--- against the optimum of generated:easy (1000 validation windows" in printed
+    assert "--- against the optimum of generated:easy (1000 validation windows, context 60;" in printed
     assert "BrierLM-2 gap closed" in printed and "NLL" in printed and "tokens/s" in printed
     assert len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]) == GeneratedLanguage.from_level(
         "easy").vocab_size
@@ -125,7 +125,8 @@ def test_bench_measures_models_of_one_language_against_its_optimum_and_refuses_a
     build_model("ar", "tiny", tokenizer).save_pretrained(shakespeare)
     tokenizer.save_pretrained(shakespeare)
     code, _, err = run_cli("bench", "--model", f"ar={paths['ar']}", "--model", f"s={shakespeare}",
-                           "--num-positions", "8", "--repeats", "1", "--output", str(tmp_path / "c.json"))
+                           "--num-positions", "8", "--context-len", "32", "--repeats", "1",
+                           "--output", str(tmp_path / "c.json"))
     assert code == 2 and "trained on different corpora" in err and "s: the embedded corpus" in err
 
 
