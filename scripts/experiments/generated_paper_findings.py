@@ -35,7 +35,7 @@ from hf_latentlm.eval.bench import markdown_table
 from hf_latentlm.eval.flops import training_flops_per_token
 from hf_latentlm.eval.optimum import evaluate_against_optimum, evaluation_stream
 from hf_latentlm.eval.plm import reconstruction, tokens_per_call
-from hf_latentlm.families import build_model
+from hf_latentlm.families import build_model, get_family
 from hf_latentlm.loading import load_model_and_tokenizer
 from hf_latentlm.training.loop import TrainConfig, train
 
@@ -82,6 +82,29 @@ def validation_rows(language, length: int = 64, count: int = 64):
 
 def pct(entry: dict) -> str:
     return f"{100 * entry['value']:.1f}% [{100 * entry['ci_low']:.1f}, {100 * entry['ci_high']:.1f}]"
+
+
+def trained_variants(family: str, variants: dict, args, seed: int, out: Path, folder_name):
+    """(label, trained model) for each variant (label -> overrides of `trained`) of a one-component family, all
+    around one component trained once for the seed; run folders `out/FAMILY-<folder_name(label)>-s<seed>`."""
+    (name, source), = get_family(family).components.items()
+    component = trained(source, out / f"{source}-s{seed}", args, seed, args.component_steps)
+    for label, overrides in variants.items():
+        folder = trained(family, out / f"{family}-{folder_name(label)}-s{seed}", args, seed, args.steps,
+                         components={name: component}, **overrides)
+        yield label, load_model_and_tokenizer(folder)[0]
+
+
+def decoding_table(title: str, rows: dict) -> str:
+    return markdown_table([title, "gap closed BrierLM-2", "gap closed Brier-1", "BrierLM-2"],
+                          [[k, pct(v["brierlm_2"]), pct(v["brier_1"]), f"{v['model_brierlm_2']:.2f}"]
+                           for k, v in rows.items()])
+
+
+def given_model(folder: str | None, missing: str):
+    if not folder:
+        raise SystemExit(missing)
+    return load_model_and_tokenizer(folder)[0]
 
 
 def plm_finding(args, language, seeds, out):
@@ -132,11 +155,8 @@ def aurora_finding(args, language, seeds, out):
     variants = {"x0, STC": {}, "x0, no STC": {"consistency_weight": 0.0}, "velocity, STC": {"loss_space": "velocity"}}
     rows = {}
     for seed in seeds:
-        ae = trained("aurora-ae", out / f"aurora-ae-s{seed}", args, seed, args.component_steps)
-        for label, overrides in variants.items():
-            folder = out / f"aurora-{label.replace(', ', '-').replace(' ', '')}-s{seed}"
-            model, _ = load_model_and_tokenizer(trained("aurora", folder, args, seed, args.steps,
-                                                        components={"autoencoder": ae}, **overrides))
+        for label, model in trained_variants("aurora", variants, args, seed, out,
+                                             lambda label: label.replace(", ", "-").replace(" ", "")):
             for steps in (4, 8):
                 rows[f"{label}, {steps} steps (seed {seed})"] = gap(model, language, args, seed, num_inference_steps=steps,
                                                                    **NO_GUIDANCE["aurora"])
@@ -146,9 +166,7 @@ def aurora_finding(args, language, seeds, out):
 
 
 def cola_finding(args, language, seeds, out):
-    if not args.cola_model:
-        raise SystemExit("--finding cola needs --cola-model DIR")
-    model, _ = load_model_and_tokenizer(args.cola_model)
+    model = given_model(args.cola_model, "--finding cola needs --cola-model DIR")
     rows = {}
     for seed in seeds:
         for w in (0.0, 1.0, 3.0, 7.0, 10.0, 20.0):
@@ -156,10 +174,7 @@ def cola_finding(args, language, seeds, out):
         for steps in (2, 4, 8, 16, 32):
             rows[f"w = 1, {steps} steps (seed {seed})"] = gap(model, language, args, seed, guidance_scale=1.0,
                                                               num_inference_steps=steps)
-    table = markdown_table(["Cola decoding", "gap closed BrierLM-2", "gap closed Brier-1", "BrierLM-2"],
-                           [[k, pct(v["brierlm_2"]), pct(v["brier_1"]), f"{v['model_brierlm_2']:.2f}"]
-                            for k, v in rows.items()])
-    return rows, table
+    return rows, decoding_table("Cola decoding", rows)
 
 
 def cola_recipe_finding(args, language, seeds, out):
@@ -168,34 +183,23 @@ def cola_recipe_finding(args, language, seeds, out):
                 "wd 0.01": {"training": {"weight_decay": 0.01}}}
     rows = {}
     for seed in seeds:
-        vae = trained("cola-vae", out / f"cola-vae-s{seed}", args, seed, args.component_steps)
-        for label, overrides in variants.items():
-            folder = out / f"cola-recipe-{label.split(' (')[0].replace(' ', '-').replace('.', '')}-s{seed}"
-            model, _ = load_model_and_tokenizer(trained("cola", folder, args, seed, args.steps,
-                                                        components={"vae": vae}, **overrides))
+        for label, model in trained_variants("cola", variants, args, seed, out,
+                                             lambda label: "recipe-" + label.split(" (")[0].replace(" ", "-")
+                                             .replace(".", "")):
             for w in (1.0, 2.0, 3.0, 7.0):
                 rows[f"{label}, w = {w:g} (seed {seed})"] = gap(model, language, args, seed, guidance_scale=w)
-    table = markdown_table(["Cola recipe", "gap closed BrierLM-2", "gap closed Brier-1", "BrierLM-2"],
-                           [[k, pct(v["brierlm_2"]), pct(v["brier_1"]), f"{v['model_brierlm_2']:.2f}"]
-                            for k, v in rows.items()])
-    return rows, table
+    return rows, decoding_table("Cola recipe", rows)
 
 
 def aurora_sc_finding(args, language, seeds, out):
-    if not args.aurora_model:
-        raise SystemExit("--finding aurora-sc needs --aurora-model DIR")
-    model, _ = load_model_and_tokenizer(args.aurora_model)
+    model = given_model(args.aurora_model, "--finding aurora-sc needs --aurora-model DIR")
     rows = {}
     for seed in seeds:
         for w_sc, draft in ((1.0, "guided"), (2.0, "guided"), (2.0, "unguided"), (4.0, "guided"), (4.0, "unguided")):
             label = "w_sc = 1 (off)" if w_sc == 1 else f"w_sc = {w_sc:g}, {draft} draft"
             rows[f"{label} (seed {seed})"] = gap(model, language, args, seed, guidance_scale=1.0,
                                                  self_condition_guidance=w_sc, self_condition_draft=draft)
-    table = markdown_table(["AURORA SC-CFG (prompt CFG off)", "gap closed BrierLM-2", "gap closed Brier-1",
-                            "BrierLM-2"],
-                           [[k, pct(v["brierlm_2"]), pct(v["brier_1"]), f"{v['model_brierlm_2']:.2f}"]
-                            for k, v in rows.items()])
-    return rows, table
+    return rows, decoding_table("AURORA SC-CFG (prompt CFG off)", rows)
 
 
 def main():
