@@ -25,6 +25,7 @@ from pathlib import Path
 from hf_latentlm.data.generated import parse_corpus
 from hf_latentlm.eval.bench import format_ci, markdown_table
 from hf_latentlm.eval.flops import training_flops_per_token
+from hf_latentlm.eval.harness import split_stream
 from hf_latentlm.eval.optimum import evaluate_against_optimum
 from hf_latentlm.families import build_model, get_family
 from hf_latentlm.loading import load_model_and_tokenizer
@@ -122,7 +123,8 @@ def main():
     ar_flops = flops_per_token["ar"] * args.ar_steps * batch_size * seq_len
     print("training FLOPs per token:", {k: f"{v:.3g}" for k, v in flops_per_token.items()})
 
-    results = {"corpus": corpus, "language": language.record() if language is not None else None, "preset": args.preset, "ar_steps": args.ar_steps,
+    results = {"corpus": corpus, "language": language.record() if language is not None else None,
+               "train_split_tokens": None if language is not None else split_stream(tokenizer, "train").numel(), "preset": args.preset, "ar_steps": args.ar_steps,
                "ar_train_flops": ar_flops, "flops_per_token": flops_per_token, "components": component_records,
                "settings": vars(args), "runs": {}}
     if (out / "results.json").is_file():  # runs of earlier invocations on the same folder (other multipliers)
@@ -171,8 +173,21 @@ def main():
                 print(f"{row_name}: {steps} steps, {record['seconds']:.0f} s, BrierLM-2 gap closed "
                       f"{100 * gap['value']:.1f}% [{100 * gap['ci_low']:.1f}, {100 * gap['ci_high']:.1f}]", flush=True)
                 (out / "results.json").write_text(json.dumps(results, indent=1))
-    if language is not None:
-        print(results_table(results))
+    print(results_table(results) if language is not None else budget_table(results))
+
+
+def budget_table(results: dict) -> str:
+    """One row per run of the embedded corpus: steps, tokens, epochs of the train split, training FLOPs and their
+    ratio to AR's, seconds, final validation loss (the report measures the models)."""
+    train_tokens = results["train_split_tokens"]
+    head = ["run", "steps", "tokens", "epochs", "training FLOPs", "× AR", "train s", "val loss (own objective)"]
+    rows = [[name, r["steps"], f"{r['train_tokens'] / 1e6:.2f}M", f"{r['train_tokens'] / train_tokens:.2f}",
+             f"{r['train_flops']:.3g}", f"{r['train_flops'] / results['ar_train_flops']:.3f}",
+             f"{r['train_seconds']:.0f}", f"{r['val_loss']:.3f}" if r["val_loss"] is not None else "—"]
+            for name, r in results["runs"].items()]
+    components = ", ".join(f"{name} {c['train_flops']:.3g} FLOPs ({100 * c['train_flops'] / results['ar_train_flops']:.0f}% "
+                           f"of AR's budget, {c['seconds']:.0f} s)" for name, c in results["components"].items())
+    return markdown_table(head, rows) + f"\nComponents, trained once before (not in the runs' FLOPs): {components}.\n"
 
 
 def results_table(results: dict) -> str:
