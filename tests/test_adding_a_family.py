@@ -85,7 +85,8 @@ def trained_toy(toy_family, tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("toy-run")
     contract.check_cli_round_trip(toy_family, folder, run_cli)
-    code, stdout, err = run_cli("eval", "--model", str(folder / "toy"), "--num-positions", "16", "--batch-size", "16")
+    code, stdout, err = run_cli("eval", "--model", str(folder / "toy"), "--num-positions", "16", "--batch-size", "16",
+                                "--context-len", "32")  # inside the tiny rows it was trained at
     assert code == 0, err
     result = json.loads(stdout)
     assert result["brier"]["num_positions"] == 16 and -1 <= result["brier"]["brier_1"]["value"] <= 1
