@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .harness import split_stream
-from .sampling import trained_length
+from .sampling import trained_row_length
 
 #: Noise levels t of Cola's robustness curve: the decoder reads z_t = (1 − t)·z + t·ε (paper 004, §4.3).
 NOISE_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5)
@@ -20,7 +20,7 @@ ROW_LENGTH = 256
 def checked_row_length(model) -> int:
     """`ROW_LENGTH`, or the component's `config.trained_seq_len` when shorter: a component is measured only at
     positions it was trained at. The reports name the length they used."""
-    return min(ROW_LENGTH, trained_length(getattr(model, "config", None)) or ROW_LENGTH)
+    return trained_row_length(getattr(model, "config", None), ROW_LENGTH)
 
 
 def reconstruction_rows(stream: torch.Tensor, num_tokens: int, row_length: int) -> torch.Tensor:

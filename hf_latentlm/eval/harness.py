@@ -15,7 +15,7 @@ from ..training.data import token_stream
 from .brier import MAX_N, batch_starts, evaluate_brier
 from .nll import evaluate_nll, has_likelihood
 from .optimum import evaluate_against_optimum, evaluation_stream
-from .sampling import check_trained_length, evaluation_windows, sample_continuations, trained_length
+from .sampling import check_trained_length, evaluation_windows, sample_continuations, trained_row_length
 
 
 def split_stream(tokenizer, split: str = "validation") -> torch.Tensor:
@@ -75,7 +75,7 @@ def evaluate_model(model, tokenizer, split: str = "validation", num_positions: i
         result = {"split": split, "brier": evaluate_brier(model, stream, num_positions, context_len, batch_size, seed,
                                                           progress=progress, generate_kwargs=generate_kwargs)}
     if nll and has_likelihood(model):
-        row_length = min(NLL_ROW_LENGTH, trained_length(model.config) or NLL_ROW_LENGTH)
+        row_length = trained_row_length(model.config, NLL_ROW_LENGTH)
         result["nll"] = {**evaluate_nll(model, nll_rows(stream, row_length), batch_size=16), "row_length": row_length}
     if mauve:
         from .mauve import mauve_score

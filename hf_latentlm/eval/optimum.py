@@ -27,7 +27,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from ..data.generated import GeneratedLanguage
 from .brier import MAX_N, _geometric_score, brier_terms, paired_draws, summarize_brier
 from .nll import has_likelihood
-from .sampling import evaluation_windows, model_device, trained_length
+from .sampling import evaluation_windows, model_device, trained_row_length
 
 EVALUATION_TOKENS = 200_000  # validation ids the windows are spread over (like the corpus's validation split)
 REFERENCE_PAIRS = 16  # pairs of draws per window for the true language and its unigram (cheap: numpy)
@@ -185,7 +185,7 @@ def evaluate_against_optimum(model, language: GeneratedLanguage, num_positions: 
               "gap_closed": _bootstrap_gap(exact, num_bootstrap, seed)}
     if likelihood and has_likelihood(model):
         # Rows no longer than the model was trained at (the default 256 otherwise).
-        row_length = min(256, trained_length(getattr(model, "config", None)) or 256)
+        row_length = trained_row_length(getattr(model, "config", None), 256)
         result["likelihood"] = {**likelihood_against_optimum(model, language, stream, row_length),
                                 "row_length": row_length}
     return result

@@ -34,6 +34,12 @@ def trained_length(config) -> int | None:
     return config.get("trained_seq_len") if isinstance(config, dict) else getattr(config, "trained_seq_len", None)
 
 
+def trained_row_length(config, default: int) -> int:
+    """`default`, or the length the model was trained at when that is shorter: rows for measurements that read
+    whole rows (NLL, likelihood, reconstruction) stay inside the trained positions."""
+    return min(default, trained_length(config) or default)
+
+
 def check_trained_length(config, context_len: int, num_tokens: int, what: str, label: str = "the model") -> None:
     """ValueError naming both lengths when `what` (contexts of `context_len` tokens followed by `num_tokens` more)
     reaches past the sequence length the model was trained at: positions it never trained at are not evaluated."""
