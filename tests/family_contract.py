@@ -224,8 +224,18 @@ def check_hidden_states_and_attentions(model, rows):
     assert out.hidden_states[0].shape == out.last_hidden_state.shape
     assert not any(torch.equal(out.hidden_states[i], out.hidden_states[i + 1]) for i in range(layers))
     assert base(input_ids=ids).hidden_states is None  # only when asked
-    with pytest.raises(ValueError, match="attn_implementation='eager'"):
-        base(input_ids=ids, output_attentions=True)
+    # Under SDPA, as Llama: one warning, an empty tuple of attentions and the same outputs (no error).
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging
+
+    logging.get_logger("transformers").warning_once.cache_clear()  # "once" per process: start this check afresh
+    with CaptureLogger(logging.get_logger("hf_latentlm")) as first:
+        sdpa_out = base(input_ids=ids, output_attentions=True)
+    with CaptureLogger(logging.get_logger("hf_latentlm")) as second:
+        model(input_ids=ids, output_attentions=True)
+    assert "attn_implementation='eager'" in first.out and second.out == "", (first.out, second.out)
+    assert sdpa_out.attentions == ()
+    torch.testing.assert_close(sdpa_out.last_hidden_state, out.last_hidden_state)
 
     eager = eager_copy(model)
     eager_out = eager.base_model(input_ids=ids, output_attentions=True, output_hidden_states=True)
@@ -246,6 +256,28 @@ def check_hidden_states_and_attentions(model, rows):
     # The causal LM passes them through too.
     lm_out = eager(input_ids=ids, output_attentions=True, output_hidden_states=True)
     assert len(lm_out.attentions) == layers and len(lm_out.hidden_states) == layers + 1
+
+
+def check_inputs_embeds_are_token_embeddings(model, rows):
+    """transformers' meaning in every family: `inputs_embeds = get_input_embeddings()(input_ids)` gives what
+    `input_ids` gives (PEFT prompt tuning and NEFTune rely on it), in the base model and the causal LM, also with a
+    padding mask; a tensor of another width is refused by name. Perturbed embeddings must change the result (so the
+    argument is read, not ignored)."""
+    ids = rows[1600:1602, :16]
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    embeds = model.get_input_embeddings()(ids)
+    for module in (model.base_model, model):
+        # [0]: the first output, the hidden states of a base model or a latent LM, PLM's logits
+        by_ids = module(input_ids=ids, attention_mask=mask)[0]
+        by_embeds = module(inputs_embeds=embeds, attention_mask=mask)[0]
+        torch.testing.assert_close(by_embeds, by_ids)
+        moved = module(inputs_embeds=embeds + 0.5 * torch.randn_like(embeds), attention_mask=mask)[0]
+        assert not torch.allclose(moved, by_ids, atol=1e-3)
+    with pytest.raises(ValueError, match="inputs_embeds must be token embeddings"):
+        model(inputs_embeds=embeds[..., :3])
+    with pytest.raises(ValueError, match="exactly one of"):
+        model.base_model(input_ids=ids, inputs_embeds=embeds)
 
 
 def check_return_dict_false_gives_tuples(model, rows):

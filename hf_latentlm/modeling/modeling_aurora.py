@@ -252,9 +252,11 @@ class AuroraAutoencoder(BackbonePreTrainedModel):
     def get_output_embeddings(self):
         return None  # the logits go through the input embedding itself: h·Eᵀ
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """Raw latents [B, N, D] (float32). Token dropout applies in training mode."""
-        embeds = self.embed_tokens(input_ids)
+    def encode(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None, cache=None,
+               inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw latents [B, N, D] (float32) of the tokens (ids, or their embeddings `inputs_embeds` [B, N, D]). Token
+        dropout applies in training mode."""
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.training and self.config.token_dropout > 0:
             keep = torch.rand(embeds.shape[:2], device=embeds.device) >= self.config.token_dropout
             embeds = embeds * keep[..., None].to(embeds.dtype)
@@ -378,8 +380,8 @@ class AuroraPreTrainedModel(BlockLatentPreTrainedModel):
 class AuroraModel(AuroraPreTrainedModel):
     """The frozen autoencoder and the denoiser (without its x0 head's use). `forward(input_ids)` encodes the tokens,
     standardises the latents and runs the denoiser over them as clean history (σ = 0), block-causally: what
-    generation computes for the prefix. `forward(inputs_embeds=latents, timesteps=..., noisy=...)` runs the denoiser
-    on given standardised latents [B, T, D]."""
+    generation computes for the prefix (`inputs_embeds`: the tokens' embeddings instead of their ids).
+    `forward(latents=..., timesteps=..., noisy=...)` runs the denoiser on given standardised latents [B, T, D]."""
 
     def __init__(self, config: AuroraConfig):
         super().__init__(config)
@@ -392,10 +394,11 @@ class AuroraModel(AuroraPreTrainedModel):
         """Latent positions attend bidirectionally inside blocks of this size, causally across them."""
         return self.config.block_size
 
-    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      cache=None) -> torch.Tensor:
-        """The autoencoder's latents [B, T, D], standardised."""
-        return self.autoencoder.standardize(self.autoencoder.encode(input_ids, attention_mask, cache=cache))
+    def encode_tokens(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                      cache=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The autoencoder's latents [B, T, D] of the tokens (ids, or their embeddings), standardised."""
+        return self.autoencoder.standardize(self.autoencoder.encode(input_ids, attention_mask, cache=cache,
+                                                                    inputs_embeds=inputs_embeds))
 
     @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @capture_outputs
@@ -403,15 +406,17 @@ class AuroraModel(AuroraPreTrainedModel):
                 position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                 timesteps: torch.Tensor | None = None, noisy: torch.Tensor | None = None,
-                self_condition: torch.Tensor | None = None, **kwargs) -> BaseModelOutputWithPast:
-        """input_ids [B, T] (encoded by the autoencoder; with a cache, its encoder's keys are kept in the same cache
-        after the denoiser's layers) or inputs_embeds = standardised latents [B, T, D]. attention_mask [B, cached +
+                self_condition: torch.Tensor | None = None, latents: torch.Tensor | None = None,
+                **kwargs) -> BaseModelOutputWithPast:
+        """input_ids [B, T] or their token embeddings `inputs_embeds` [B, T, D] (encoded by the autoencoder; with a
+        cache, its encoder's keys are kept in the same cache after the denoiser's layers), or the denoiser's input
+        `latents` = standardised latents [B, T, D]. attention_mask [B, cached +
         T] (left padding; blocks are counted from each row's first real token), or a ready bool mask [B, 1, T,
         cached + T] with `position_ids`. timesteps [B, T] (default 0: clean); noisy [B, T] bool: positions that take
         the noisy-input bottleneck (default none); self_condition [B, T, D]: the draft (default none).
         `output_hidden_states` / `output_attentions` (eager) are recorded for the denoiser's blocks."""
-        inputs = self.prior_inputs(input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, timesteps,
-                                   kwargs)
+        inputs = self.prior_inputs(input_ids, attention_mask, position_ids, cache, inputs_embeds, latents, use_cache,
+                                   timesteps, kwargs)
         hidden = self.denoiser(inputs.latents, inputs.timesteps, noisy, self_condition, inputs.position_ids,
                                inputs.mask, cache=inputs.cache)
         return BaseModelOutputWithPast(last_hidden_state=hidden, cache=inputs.cache)
@@ -425,7 +430,7 @@ class AuroraGenerationOptions(BlockLatentGenerationOptions):
     (`BlockLatentGenerationMixin`). Per block: `num_inference_steps` Euler steps on the σ grid from 1 to 0; each step
     predicts ẑ, feeds it to the next step as the self-conditioning draft, and moves x to (σ'/σ)·x + (1 − σ'/σ)·ẑ.
 
-    Shared with Cola DLM (`BlockLatentGenerationOptions`): num_inference_steps (default config.num_ode_steps = 16),
+    Shared with Cola DLM (`BlockLatentGenerationOptions`): num_inference_steps (default: the config's, 16),
     timestep_shift (default 1.0, the uniform grid), temperature (default config.decode_temperature = 0: the greedy
     read-out; the ODE always starts from seeded noise), noise_seeds (one per row: its noise and read-out draws, so a
     row gives the same tokens alone or in any batch), top_k / top_p refused.
@@ -612,7 +617,7 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentForCausalLM):
         if ema:
             hidden = self.ema_denoiser(latents, timesteps, noisy, self_condition, position_ids, attention_mask, cache)
             return self.ema_denoiser.x0_head(hidden).float()
-        hidden = self.model(inputs_embeds=latents, timesteps=timesteps, noisy=noisy, self_condition=self_condition,
+        hidden = self.model(latents=latents, timesteps=timesteps, noisy=noisy, self_condition=self_condition,
                             attention_mask=attention_mask, position_ids=position_ids, cache=cache).last_hidden_state
         return self.model.denoiser.x0_head(hidden).float()
 

@@ -8,8 +8,11 @@ import copy
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
+from transformers.utils import logging
 
 from .layers import init_backbone_weights
+
+logger = logging.get_logger(__name__)
 
 # Keyword arguments transformers (and TRL) pass to a model's forward besides the named ones; anything else is a
 # mistake that must not pass silently.
@@ -22,14 +25,24 @@ def check_forward_kwargs(model, kwargs: dict) -> None:
         raise TypeError(f"{type(model).__name__}.forward() got unexpected keyword argument(s) {unknown}")
 
 
-def check_backbone_inputs(config, input_ids, inputs_embeds, kwargs: dict) -> None:
-    """What every backbone forward refuses: both or neither of input_ids / inputs_embeds, and attentions asked of
-    the SDPA path (which has no probabilities to return)."""
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("pass exactly one of input_ids and inputs_embeds")
+def check_backbone_inputs(model, kwargs: dict, **inputs) -> None:
+    """What every backbone forward checks: exactly one of its `inputs` (input_ids, inputs_embeds, and a block-latent
+    family's latents) given, and `inputs_embeds` as wide as the token embedding: they mean
+    `get_input_embeddings()(input_ids)` in every family, as in transformers. Attentions asked of the SDPA path (which
+    has no probabilities to return) give one warning and an empty tuple, as transformers' own models do."""
+    given = [name for name, value in inputs.items() if value is not None]
+    if len(given) != 1:
+        raise ValueError(f"pass exactly one of {', '.join(inputs)} (got {', '.join(given) or 'none'})")
+    embeds = inputs.get("inputs_embeds")
+    width = model.get_input_embeddings().embedding_dim
+    if embeds is not None and (embeds.dim() != 3 or embeds.shape[-1] != width):
+        hint = " (latents go in as latents=)" if "latents" in inputs else ""
+        raise ValueError(f"inputs_embeds must be token embeddings [batch, length, {width}] "
+                         f"(get_input_embeddings()(input_ids)), got shape {tuple(embeds.shape)}{hint}")
+    config = model.config
     if kwargs.get("output_attentions") and config._attn_implementation != "eager":
-        raise ValueError("output_attentions needs attn_implementation='eager' (SDPA does not return attention "
-                         "probabilities)")
+        logger.warning_once(f"`{config._attn_implementation}` attention does not support `output_attentions=True`; "
+                            "no attentions are returned. Load the model with attn_implementation='eager' to get them.")
 
 
 def embedded_config(component_config):

@@ -64,7 +64,8 @@ class BlockVelocityField:
 class BlockLatentPreTrainedModel(BackbonePreTrainedModel):
     """A family sets `config_class`, `component_class` (its component's model class) and `component_attribute` (the
     component's attribute in the base model); its base model implements `encode_tokens(input_ids, attention_mask,
-    cache) -> [B, T, D]`, the latents the prior sees for tokens."""
+    cache, inputs_embeds=None) -> [B, T, D]`, the latents the prior sees for tokens (given as ids or as their token
+    embeddings)."""
 
     component_class: ClassVar[type]
     component_attribute: ClassVar[str]
@@ -83,23 +84,22 @@ class BlockLatentPreTrainedModel(BackbonePreTrainedModel):
 
     def prior_inputs(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
                      position_ids: torch.Tensor | None, cache: DynamicCache | None,
-                     inputs_embeds: torch.Tensor | None, use_cache: bool | None, timesteps: torch.Tensor | None,
-                     kwargs: dict) -> PriorInputs:
-        """The start of the base model's forward: the checks, the cache, the latents (`input_ids` encoded, the
-        encoder's keys in the same cache after the prior's layers, or `inputs_embeds`), times (default 0: clean),
-        and positions and mask from a 2-D `attention_mask` (left padding; blocks counted from each row's first real
-        token) or a ready 4-D bool mask with its `position_ids`."""
-        check_backbone_inputs(self.config, input_ids, inputs_embeds, kwargs)
+                     inputs_embeds: torch.Tensor | None, latents: torch.Tensor | None, use_cache: bool | None,
+                     timesteps: torch.Tensor | None, kwargs: dict) -> PriorInputs:
+        """The start of the base model's forward: the checks, the cache, the latents (`input_ids` or their token
+        embeddings `inputs_embeds` encoded, the encoder's keys in the same cache after the prior's layers, or
+        `latents` as given), times (default 0: clean), and positions and mask from a 2-D `attention_mask` (left
+        padding; blocks counted from each row's first real token) or a ready 4-D bool mask with its
+        `position_ids`."""
+        check_backbone_inputs(self, kwargs, input_ids=input_ids, inputs_embeds=inputs_embeds, latents=latents)
         check_forward_kwargs(self, kwargs)
-        batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        batch, length = next(x for x in (input_ids, inputs_embeds, latents) if x is not None).shape[:2]
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         past = cache.get_seq_length() if cache is not None else 0
-        if input_ids is not None:
+        if latents is None:
             encoder_cache = None if cache is None else OffsetCache(cache, self.config.num_hidden_layers)
-            latents = self.encode_tokens(input_ids, attention_mask, cache=encoder_cache)
-        else:
-            latents = inputs_embeds
+            latents = self.encode_tokens(input_ids, attention_mask, cache=encoder_cache, inputs_embeds=inputs_embeds)
         device = latents.device
         if timesteps is None:
             timesteps = torch.zeros(batch, length, device=device)
@@ -170,18 +170,19 @@ class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMi
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
-                use_cache: bool | None = None, **kwargs):
-        """input_ids [B, T]: the prior's hidden states of the clean text (a block-latent family has no next-token
-        logits). With `labels` (same shape, −100 = ignore; label i scores latent i, no shift): the training
-        objective. Transformers' `output_hidden_states`, `output_attentions`, `return_dict` apply."""
+                use_cache: bool | None = None, latents: torch.Tensor | None = None, **kwargs):
+        """input_ids [B, T] (or their token embeddings `inputs_embeds`, or the prior's input `latents` [B, T, D]):
+        the prior's hidden states of the clean text (a block-latent family has no next-token logits). With `labels`
+        (same shape, −100 = ignore; label i scores latent i, no shift): the training objective. Transformers'
+        `output_hidden_states`, `output_attentions`, `return_dict` apply."""
         check_forward_kwargs(self, kwargs)
         if labels is not None:
-            if cache is not None or inputs_embeds is not None or position_ids is not None:
+            if cache is not None or inputs_embeds is not None or latents is not None or position_ids is not None:
                 raise ValueError(f"the {self.generation_family} training objective takes input_ids, labels and "
                                  f"attention_mask only")
             return self.training_objective(input_ids, labels, attention_mask)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+                         inputs_embeds=inputs_embeds, latents=latents, use_cache=use_cache, **kwargs)
         return self.output_class(last_hidden_state=out.last_hidden_state, cache=out.cache,
                                  hidden_states=out.hidden_states, attentions=out.attentions)
 
@@ -193,7 +194,7 @@ class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMi
         return self.model.encode_tokens(input_ids, real.long())
 
     def _append_to_prior(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> None:
-        self.model(inputs_embeds=latents, attention_mask=attention_mask, cache=cache)
+        self.model(latents=latents, attention_mask=attention_mask, cache=cache)
 
     def _block_solver(self, options) -> FlowMatchEulerSampler:
         return FlowMatchEulerSampler(options.num_inference_steps, shift=options.timestep_shift)

@@ -460,9 +460,13 @@ class CALMModel(CALMPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def compress(self, chunks: torch.Tensor) -> torch.Tensor:
-        """chunks [B, L, K] token ids -> one input vector per chunk [B, L, d]."""
-        x = self.embed_tokens(chunks).flatten(-2)
+    def compress(self, token_embeds: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [B, T, d], T a multiple of K -> one input vector per chunk [B, T / K, d]."""
+        batch, length, width = token_embeds.shape
+        K = self.config.chunk_size
+        if length % K:
+            raise ValueError(f"sequence length {length} is not a multiple of chunk_size={K}")
+        x = token_embeds.reshape(batch, length // K, K * width)
         return self.compress_norm(self.compress_out(F.silu(self.compress_in(x))))
 
     @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
@@ -473,15 +477,18 @@ class CALMModel(CALMPreTrainedModel):
                 **kwargs) -> BaseModelOutputWithPast:
         """The backbone over chunk steps, as transformers' base models: one hidden state per chunk of K tokens.
 
-        input_ids: [B, T] tokens, T a multiple of chunk_size (or `inputs_embeds`: one input vector per chunk,
-            [B, L, d]). attention_mask: token-level [B, cached + new tokens]; a chunk is attended when any of its
-            tokens is real. position_ids: chunk positions [B, L] (default: from the mask, or consecutive).
+        input_ids: [B, T] tokens, T a multiple of chunk_size (or `inputs_embeds`: their token embeddings
+            [B, T, d], `get_input_embeddings()(input_ids)`). attention_mask: token-level [B, cached + new tokens];
+            a chunk is attended when any of its tokens is real. position_ids: chunk positions [B, T / K] (default:
+            from the mask, or consecutive).
         `output_hidden_states` / `output_attentions` (the latter with attn_implementation="eager") are recorded by
         transformers' output capturing (`_can_record_outputs`).
         """
-        check_backbone_inputs(self.config, input_ids, inputs_embeds, kwargs)
+        check_backbone_inputs(self, kwargs, input_ids=input_ids, inputs_embeds=inputs_embeds)
         K = self.config.chunk_size
-        hidden = self.compress(chunk_tokens(input_ids, K)) if inputs_embeds is None else inputs_embeds
+        if input_ids is not None:
+            chunk_tokens(input_ids, K)  # refuses ids that are not [batch, whole chunks]
+        hidden = self.compress(self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds)
         batch, length = hidden.shape[:2]
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)

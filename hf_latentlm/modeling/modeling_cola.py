@@ -117,11 +117,12 @@ class ColaVAEEncoder(nn.Module):
         self.logsnr = LogSNR(config)
         self.rotary = RotaryEmbedding.from_config(config)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                masked: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """input_ids [B, T]; attention_mask [B, cached + T] (left padding); masked [B, T] bool: positions whose input
-        is the mask embedding; cache: keys of earlier tokens (written). Returns μ [B, T, d_z] in float32."""
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                masked: torch.Tensor | None = None, cache=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] (or their token embeddings `inputs_embeds` [B, T, hidden]); attention_mask [B, cached + T]
+        (left padding); masked [B, T] bool: positions whose input is the mask embedding; cache: keys of earlier
+        tokens (written). Returns μ [B, T, d_z] in float32."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if masked is not None:
             x = torch.where(masked[..., None], self.mask_embedding.weight[0].to(x.dtype), x)
         past = cache.get_seq_length() if cache is not None else 0
@@ -322,7 +323,8 @@ class ColaPreTrainedModel(BlockLatentPreTrainedModel):
 class ColaModel(ColaPreTrainedModel):
     """The VAE and the DiT backbone (without the velocity head). `forward(input_ids)` encodes the tokens with the
     VAE's posterior mean and runs the DiT over those clean latents (t = 0), block-causally: what generation computes
-    for the history. `forward(inputs_embeds=latents, timesteps=...)` runs the DiT on given latents [B, T, d_z]."""
+    for the history (`inputs_embeds`: the tokens' embeddings instead of their ids). `forward(latents=..., timesteps=...)`
+    runs the DiT on given latents [B, T, d_z]."""
 
     def __init__(self, config: ColaConfig):
         super().__init__(config)
@@ -350,24 +352,26 @@ class ColaModel(ColaPreTrainedModel):
             hidden = layer(hidden, conditioning, cos, sin, mask, cache=cache)
         return self.norm(hidden), conditioning
 
-    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      cache=None) -> torch.Tensor:
-        """The VAE's posterior mean [B, T, d_z]."""
-        return self.vae.encoder(input_ids, attention_mask, cache=cache)
+    def encode_tokens(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+                      cache=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The VAE's posterior mean [B, T, d_z] of the tokens (ids, or their embeddings)."""
+        return self.vae.encoder(input_ids, attention_mask, cache=cache, inputs_embeds=inputs_embeds)
 
     @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @capture_outputs
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
-                timesteps: torch.Tensor | None = None, **kwargs) -> BaseModelOutputWithPast:
-        """input_ids [B, T] (encoded by the VAE; with a cache, the VAE encoder's keys are kept in the same cache
-        after the DiT's layers) or inputs_embeds = latents [B, T, d_z]. attention_mask [B, cached + T] (left
+                timesteps: torch.Tensor | None = None, latents: torch.Tensor | None = None,
+                **kwargs) -> BaseModelOutputWithPast:
+        """input_ids [B, T] or their token embeddings `inputs_embeds` [B, T, hidden] (encoded by the VAE; with a
+        cache, the VAE encoder's keys are kept in the same cache after the DiT's layers), or the DiT's input
+        `latents` [B, T, d_z]. attention_mask [B, cached + T] (left
         padding; blocks are counted from each row's first real token), or a ready bool mask [B, 1, T, cached + T]
         with `position_ids`. timesteps [B, T] (default 0: clean).
         `output_hidden_states` / `output_attentions` (eager) are recorded for the DiT's blocks."""
-        inputs = self.prior_inputs(input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, timesteps,
-                                   kwargs)
+        inputs = self.prior_inputs(input_ids, attention_mask, position_ids, cache, inputs_embeds, latents, use_cache,
+                                   timesteps, kwargs)
         hidden, _ = self.denoiser(inputs.latents, inputs.timesteps, inputs.position_ids, inputs.mask,
                                   cache=inputs.cache)
         return BaseModelOutputWithPast(last_hidden_state=hidden, cache=inputs.cache)
@@ -398,7 +402,7 @@ class ColaGenerationOptions(BlockLatentGenerationOptions):
     first generated one, with its known positions held at their clean latents (repaint). Exactly `max_new_tokens`
     tokens come back unless EOS stops a row (inside a block if need be).
 
-    Shared with AURORA-LM (`BlockLatentGenerationOptions`): num_inference_steps (default config.num_ode_steps = 16,
+    Shared with AURORA-LM (`BlockLatentGenerationOptions`): num_inference_steps (default: the config's, 16;
     ODE steps per block from t = 1 to t = 0), timestep_shift, temperature (default config.decode_temperature = 0:
     the VAE decoder's greedy read-out; the ODE always starts from seeded noise), noise_seeds (one per row, so a row
     gives the same tokens alone or in any batch), top_k / top_p refused.
@@ -503,7 +507,7 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
         """Predicted velocity [B, T, d_z] (float32) of latents [B, T, d_z] at per-position times [B, T]: one DiT
         evaluation through the base model's forward (where call counters see it). attention_mask: 2-D over cached +
         new positions, or a ready 4-D bool mask (then position_ids are required)."""
-        hidden = self.model(inputs_embeds=latents, timesteps=timesteps, attention_mask=attention_mask,
+        hidden = self.model(latents=latents, timesteps=timesteps, attention_mask=attention_mask,
                             position_ids=position_ids, cache=cache).last_hidden_state
         return self.velocity_head(hidden, self.model.time_embedding(timesteps).to(hidden.dtype))
 

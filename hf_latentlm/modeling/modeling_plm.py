@@ -272,7 +272,7 @@ class PLMModel(PLMPreTrainedModel):
         `output_hidden_states` / `output_attentions` (the latter with attn_implementation="eager") are recorded by
         transformers' output capturing (`_can_record_outputs`).
         """
-        check_backbone_inputs(self.config, input_ids, inputs_embeds, kwargs)
+        check_backbone_inputs(self, kwargs, input_ids=input_ids, inputs_embeds=inputs_embeds)
         embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, length = embeds.shape[:2]
         if use_cache and cache is None:

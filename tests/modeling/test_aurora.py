@@ -503,7 +503,7 @@ def test_only_noisy_positions_take_the_noisy_path(rank):
     hook = denoiser.layers[0].register_forward_pre_hook(lambda m, args: received.append(args[0]))
     try:
         with torch.no_grad():
-            base = model.model(inputs_embeds=latents, timesteps=timesteps, noisy=noisy).last_hidden_state
+            base = model.model(latents=latents, timesteps=timesteps, noisy=noisy).last_hidden_state
             if rank is None:
                 noisy_map = latents @ denoiser.noisy_in.weight.T + denoiser.noisy_in.bias
             else:
@@ -515,7 +515,7 @@ def test_only_noisy_positions_take_the_noisy_path(rank):
             torch.testing.assert_close(received[0], expected, atol=1e-5, rtol=1e-5)
             for param in denoiser.noisy_in.parameters():
                 param.add_(0.1 * torch.randn_like(param))
-            after = model.model(inputs_embeds=latents, timesteps=timesteps, noisy=noisy).last_hidden_state
+            after = model.model(latents=latents, timesteps=timesteps, noisy=noisy).last_hidden_state
     finally:
         hook.remove()
     assert torch.equal(after[:, :Q], base[:, :Q])
@@ -808,6 +808,59 @@ def test_prompt_guidance_is_skipped_exactly_for_a_row_without_history(generator_
     assert torch.equal(guided_block[0], plain_block[0])
     assert torch.equal(guided[0], plain[0])
     assert (guided_block[1] - plain_block[1]).abs().max() > 1e-4
+
+
+def test_sc_cfg_and_prompt_cfg_mix_their_branches_on_rows_with_history(generator_model, monkeypatch):
+    """w_sc = 3 and w = 2.5 (neither 0 nor 1), batched rows with and without history, σ grid 1, .75, .5, .25 with
+    cfg_min_sigma 0.5: every velocity the solver receives is (x − ẑ)/σ with ẑ_sc = ẑ_blind + 3·(ẑ_aware − ẑ_blind)
+    (from the second step on; ẑ_aware alone before) and ẑ = ẑ_uncond + 2.5·(ẑ_sc − ẑ_uncond) on the row with
+    history while σ ≥ 0.5, ẑ_sc otherwise. Branches identified by their inputs: aware and blind read the history
+    cache (with the previous draft / a zero draft), the unconditional one the block alone (Q × Q, no cache) with the
+    aware call's draft. A stub offset per branch makes the three predictions differ."""
+    from hf_latentlm.modeling.modeling_aurora import AuroraBlockVelocity
+
+    w_sc, w, steps = 3.0, 2.5, 4
+    predictions, fields = [], []
+    original_predict, original_call = AuroraBlockVelocity.predict, AuroraBlockVelocity.__call__
+
+    def predict(self, x, sigma, mask, draft, cache):
+        out = original_predict(self, x, sigma, mask, draft, cache)
+        alone, blind = cache is None, not bool(draft.any())
+        out = out + (0.3 if alone else 0.0) + (-0.2 if blind else 0.0)  # the branches differ by input
+        predictions.append(dict(alone=alone, mask=mask, draft=draft.clone(), out=out.clone()))
+        return out
+
+    def call(self, x, sigma):
+        start = len(predictions)
+        out = original_call(self, x, sigma)
+        fields.append((x.clone(), float(sigma), self.has_history.flatten().tolist(), predictions[start:], out.clone()))
+        return out
+
+    monkeypatch.setattr(AuroraBlockVelocity, "predict", predict)
+    monkeypatch.setattr(AuroraBlockVelocity, "__call__", call)
+    ids, mask = lf.left_padded([tokens(1, 9, seed=22)[0], tokens(1, 3, seed=23)[0]])  # history / none
+    generator_model.generate(ids, attention_mask=mask, max_new_tokens=1, eos_token_id=None,
+                             num_inference_steps=steps, self_condition_guidance=w_sc, guidance_scale=w,
+                             cfg_min_sigma=0.5, noise_seeds=[8, 9])
+    assert [f[1] for f in fields] == [1.0, 0.75, 0.5, 0.25] and all(f[2] == [True, False] for f in fields)
+    for k, (x, sigma, _, calls, out) in enumerate(fields):
+        conditional = [c for c in calls if not c["alone"]]
+        unconditional = [c for c in calls if c["alone"]]
+        assert len(conditional) == (1 if k == 0 else 2) and len(unconditional) == int(sigma >= 0.5)
+        if k == 0:
+            (aware,) = conditional
+            z_sc = aware["out"]
+        else:
+            (aware,) = [c for c in conditional if c["draft"].any()]
+            (blind,) = [c for c in conditional if not c["draft"].any()]
+            z_sc = blind["out"] + w_sc * (aware["out"] - blind["out"])
+        expected = z_sc.clone()
+        if unconditional:
+            (uncond,) = unconditional
+            assert uncond["mask"].shape[-2:] == (Q, Q) and bool(uncond["mask"].all())
+            assert torch.equal(uncond["draft"], aware["draft"])
+            expected[0] = uncond["out"][0] + w * (z_sc[0] - uncond["out"][0])
+        torch.testing.assert_close(out, (x - expected) / sigma, atol=1e-4, rtol=1e-4)
 
 
 def test_repaint_holds_the_prompt_latents_at_time_zero_in_every_call(generator_model, monkeypatch):
