@@ -343,3 +343,13 @@ def test_train_help_lists_every_registered_family_preset_and_component():
     for name in component_names():
         assert f"--{name} {name.upper()}" in text
     assert "--family calm: folder of a trained autoencoder (from --family calm-ae)" in text
+
+
+@pytest.mark.parametrize("family", ["cola", "aurora"])
+def test_config_takes_num_inference_steps_the_name_generate_takes(family):
+    from hf_latentlm.cli import check_config_keys
+    from hf_latentlm.families import get_family
+
+    check_config_keys(get_family(family), {"num_inference_steps": 8})  # was "no field(s)" before the rename
+    with pytest.raises(ValueError, match=r"no field\(s\) \['num_inference_step'\]"):
+        check_config_keys(get_family(family), {"num_inference_step": 8})

@@ -110,7 +110,8 @@ class AuroraConfig(BlockLatentConfig):
         prompt_block_prob (`float`, 0.05): probability that a block's first k positions (k uniform in 1..Q−1)
             enter clean at σ = 0 and unscored, which trains the repaint of a prompt that ends mid-block.
     Generation defaults (each can be overridden in `generate()`):
-        num_ode_steps (`int`, 16): Euler steps per block (σ from 1 to 0 on a uniform grid).
+        num_inference_steps (`int`, 16): Euler steps per block (σ from 1 to 0 on a uniform grid); `num_ode_steps`
+            is its deprecated spelling.
         self_condition_guidance (`float`, 4.0): w_sc of SC-CFG, ẑ = ẑ_blind + w_sc·(ẑ_aware − ẑ_blind) (1 = off).
         self_condition_draft (`str`, "unguided"): the draft the next Euler step sees, one of
             `SELF_CONDITION_DRAFTS`: "unguided", the step's aware prediction before any guidance, the kind of draft

@@ -4,6 +4,8 @@ inside a block and causal across blocks."""
 
 from __future__ import annotations
 
+import warnings
+
 from .configuration_backbone import BackboneConfig, check_fraction, check_non_negative, check_positive
 
 TIME_SAMPLERS = ("logit_normal", "shifted", "uniform")
@@ -29,11 +31,18 @@ class BlockLatentConfig(BackboneConfig):
         time_shift: float = 1.0,
         history_dropout: float = 0.1,
         prompt_block_prob: float = 0.05,
-        num_ode_steps: int = 16,
+        num_inference_steps: int | None = None,
         cfg_scale: float = 7.0,
         decode_temperature: float = 0.0,
         **kwargs,
     ):
+        old = kwargs.pop("num_ode_steps", None)  # the deprecated spelling, also found in old config.json files
+        if old is not None:
+            warn_num_ode_steps()
+            if num_inference_steps is not None and num_inference_steps != old:
+                raise ValueError(f"num_ode_steps ({old}) and num_inference_steps ({num_inference_steps}) are one "
+                                 f"field; give num_inference_steps only")
+            num_inference_steps = old
         super().__init__(**kwargs)
         self.block_size = block_size
         self.time_sampler = time_sampler
@@ -42,9 +51,20 @@ class BlockLatentConfig(BackboneConfig):
         self.time_shift = time_shift
         self.history_dropout = history_dropout
         self.prompt_block_prob = prompt_block_prob
-        self.num_ode_steps = num_ode_steps
+        self.num_inference_steps = 16 if num_inference_steps is None else num_inference_steps
         self.cfg_scale = cfg_scale
         self.decode_temperature = decode_temperature
+
+    @property
+    def num_ode_steps(self) -> int:
+        """Deprecated spelling of `num_inference_steps` (the name `generate()` takes)."""
+        warn_num_ode_steps()
+        return self.num_inference_steps
+
+    @num_ode_steps.setter
+    def num_ode_steps(self, value: int) -> None:
+        warn_num_ode_steps()
+        self.num_inference_steps = value
 
     @property
     def component_config(self):
@@ -71,7 +91,7 @@ class BlockLatentConfig(BackboneConfig):
     def validate_block_latent(self) -> None:
         """Raise a ValueError naming the first bad field among the backbone's, the component's and the shared ones."""
         self.validate_backbone()
-        check_positive(self, ("block_size", "num_ode_steps"))
+        check_positive(self, ("block_size", "num_inference_steps"))
         self.validate_component()
         name = type(self).__name__
         if self.time_sampler not in self.time_samplers:
@@ -81,6 +101,11 @@ class BlockLatentConfig(BackboneConfig):
                              f"{self.time_shift}")
         check_fraction(self, ("history_dropout", "prompt_block_prob"))
         check_non_negative(self, ("cfg_scale", "decode_temperature"))
+
+
+def warn_num_ode_steps() -> None:
+    warnings.warn("num_ode_steps is deprecated; use num_inference_steps (the name generate() and the CLI take)",
+                  FutureWarning, stacklevel=3)
 
 
 __all__ = ["BlockLatentConfig", "TIME_SAMPLERS"]

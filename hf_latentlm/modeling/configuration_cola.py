@@ -110,7 +110,8 @@ class ColaConfig(BlockLatentConfig):
             gradient: launch with `find_unused_parameters=True`.
         The paper publishes none of the λ values: these are choices, logged as loss parts.
     Generation defaults (each can be overridden in `generate()`):
-        num_ode_steps (`int`, 16): Euler (or Heun) steps per block. ode_solver (`str`, "euler").
+        num_inference_steps (`int`, 16): Euler (or Heun) steps per block (`num_ode_steps`: its deprecated
+            spelling). ode_solver (`str`, "euler").
         cfg_scale (`float`, 7.0): classifier-free guidance w; forced to 1 for a block with no history.
         decode_temperature (`float`, 0.0): 0 reads each token out greedily from the VAE decoder; > 0 samples.
     """

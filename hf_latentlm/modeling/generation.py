@@ -82,9 +82,10 @@ class GenerationOptions:
 @dataclass
 class BlockLatentGenerationOptions(GenerationOptions):
     """Options every block-latent family (Cola DLM, AURORA-LM) shares: `num_inference_steps` (default
-    config.num_ode_steps) ODE steps per block, `timestep_shift` (default 1.0, the uniform grid; > 1 spends more steps
-    at high noise), `temperature` of the decoder's read-out (default config.decode_temperature; 0 or do_sample=False
-    takes the most likely token) and `noise_seeds` (one per row). top_k / top_p are refused unless 0 / 1.0."""
+    config.num_inference_steps) ODE steps per block, `timestep_shift` (default 1.0, the uniform grid; > 1 spends more
+    steps at high noise), `temperature` of the decoder's read-out (default config.decode_temperature; 0 or
+    do_sample=False takes the most likely token) and `noise_seeds` (one per row). top_k / top_p are refused unless
+    0 / 1.0."""
 
     row_seeds_option: ClassVar[str] = "noise_seeds"
 
@@ -96,7 +97,7 @@ class BlockLatentGenerationOptions(GenerationOptions):
         """The shared fields resolved and checked (ValueError naming the option), for `dataclasses.replace`."""
         refuse_token_filters(self.family, "the read-out is greedy or plain sampling; use temperature", self.top_k,
                              self.top_p)
-        steps = config.num_ode_steps if self.num_inference_steps is None else self.num_inference_steps
+        steps = config.num_inference_steps if self.num_inference_steps is None else self.num_inference_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"num_inference_steps must be a positive int, got {steps!r}")
         shift = 1.0 if self.timestep_shift is None else float(self.timestep_shift)
