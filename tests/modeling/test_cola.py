@@ -609,6 +609,50 @@ def test_guidance_is_skipped_exactly_for_a_row_without_history(generator_model):
     assert (batched_block[1] - long_unguided_block[0]).abs().max() > 1e-3
 
 
+def test_guided_velocity_is_the_cfg_mix_of_its_two_branches_on_rows_with_history(generator_model, monkeypatch):
+    """At w = 3 (neither 0 nor 1), batched rows with and without history: every velocity the solver receives is
+    v_uncond + 3·(v_cond − v_uncond) on the row with history and exactly v_cond on the row without, where v_cond is
+    the DiT evaluation that reads the history cache and v_uncond the one on the block alone (no cache, a Q × Q
+    all-visible mask); the unconditional branch equals the DiT run on the block by itself. The tiny DiT barely
+    reads its history, so the conditional branch gets +0.5 (a stub whose two branches differ)."""
+    from hf_latentlm.modeling.modeling_cola import ColaBlockVelocity
+
+    model, w = generator_model, 3.0
+    ids, mask = lf.left_padded([tokens(1, 9, seed=20)[0], tokens(1, 3, seed=21)[0]])  # history / none
+    spy = VelocitySpy(model)
+    real = spy.original
+    spy.original = lambda latents, timesteps, attention_mask, position_ids, cache=None: (
+        real(latents, timesteps, attention_mask, position_ids, cache=cache) + (0.5 if cache is not None else 0.0))
+    fields = []
+    original_call = ColaBlockVelocity.__call__
+
+    def recorded(self, x, t):
+        start = len(spy.calls)
+        out = original_call(self, x, t)
+        fields.append((x.clone(), self.has_history.flatten().clone(), spy.calls[start:], out.clone()))
+        return out
+
+    monkeypatch.setattr(ColaBlockVelocity, "__call__", recorded)
+    try:
+        model.generate(ids, attention_mask=mask, max_new_tokens=1, eos_token_id=None, num_inference_steps=3,
+                       guidance_scale=w, noise_seeds=[6, 7])
+    finally:
+        del model.velocity
+    assert len(fields) == 3 and [h.tolist() for _, h, _, _ in fields] == [[True, False]] * 3
+    for x, _, calls, out in fields:
+        assert len(calls) == 2
+        (cond,) = [c for c in calls if c["cache"] is not None]
+        (uncond,) = [c for c in calls if c["cache"] is None]
+        alone = uncond["attention_mask"]
+        assert alone.shape[-2:] == (Q, Q) and bool(alone.all())
+        v_cond, v_uncond = cond["velocity"].detach(), uncond["velocity"].detach()
+        torch.testing.assert_close(out[0], v_uncond[0] + w * (v_cond[0] - v_uncond[0]), atol=1e-5, rtol=1e-5)
+        assert torch.equal(out[1], v_cond[1])
+        with torch.no_grad():
+            by_itself = real(x, uncond["timesteps"], None, uncond["position_ids"])
+        torch.testing.assert_close(v_uncond, by_itself, atol=1e-5, rtol=1e-5)
+
+
 def test_repaint_holds_the_prompt_latents_at_time_zero_in_every_call(generator_model):
     """Prompts ending mid-block (known 2 and 1 positions of the first generated block, left padded together): every
     DiT evaluation of that block, both CFG branches and Heun's predictor, sees the prompt's clean latents (its VAE
@@ -721,3 +765,54 @@ def test_vae_refuses_to_record_outputs_it_cannot_give():
         with pytest.raises(ValueError, match=name):
             vae(ids, **{name: True})
     assert isinstance(vae(ids, labels=ids, return_dict=False), tuple)
+
+
+def test_resize_token_embeddings_keeps_every_vocabulary_piece_consistent(tmp_path):
+    """The VAE's encoder embedding, its decoder read-out, the frozen reference encoder and both configs move
+    together, old rows kept; a new token gets the VAE's new row in the reference too (the KL anchor starts at the
+    VAE). The resized checkpoint saves, loads with the same outputs, trains on a new token and generates."""
+    model = make_cola(seed=5)
+    old_embedding = model.get_input_embeddings().weight.detach().clone()
+    old_reference = model.reference_encoder.embed_tokens.weight.detach().clone()
+    old_head = model.model.vae.decoder.lm_head.weight.detach().clone()
+    size = VOCAB + 5
+    embedding = model.resize_token_embeddings(size, pad_to_multiple_of=8)
+    padded = -(-size // 8) * 8
+    vae = model.model.vae
+    assert embedding is vae.encoder.embed_tokens and embedding.weight.shape[0] == padded
+    assert vae.decoder.lm_head.weight.shape[0] == padded
+    assert model.reference_encoder.embed_tokens.weight.shape[0] == padded
+    assert not model.reference_encoder.embed_tokens.weight.requires_grad
+    assert model.config.vocab_size == model.config.vae_config.vocab_size == vae.config.vocab_size == padded
+    torch.testing.assert_close(embedding.weight[:VOCAB], old_embedding)
+    torch.testing.assert_close(vae.decoder.lm_head.weight[:VOCAB], old_head)
+    torch.testing.assert_close(model.reference_encoder.embed_tokens.weight[:VOCAB], old_reference)
+    torch.testing.assert_close(model.reference_encoder.embed_tokens.weight[VOCAB:], embedding.weight[VOCAB:])
+
+    ids = tokens(2, 2 * Q, seed=6)
+    ids[0, 3] = padded - 1  # a new token
+    model.save_pretrained(tmp_path)
+    loaded = ColaForCausalLM.from_pretrained(tmp_path).eval()
+    model.eval()
+    torch.testing.assert_close(loaded(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+    out = loaded.generate(ids[:1], max_new_tokens=Q, eos_token_id=None, num_inference_steps=2, noise_seeds=[0])
+    assert out.shape == (1, 3 * Q) and int(out.max()) < padded
+    loaded.train()
+    loaded(input_ids=ids, labels=ids).loss.backward()
+    assert loaded.model.vae.encoder.embed_tokens.weight.grad[padded - 1].abs().sum() > 0
+
+
+def test_the_base_model_alone_resizes_consistently(tmp_path):
+    """`AutoModel` gives `ColaModel`: its resize also moves the VAE's both ends and both configs, and reloads."""
+    from hf_latentlm.modeling.modeling_cola import ColaModel
+
+    make_cola(seed=5).save_pretrained(tmp_path / "lm")
+    base = ColaModel.from_pretrained(tmp_path / "lm").eval()
+    base.resize_token_embeddings(VOCAB + 3)
+    assert base.vae.decoder.lm_head.weight.shape[0] == base.vae.encoder.embed_tokens.weight.shape[0] == VOCAB + 3
+    assert base.config.vocab_size == base.config.vae_config.vocab_size == VOCAB + 3
+    base.save_pretrained(tmp_path / "base")
+    ids = tokens(1, 2 * Q, seed=7)
+    ids[0, 0] = VOCAB + 2
+    again = ColaModel.from_pretrained(tmp_path / "base").eval()
+    torch.testing.assert_close(again(input_ids=ids).last_hidden_state, base(input_ids=ids).last_hidden_state)
