@@ -319,6 +319,27 @@ class ColaPreTrainedModel(BlockLatentPreTrainedModel):
     def _init_weights(self, module):
         init_cola_weights(module, self.config.initializer_range)
 
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """The VAE owns the vocabulary at both ends (its encoder's embedding, its decoder's read-out), so it is
+        resized as a whole (transformers' resize of the VAE); the frozen reference encoder gets the same new rows
+        (its KL anchor starts where the VAE starts for a new token), and both configs record the new size, so the
+        checkpoint saves, loads and generates."""
+        vae = self.base_model.vae
+        embedding = vae.resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        size = embedding.weight.shape[0]
+        reference = getattr(self, "reference_encoder", None)
+        if reference is not None:
+            old = reference.embed_tokens.weight
+            resized = nn.Embedding(size, old.shape[1], device=old.device, dtype=old.dtype)
+            with torch.no_grad():
+                kept = min(size, old.shape[0])
+                resized.weight[:kept] = old[:kept]
+                resized.weight[kept:] = embedding.weight[kept:]
+            reference.embed_tokens = resized.requires_grad_(False)
+        self.config.vocab_size = self.config.vae_config.vocab_size = size
+        return embedding
+
 
 class ColaModel(ColaPreTrainedModel):
     """The VAE and the DiT backbone (without the velocity head). `forward(input_ids)` encodes the tokens with the
