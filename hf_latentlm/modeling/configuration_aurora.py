@@ -3,7 +3,8 @@ block-causal flow-matching denoiser over its standardised latents."""
 
 from __future__ import annotations
 
-from .configuration_backbone import BackboneConfig, check_fraction, check_non_negative, check_positive
+from .configuration_backbone import (BackboneConfig, check_fraction, check_non_negative, check_positive,
+                                     decoder_blocks_tp_plan)
 from .configuration_block_latent import TIME_SAMPLERS, BlockLatentConfig
 
 AURORA_TIME_SAMPLERS = ("tan", *TIME_SAMPLERS)
@@ -39,6 +40,11 @@ class AuroraAutoencoderConfig(BackboneConfig):
     """
 
     model_type = "aurora_autoencoder"
+
+    # The blocks are the encoder's and the decoder's query stacks. The embedding is also the decoder's output matrix
+    # (logits = h·Eᵀ): it stays whole on every rank ("replicate"), instead of transformers' default row sharding of
+    # an `embed_tokens`, under which the read-out would see a vocabulary shard.
+    base_model_tp_plan = {"embed_tokens": "replicate", **decoder_blocks_tp_plan("encoder.layers", "decoder.layers")}
 
     def __init__(self, keep_ratio: float = 1.0, token_dropout: float = 0.3, latent_dropout: float = 0.6,
                  statistics_eps: float = 1e-6, query_residual: bool = False, **kwargs):
@@ -128,6 +134,8 @@ class AuroraConfig(BlockLatentConfig):
     component_config_name = "autoencoder_config"
     component_name = "autoencoder"
     time_samplers = AURORA_TIME_SAMPLERS
+
+    base_model_tp_plan = decoder_blocks_tp_plan("denoiser.layers")  # the denoiser's blocks
 
     def __init__(
         self,

@@ -34,6 +34,15 @@ def check_non_negative(config, names: tuple[str, ...]) -> None:
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
+def decoder_blocks_tp_plan(*block_lists: str) -> dict[str, str]:
+    """Llama's tensor-parallel layout (attention and MLP in column/row pairs) for the shared decoder blocks of each
+    module list named, e.g. "layers" or "encoder.layers"."""
+    layout = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+              "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+              "mlp.down_proj": "rowwise"}
+    return {f"{blocks}.*.{name}": style for blocks in block_lists for name, style in layout.items()}
+
+
 class BackboneConfig(PretrainedConfig):
     r"""Base of the family configurations: the decoder-only backbone built from `layers.py`.
 
@@ -49,16 +58,9 @@ class BackboneConfig(PretrainedConfig):
         and embedding weights), tie_word_embeddings (`bool`, False), bos/eos/pad_token_id (0 / 0 / 1).
     """
 
-    # Tensor-parallel plan of the shared decoder blocks (the same layout as Llama's).
-    base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-    }
+    # Tensor-parallel plan of the base model's decoder blocks (`layers`). A family whose blocks sit elsewhere names
+    # them (`decoder_blocks_tp_plan`); every rule must match a parameter (transformers' `test_tp_plan_matches_params`).
+    base_model_tp_plan = decoder_blocks_tp_plan("layers")
 
     def __init__(
         self,
@@ -122,4 +124,5 @@ class BackboneConfig(PretrainedConfig):
                              f"multiple of num_key_value_heads ({self.num_key_value_heads})")
 
 
-__all__ = ["BackboneConfig", "STATIC_ROPE_TYPES", "check_fraction", "check_non_negative", "check_positive"]
+__all__ = ["BackboneConfig", "STATIC_ROPE_TYPES", "check_fraction", "check_non_negative", "check_positive",
+           "decoder_blocks_tp_plan"]

@@ -3,7 +3,8 @@ trained jointly with it."""
 
 from __future__ import annotations
 
-from .configuration_backbone import BackboneConfig, check_fraction, check_non_negative, check_positive
+from .configuration_backbone import (BackboneConfig, check_fraction, check_non_negative, check_positive,
+                                     decoder_blocks_tp_plan)
 from .configuration_block_latent import TIME_SAMPLERS, BlockLatentConfig
 
 ODE_SOLVERS = ("euler", "heun")
@@ -37,6 +38,9 @@ class ColaVAEConfig(BackboneConfig):
     """
 
     model_type = "cola_vae"
+
+    # The VAE's blocks are its encoder's and its decoder's; the embedding and read-out stay whole.
+    base_model_tp_plan = decoder_blocks_tp_plan("encoder.layers", "decoder.layers")
 
     def __init__(
         self,

@@ -26,6 +26,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_aurora import SELF_CONDITION_DRAFTS, AuroraAutoencoderConfig, AuroraConfig
+from .configuration_backbone import decoder_blocks_tp_plan
 from .flow import (
     FlowMatchEulerSampler,
     TimestepEmbedding,
@@ -544,6 +545,8 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentForCausalLM):
         self.ema_denoiser = AuroraDenoiser(config) if config.uses_consistency else None
         self.register_buffer("optimizer_steps", torch.zeros((), dtype=torch.long))
         self.post_init()
+        if self.ema_denoiser is not None:  # sharded as the online denoiser it follows (the EMA update mixes them)
+            self._tp_plan.update(decoder_blocks_tp_plan("ema_denoiser.layers"))
         self.freeze_components()
         if self.ema_denoiser is not None and not self.model.denoiser.clean_in.weight.is_meta:
             self.ema_denoiser.load_state_dict(self.model.denoiser.state_dict())

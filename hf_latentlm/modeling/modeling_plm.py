@@ -303,6 +303,8 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
     `decoding="voronoi"`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Tied to the vocabulary-sharded embedding, so sharded with it, as Llama's head.
+    _tp_plan = {"lm_head": "colwise_gather_output"}
     generation_options_class = PLMGenerationOptions
     base_model_class = PLMModel
 
