@@ -272,6 +272,73 @@ def test_at_initialisation_delta_is_zero_and_the_loss_is_log_2(tmp_path, tokeniz
     assert logged["rewards/margins"][-1] == pytest.approx(0, abs=1e-4)
 
 
+def test_dpo_loss_at_nonzero_delta_is_the_hand_computed_sigmoid_loss_and_gradient():
+    """`compute_loss` on known scores with policy ≠ reference (δ ≠ 0, so β and the reference matter): the loss is
+    mean −log σ(β·((s⁺ − s⁺_ref) − (s⁻ − s⁻_ref))) written out with math, its gradient with respect to each score
+    ∓β·σ(−β·m)/B, and the logged rewards are β·δ."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    beta = 2.5
+    chosen, rejected = [-1.0, -2.0, -0.5], [-1.5, -1.0, -3.0]
+    ref_chosen, ref_rejected = [-1.25, -1.5, -1.0], [-1.0, -1.75, -2.0]
+    scores = torch.tensor(chosen + rejected, dtype=torch.float64, requires_grad=True)
+    fake = SimpleNamespace(model=SimpleNamespace(training=True), beta=beta, policy_scores=lambda model, inputs: scores,
+                           accelerator=SimpleNamespace(gather_for_metrics=lambda x: x),
+                           _metrics={"train": defaultdict(list)})
+    inputs = {REF_CHOSEN: torch.tensor(ref_chosen), REF_REJECTED: torch.tensor(ref_rejected)}
+    loss = LatentDPOTrainer.compute_loss(fake, None, inputs)
+    margins = [(c - rc) - (r - rr) for c, rc, r, rr in zip(chosen, ref_chosen, rejected, ref_rejected)]
+    assert margins == [0.75, -1.25, 1.5]
+    hand = sum(math.log1p(math.exp(-beta * m)) for m in margins) / 3
+    assert loss.item() == pytest.approx(hand, rel=1e-6)
+    (grad,) = torch.autograd.grad(loss, scores)
+    weight = [beta / (1 + math.exp(beta * m)) / 3 for m in margins]  # β·σ(−β·m)/B
+    torch.testing.assert_close(grad, torch.tensor([-g for g in weight] + weight, dtype=torch.float64))
+    logged = fake._metrics["train"]
+    assert logged["rewards/chosen"][-1] == pytest.approx(beta * sum(c - rc for c, rc in zip(chosen, ref_chosen)) / 3)
+    assert logged["rewards/rejected"][-1] == pytest.approx(
+        beta * sum(r - rr for r, rr in zip(rejected, ref_rejected)) / 3)
+    assert logged["rewards/margins"][-1] == pytest.approx(beta * sum(margins) / 3)
+    assert logged["rewards/accuracies"][-1] == pytest.approx(2 / 3)
+
+
+def test_reference_scores_and_draws_come_from_the_ref_model_and_the_loss_uses_them(tmp_path, tokenizer):
+    """Policy ≠ reference (the policy's weights perturbed), β = 3: the stored draws are the reference's own
+    (`scorer.draws(ref_model)`), the stored reference scores are the reference's scores under them (not the
+    policy's), and the loss is −log σ(3·(δ⁺ − δ⁻)) of the policy's scores, computed here from the scorer alone."""
+    policy = build_tiny("plm", tokenizer)
+    reference = copy.deepcopy(policy).eval()
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        for param in policy.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    beta = 3.0
+    trainer = dpo_trainer(tmp_path, tokenizer, model=policy, ref_model=reference, pairs=2,
+                          args=dpo_args(tmp_path, beta=beta))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    ids, mask, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    scorer = PLMResponseScorer()
+    keys = list(batch["pair_key"]) * 2
+    stored = {"aux": batch["draw_aux"], "phase": batch["draw_phase"]}
+    for model, same in ((reference, True), (policy, False)):  # the policy's cells give other auxiliaries
+        again = scorer.draws(model, ids, mask, completion, keys)
+        width = again["aux"].shape[1]
+        assert torch.equal(stored["aux"][:, :width], again["aux"]) == same
+    assert torch.equal(stored["phase"], again["phase"])
+    policy.eval()
+    with torch.no_grad():
+        ref_scores = scorer.score(reference, ids, mask, completion, stored).normalised()
+        policy_scores = scorer.score(policy, ids, mask, completion, stored).normalised()
+        stored_ref = torch.cat([batch[REF_CHOSEN], batch[REF_REJECTED]])
+        torch.testing.assert_close(stored_ref, ref_scores.float(), atol=1e-5, rtol=0)
+        assert (policy_scores - ref_scores).abs().min() > 1e-3  # δ ≠ 0 on every row
+        loss = trainer.compute_loss(policy, batch).item()
+    delta = (policy_scores - ref_scores).double()
+    margins = delta[:2] - delta[2:]
+    assert loss == pytest.approx(torch.nn.functional.softplus(-beta * margins).mean().item(), rel=1e-4)
+
+
 def test_the_reference_never_receives_gradients(tmp_path, tokenizer):
     model = build_tiny("plm", tokenizer)
     ref_model = copy.deepcopy(model)
