@@ -44,6 +44,7 @@ from .layers import (
     decoder_layers,
     draw_block_conditions,
     dual_stream_mask,
+    init_backbone_weights,
     make_padding_position_ids,
 )
 from .modeling_backbone import (
@@ -211,6 +212,20 @@ class AuroraQueryDecoder(QueryStack):
         return self.read_compressed(latents, slot_pos, torch.arange(length, device=device))
 
 
+@torch.no_grad()
+def init_aurora_weights(module: nn.Module, std: float) -> None:
+    """`_init_weights` of every AURORA model: the shared modules' init, the learned queries at zero (their start, see
+    `QueryStack`), the latent statistics unset (identity standardisation until `prepare_training` measures them)
+    and the step count at zero. A meta-device build followed by `init_weights()` is then the fresh model."""
+    init_backbone_weights(module, std)
+    if isinstance(module, QueryStack):
+        module.query.zero_()
+    elif isinstance(module, AuroraAutoencoder):
+        module.latent_mean.zero_()
+        module.latent_var.fill_(1.0)
+        module.has_latent_statistics.fill_(False)
+
+
 def compressed_slot_count(length: int, keep_ratio: float) -> int:
     return max(1, round(keep_ratio * length))
 
@@ -243,6 +258,10 @@ class AuroraAutoencoder(BackbonePreTrainedModel):
         self.register_buffer("latent_var", torch.ones(config.hidden_size))
         self.register_buffer("has_latent_statistics", torch.zeros((), dtype=torch.bool))
         self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        init_aurora_weights(module, self.config.initializer_range)
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -372,6 +391,16 @@ class AuroraPreTrainedModel(BlockLatentPreTrainedModel):
     # Hidden states and attentions: the denoiser's blocks (the autoencoder is a submodel that records nothing).
     _can_record_outputs = {"hidden_states": DecoderBlock,
                            "attentions": OutputRecorder(AttentionProbs, layer_name="layers")}
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        init_aurora_weights(module, self.config.initializer_range)
+        if isinstance(module, AuroraForCausalLM):  # last: its submodules are initialised before it
+            module.optimizer_steps.zero_()
+            ema = module.ema_denoiser
+            # The EMA copy starts as the denoiser, unless a checkpoint gave it its own weights.
+            if ema is not None and not any(getattr(p, "_is_hf_initialized", False) for p in ema.parameters()):
+                ema.load_state_dict(module.model.denoiser.state_dict())
 
     def check_vocab_resize(self, size: int) -> None:
         refuse_vocab_resize(self, size, "the frozen autoencoder", "an AuroraAutoencoder",

@@ -1,7 +1,8 @@
-"""The tensor-parallel plans of every class of every family, held to transformers' own checks
-(`test_tp_plan_matches_params`, `test_tied_weights_are_sharded_together`): every rule names a parameter or module
-that exists, a tied head is sharded with its embedding, and AURORA's embedding, which its decoder also reads out
-through, is never split by vocabulary."""
+"""Every class of every family (components and base models included), held to transformers' structural checks:
+tensor-parallel plans (`test_tp_plan_matches_params`, `test_tied_weights_are_sharded_together`: every rule names a
+parameter or module that exists, a tied head is sharded with its embedding, AURORA's embedding, which its decoder
+also reads out through, never split by vocabulary) and initialisation (a meta-device build, as `from_pretrained`
+makes, followed by `init_weights()` is a fresh model: every parameter and buffer set, none left as memory)."""
 
 import pytest
 import torch
@@ -61,3 +62,30 @@ def test_every_trained_decoder_block_is_sharded_and_aurora_reads_out_through_a_w
         if label.startswith("aurora"):
             embedding = {module: name for name, module in model.named_modules()}[model.get_input_embeddings()]
             assert model.tp_plan.get(embedding) == "replicate", label
+
+
+def test_a_meta_device_build_initialises_every_parameter_and_buffer(models):
+    """Filled with NaN (floats) and 7 (integers) before `init_weights()`, nothing may keep that: every tensor is
+    finite, and each that a normal build sets to a constant (zero queries, unset latent statistics, step counts,
+    norm scales, zero-initialised heads) has exactly that constant. AURORA's EMA copy starts as its denoiser."""
+    checked = 0
+    for label, fresh in models:
+        with torch.device("meta"):
+            model = type(fresh)(fresh.config)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for tensor in list(model.parameters()) + list(model.buffers()):
+                tensor.fill_(float("nan") if tensor.is_floating_point() else 7)
+        model.init_weights()
+        built = type(fresh)(fresh.config)  # the class's own init (build_tiny randomises zero-initialised matrices)
+        expected = dict(list(built.named_parameters()) + list(built.named_buffers()))
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            want = expected[name]
+            assert not tensor.is_floating_point() or torch.isfinite(tensor).all(), (label, name)
+            if want.numel() and bool((want == want.flatten()[0]).all()):
+                assert torch.equal(tensor, want), (label, name)
+            checked += 1
+        if getattr(model, "ema_denoiser", None) is not None:
+            for ema, online in zip(model.ema_denoiser.parameters(), model.model.denoiser.parameters()):
+                assert torch.equal(ema, online), label
+    assert checked > 100
