@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output-dir", required=True)
     t.add_argument("--max-steps", type=int, help="optimizer steps (default: the preset's)")
     t.add_argument("--stop-at-step", type=int, help="stop early after this step; continue later with --resume")
-    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    t.add_argument("--resume", nargs="?", const="latest", choices=["latest", "previous"],
+                   help="continue from the latest checkpoint in --output-dir; `--resume previous`: from the complete "
+                        "checkpoint before it, the fallback when the latest is damaged")
     t.add_argument("--batch-size", type=int)
     t.add_argument("--grad-accum", type=int, default=1)
     t.add_argument("--seq-len", type=int)
@@ -190,7 +192,7 @@ def cmd_train(args) -> int:
 
     cfg = TrainConfig(
         family=args.family, preset=args.preset, output_dir=args.output_dir, max_steps=args.max_steps,
-        stop_at_step=args.stop_at_step, resume=args.resume, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        stop_at_step=args.stop_at_step, resume=args.resume or False, batch_size=args.batch_size, grad_accum=args.grad_accum,
         seq_len=args.seq_len, learning_rate=args.learning_rate, schedule=args.schedule,
         warmup_steps=args.warmup_steps, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
         corpus=args.corpus, train_files=args.train_file, validation_files=args.validation_file, tokenizer=args.tokenizer,

@@ -353,3 +353,20 @@ def test_config_takes_num_inference_steps_the_name_generate_takes(family):
     check_config_keys(get_family(family), {"num_inference_steps": 8})  # was "no field(s)" before the rename
     with pytest.raises(ValueError, match=r"no field\(s\) \['num_inference_step'\]"):
         check_config_keys(get_family(family), {"num_inference_step": 8})
+
+
+def test_train_resume_from_a_damaged_checkpoint_is_one_line_and_previous_falls_back(tmp_path, run_cli, small_text):
+    out = tmp_path / "ar"
+    common = ["train", "--family", "ar", "--preset", "tiny", "--output-dir", str(out), "--max-steps", "3",
+              "--save-every", "1", "--eval-every", "0", "--batch-size", "2", "--no-sample", "--train-file",
+              str(small_text)]
+    assert run_cli(*common, "--stop-at-step", "2")[0] == 0
+    optimizer = out / "checkpoint-0000002" / "optimizer.safetensors"
+    optimizer.write_bytes(optimizer.read_bytes()[:50])  # truncated: safetensors says "invalid header length"
+    code, stdout, err = run_cli(*common, "--resume")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"checkpoint {out / 'checkpoint-0000002'} is damaged: optimizer.safetensors does not read" in err
+    assert "rerun with --resume previous" in err
+    code, stdout, err = run_cli(*common, "--resume", "previous")
+    assert code == 0, err
+    assert f"resumed from {out / 'checkpoint-0000001'} at step 1" in stdout and (out / "model.safetensors").is_file()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,37 @@ logger = logging.getLogger(__name__)
 #: `dpo`) match; both write `trainer_state.json` after everything else.
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
+
+
+class DamagedCheckpoint(ValueError):
+    """A file of a checkpoint is missing or does not read; the message names the checkpoint and the file."""
+
+    def __init__(self, checkpoint: Path, name: str, problem: str):
+        self.checkpoint, self.file, self.problem = Path(checkpoint), name, problem
+        super().__init__(f"checkpoint {checkpoint} is damaged: {name} {problem}")
+
+
+def read_tensors(checkpoint: Path, name: str) -> dict:
+    """The tensors of `checkpoint/name`; DamagedCheckpoint naming the file if it is missing, truncated or not a
+    safetensors file (safetensors' own error names neither)."""
+    path = Path(checkpoint) / name
+    if not path.is_file():
+        raise DamagedCheckpoint(checkpoint, name, "is missing")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as err:
+        raise DamagedCheckpoint(checkpoint, name, f"does not read ({err})") from err
+
+
+def read_json(checkpoint: Path, name: str) -> dict:
+    """`checkpoint/name` parsed; DamagedCheckpoint naming the file if it is missing or not JSON."""
+    path = Path(checkpoint) / name
+    if not path.is_file():
+        raise DamagedCheckpoint(checkpoint, name, "is missing")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise DamagedCheckpoint(checkpoint, name, f"is not readable JSON ({err})") from err
 
 
 def optimizer_state_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
@@ -75,8 +107,8 @@ def scatter_optimizer_state(checkpoint: Path, model, optimizer: torch.optim.Opti
     )
 
     checkpoint = Path(checkpoint)
-    saved = optimizer_state_from_flat(load_file(checkpoint / "optimizer.safetensors"),
-                                      json.loads((checkpoint / STATE_FILE).read_text())["param_groups"])
+    saved = optimizer_state_from_flat(read_tensors(checkpoint, "optimizer.safetensors"),
+                                      read_json(checkpoint, STATE_FILE)["param_groups"])
     # The parameter names in the order torch numbers them, read off this (fresh) optimizer.
     current = get_optimizer_state_dict(model, optimizer)
     names = [name for group in current["param_groups"] for name in group["params"]]
@@ -149,9 +181,40 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in `output_dir`, or None: the one `--resume` continues from."""
+    """The newest complete checkpoint in `output_dir`, or None: the one `sft` / `dpo --resume` continue from."""
     checkpoints = list_checkpoints(output_dir)
     return checkpoints[-1] if checkpoints else None
+
+
+def checkpoint_folders(output_dir: str | os.PathLike) -> list[Path]:
+    """Every `checkpoint-<step>` folder in `output_dir`, complete or not, oldest first."""
+    root = Path(output_dir)
+    found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ())
+             if (m := CHECKPOINT_PATTERN.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def resume_checkpoint(output_dir: str | os.PathLike, which: str = "latest") -> Path:
+    """The checkpoint `train --resume [which]` continues from: "latest", the newest `checkpoint-<step>` folder
+    (complete or not: our saves are atomic, so a damaged one is refused by `read_checkpoint`, not skipped), or
+    "previous", the newest complete one before it (the fallback when the latest is damaged)."""
+    folders = checkpoint_folders(output_dir)
+    if not folders:
+        raise FileNotFoundError(f"--resume: no checkpoint-* folder in {output_dir}")
+    if which == "latest":
+        return folders[-1]
+    earlier = [folder for folder in folders[:-1] if is_complete_checkpoint(folder)]
+    if not earlier:
+        raise FileNotFoundError(f"--resume previous: no complete checkpoint before {folders[-1]}")
+    return earlier[-1]
+
+
+def previous_complete_checkpoint(checkpoint: Path) -> Path | None:
+    """The newest complete checkpoint older than `checkpoint` in its folder, or None."""
+    folders = checkpoint_folders(Path(checkpoint).parent)
+    step = int(CHECKPOINT_PATTERN.match(Path(checkpoint).name).group(1))
+    earlier = [f for f in folders if int(CHECKPOINT_PATTERN.match(f.name).group(1)) < step and is_complete_checkpoint(f)]
+    return earlier[-1] if earlier else None
 
 
 def atomic_directory_write(target: Path, write) -> None:
@@ -251,21 +314,41 @@ def save_rank_rng(checkpoint: Path, rank: int, rng: tuple[dict, dict] | None = N
     os.replace(meta_tmp, checkpoint / f"rng_rank{rank}.json")
 
 
-def load_checkpoint(checkpoint: Path, model, optimizer, scheduler, rank: int = 0, restore_rng: bool = True,
-                    num_processes: int | None = None) -> dict:
-    """Restore weights, optimizer (unless None: a sharded one loads later, `scatter_optimizer_state`), scheduler and
-    (`restore_rng`) this rank's RNG; return the trainer state. `num_processes`: refuse a checkpoint written by
-    another number of processes."""
+def read_checkpoint(checkpoint: Path, rank: int = 0, num_processes: int | None = None) -> tuple[dict, dict, dict]:
+    """Read every file a resume of rank `rank` needs, before anything is loaded into the model: (trainer state,
+    weights, optimizer tensors). DamagedCheckpoint names the first file that is missing, truncated or unreadable;
+    `num_processes`: ValueError for a checkpoint written by another number of processes."""
     checkpoint = Path(checkpoint)
-    state = json.loads((checkpoint / STATE_FILE).read_text())
+    state = read_json(checkpoint, STATE_FILE)
+    missing = [key for key in ("step", "param_groups", "scheduler", "rng") if key not in state]
+    if missing:
+        raise DamagedCheckpoint(checkpoint, STATE_FILE, f"has no {', '.join(missing)} entry")
     written_by = state.get("num_processes", 1)
     if num_processes is not None and num_processes != written_by:
         # The data order and the per-rank RNG streams are both functions of the number of processes.
         raise ValueError(f"{checkpoint} was written by {written_by} process(es); resume it with {written_by}, "
                          f"not {num_processes}")
+    index = checkpoint / "model.safetensors.index.json"
+    if index.is_file():  # sharded weights: every shard the index names
+        shards = sorted(set(read_json(checkpoint, index.name).get("weight_map", {}).values()))
+    else:
+        shards = ["model.safetensors"]
     weights = {}
-    for shard in sorted(checkpoint.glob("model*.safetensors")):
-        weights.update(load_file(shard))
+    for shard in shards:
+        weights.update(read_tensors(checkpoint, shard))
+    optimizer_tensors = read_tensors(checkpoint, "optimizer.safetensors")
+    read_rank_rng(checkpoint, rank, state)  # read now, restored after `prepare`: a bad one fails before any work
+    return state, weights, optimizer_tensors
+
+
+def load_checkpoint(checkpoint: Path, model, optimizer, scheduler, rank: int = 0, restore_rng: bool = True,
+                    num_processes: int | None = None) -> dict:
+    """Restore weights, optimizer (unless None: a sharded one loads later, `scatter_optimizer_state`), scheduler and
+    (`restore_rng`) this rank's RNG; return the trainer state. Every file is read first (`read_checkpoint`), so a
+    damaged checkpoint is refused, naming the file, before the model changes. `num_processes`: refuse a checkpoint
+    written by another number of processes."""
+    checkpoint = Path(checkpoint)
+    state, weights, optimizer_tensors = read_checkpoint(checkpoint, rank, num_processes)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     # Tied weights are stored once; anything else missing means a different architecture.
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
@@ -276,26 +359,37 @@ def load_checkpoint(checkpoint: Path, model, optimizer, scheduler, rank: int = 0
     if "lm_head.weight" in missing and getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     if optimizer is not None:
-        optimizer.load_state_dict(optimizer_state_from_flat(load_file(checkpoint / "optimizer.safetensors"),
-                                                            state["param_groups"]))
+        optimizer.load_state_dict(optimizer_state_from_flat(optimizer_tensors, state["param_groups"]))
     scheduler.load_state_dict(state["scheduler"])
     if restore_rng:
         load_rank_rng(checkpoint, rank)
     return state
 
 
-def load_rank_rng(checkpoint: Path, rank: int = 0) -> None:
-    """Set this process's RNG to rank `rank`'s state in `checkpoint`; a missing one is an error, not a
-    silent skip (the run would go on, just not the same run)."""
+def read_rank_rng(checkpoint: Path, rank: int = 0, state: dict | None = None) -> tuple[dict, dict]:
+    """Rank `rank`'s RNG state in `checkpoint` (tensors, meta); a missing or unreadable one is DamagedCheckpoint,
+    not a silent skip (the run would go on, just not the same run). `state`: the trainer state, if already read."""
     checkpoint = Path(checkpoint)
-    rng_file = checkpoint / f"rng_rank{rank}.safetensors"
-    if not rng_file.is_file():
-        raise FileNotFoundError(f"{checkpoint} has no RNG state for rank {rank} ({rng_file.name})")
+    name = f"rng_rank{rank}.safetensors"
+    if not (checkpoint / name).is_file():
+        raise DamagedCheckpoint(checkpoint, name, f"is missing (no RNG state for rank {rank})")
+    tensors = read_tensors(checkpoint, name)
     if rank == 0:
-        meta = json.loads((checkpoint / STATE_FILE).read_text())["rng"]["0"]
+        meta = (state or read_json(checkpoint, STATE_FILE)).get("rng", {}).get("0")
+        if meta is None:
+            raise DamagedCheckpoint(checkpoint, STATE_FILE, "has no RNG state for rank 0")
     else:
-        meta = json.loads((checkpoint / f"rng_rank{rank}.json").read_text())
-    restore_rng_state(load_file(rng_file), meta)
+        meta = read_json(checkpoint, f"rng_rank{rank}.json")
+    return tensors, meta
+
+
+def load_rank_rng(checkpoint: Path, rank: int = 0) -> None:
+    """Set this process's RNG to rank `rank`'s state in `checkpoint` (`read_rank_rng`)."""
+    tensors, meta = read_rank_rng(checkpoint, rank)
+    try:
+        restore_rng_state(tensors, meta)
+    except (KeyError, ValueError, TypeError, RuntimeError) as err:
+        raise DamagedCheckpoint(checkpoint, f"rng_rank{rank}.safetensors", f"holds no usable RNG state ({err})") from err
 
 
 def _json_default(value):

@@ -35,11 +35,13 @@ from ..families import build_model
 from ..modeling.modeling_backbone import training_hooks
 from ..presets import get_preset
 from .checkpoint import (
+    DamagedCheckpoint,
     capture_rng_state,
     gather_optimizer_state,
-    latest_checkpoint,
     load_checkpoint,
     load_rank_rng,
+    previous_complete_checkpoint,
+    resume_checkpoint,
     save_checkpoint,
     save_tokenizer,
     scatter_optimizer_state,
@@ -64,6 +66,8 @@ class TrainConfig:
     max_steps: optimizer steps; the learning-rate schedule spans exactly this many.
     stop_at_step: stop early after this step (checkpoint written) as if interrupted;
         continue later with `resume=True`. The schedule still spans `max_steps`.
+    resume: False (a fresh run), True or "latest" (continue from the newest `checkpoint-<step>`; a damaged one is
+        refused, naming the file), or "previous" (from the newest complete checkpoint before it: the fallback).
     batch_size: sequences per device per micro-step; grad_accum: micro-steps per optimizer
         step; the global batch is batch_size × grad_accum × number of processes.
     seq_len: packed sequence length in tokens.
@@ -119,7 +123,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     seed: int = 0
-    resume: bool = False
+    resume: bool | str = False
     corpus: str | None = None
     train_files: list[str] | None = None
     validation_files: list[str] | None = None
@@ -153,6 +157,8 @@ class TrainConfig:
         for name in ("eval_every", "keep_checkpoints", "grad_clip"):
             if getattr(cfg, name) < 0:
                 raise ValueError(f"{name} must be at least 0, got {getattr(cfg, name)}")
+        if cfg.resume not in (False, True, "latest", "previous"):
+            raise ValueError(f"resume must be False, True, 'latest' or 'previous', got {cfg.resume!r}")
         if cfg.learning_rate <= 0:
             raise ValueError(f"learning_rate must be positive, got {cfg.learning_rate}")
         if cfg.schedule not in ("cosine", "wsd"):
@@ -392,11 +398,18 @@ def resume(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, schedul
     step), or (None, 0) for a fresh run. The RNG is restored by the caller, after `prepare`."""
     if not cfg.resume:
         return None, 0
-    checkpoint = latest_checkpoint(cfg.output_dir)
-    if checkpoint is None:
-        raise FileNotFoundError(f"--resume: no checkpoint-* folder in {cfg.output_dir}")
-    state = load_checkpoint(checkpoint, model, None if is_sharded(accelerator) else optimizer, scheduler,
-                            rank=accelerator.process_index, restore_rng=False, num_processes=accelerator.num_processes)
+    which = "latest" if cfg.resume is True else cfg.resume
+    checkpoint = resume_checkpoint(cfg.output_dir, which)
+    try:
+        state = load_checkpoint(checkpoint, model, None if is_sharded(accelerator) else optimizer, scheduler,
+                                rank=accelerator.process_index, restore_rng=False,
+                                num_processes=accelerator.num_processes)
+    except DamagedCheckpoint as err:
+        # Say how to go on: the fallback is asked for, never taken silently (it repeats the steps since then).
+        previous = previous_complete_checkpoint(checkpoint)
+        hint = ("no earlier complete checkpoint to fall back to" if previous is None else
+                f"to continue from {previous.name}, the complete checkpoint before it, rerun with --resume previous")
+        raise DamagedCheckpoint(err.checkpoint, err.file, f"{err.problem}; {hint}") from err
     if isinstance(train_rows, StreamingRows):
         if "data_streams" not in state:
             raise ValueError(f"{checkpoint} has no streaming position: it was not written by a --dataset run")

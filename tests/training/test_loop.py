@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from hf_latentlm.families import FAMILIES, build_model
 from hf_latentlm.training import loop
-from hf_latentlm.training.checkpoint import latest_checkpoint, list_checkpoints
+from hf_latentlm.training.checkpoint import DamagedCheckpoint, latest_checkpoint, list_checkpoints
 from hf_latentlm.training.loop import TrainConfig, lr_multiplier, sample_indices, train
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
@@ -165,7 +165,7 @@ def test_resume_refuses_another_number_of_processes(tmp_path, tokenizer, tiny_ro
 def test_resume_refuses_a_checkpoint_without_this_ranks_rng(tmp_path, tokenizer, tiny_rows):
     run(tiny_config(tmp_path, max_steps=2, stop_at_step=1, eval_every=0), tokenizer, tiny_rows)
     (latest_checkpoint(tmp_path) / "rng_rank0.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="no RNG state for rank 0"):
+    with pytest.raises(DamagedCheckpoint, match=r"rng_rank0.safetensors is missing \(no RNG state for rank 0\)"):
         run(tiny_config(tmp_path, max_steps=2, eval_every=0, resume=True), tokenizer, tiny_rows)
 
 
