@@ -191,6 +191,45 @@ def test_alignment_loss_matches_a_hand_computation(trained_plm, tiny_rows, token
                                           + cfg.alignment_weight * out.alignment_loss * n) / (2 * n))
 
 
+def test_alignment_target_is_a_stop_gradient(tokenizer, tiny_rows):
+    """sg[encoder state] (Eq. 11): the gradient reaching the encoder's mid residual (layer L//2, the alignment
+    target) is the same with the alignment term (λ = 5) as without it (λ = 0), while the decoder's mid residual and
+    g_ψ do get the term's gradient. Eval mode: fixed auxiliary quantiles, so both passes see the same draws."""
+    model = tiny_plm(tokenizer).eval()
+    cfg = model.config
+    x = tiny_rows[:2, :16]
+    captured = {}
+
+    def capture(layer):
+        def hook(module, args):
+            tensor = args[0]
+            if tensor.requires_grad:
+                tensor.retain_grad()
+            captured.setdefault(layer, []).append(tensor)
+        return hook
+
+    hooks = [model.model.layers[i].post_attention_layernorm.register_forward_pre_hook(capture(i))
+             for i in (cfg.alignment_encoder_layer, cfg.alignment_decoder_layer)]
+    grads = {}
+    try:
+        for weight in (5.0, 0.0):
+            cfg.alignment_weight = weight
+            captured.clear()
+            model.zero_grad()
+            model(input_ids=x, labels=x).loss.backward()
+            encoder_mid = captured[cfg.alignment_encoder_layer][0]  # first call: the encoder pass
+            decoder_mid = captured[cfg.alignment_decoder_layer][-1]  # last call: the decoder pass
+            grads[weight] = (encoder_mid.grad.clone(), decoder_mid.grad.clone(), model.alignment_proj.weight.grad)
+    finally:
+        cfg.alignment_weight = 5.0
+        for h in hooks:
+            h.remove()
+    (enc_w, dec_w, proj_w), (enc_0, dec_0, proj_0) = grads[5.0], grads[0.0]
+    assert proj_0 is None and proj_w is not None and proj_w.abs().max() > 0
+    assert (dec_w - dec_0).abs().max() > 1e-3 * dec_0.abs().max()  # the term does have a gradient
+    torch.testing.assert_close(enc_w, enc_0, atol=1e-6 * float(enc_0.abs().max()), rtol=0)
+
+
 def test_zero_alignment_weight_skips_the_alignment(tokenizer, tiny_rows):
     model = tiny_plm(tokenizer, alignment_weight=0.0).train()
     out = model(input_ids=tiny_rows[:2, :16], labels=tiny_rows[:2, :16])
