@@ -415,8 +415,24 @@ def main(argv: list[str] | None = None) -> int:
         # One line, whatever the message: transformers' own messages span several.
         print(f"hf-latentlm {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: where the run stands, not a traceback; 130 is the shell's code for SIGINT
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank of a launch gets the signal; one line is enough
+            print(f"\nhf-latentlm {args.command}: interrupted{resume_hint(args)}", file=sys.stderr)
+        return 130
     finally:
         end_process_group()
+
+
+def resume_hint(args) -> str:
+    """For a command that writes resumable checkpoints: where the last complete one is and the flag that resumes."""
+    if args.command not in ("train", "sft", "dpo"):
+        return ""
+    from .training.checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(args.output_dir)
+    if checkpoint is None:
+        return f"; no checkpoint in {args.output_dir} yet, so nothing to resume: rerun the command to start over"
+    return f"; the last complete checkpoint is {checkpoint}: continue from it with the same command plus --resume"
 
 
 def end_process_group() -> None:

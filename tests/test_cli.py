@@ -370,3 +370,38 @@ def test_train_resume_from_a_damaged_checkpoint_is_one_line_and_previous_falls_b
     code, stdout, err = run_cli(*common, "--resume", "previous")
     assert code == 0, err
     assert f"resumed from {out / 'checkpoint-0000001'} at step 1" in stdout and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("saves_before", [2, 0])
+def test_ctrl_c_during_train_is_one_line_naming_the_checkpoint_and_the_resume_flag(tmp_path, run_cli, small_text,
+                                                                                    monkeypatch, saves_before):
+    """Ctrl-C (KeyboardInterrupt) at the step after `saves_before` checkpoints: exit 130, no traceback, and the last
+    line says where the run can go on from and with which flag."""
+    from hf_latentlm.training import loop
+
+    save, saved = loop._save, []
+
+    def save_until_interrupted(*args, **kwargs):
+        if len(saved) == saves_before:
+            raise KeyboardInterrupt
+        saved.append(save(*args, **kwargs))
+        return saved[-1]
+
+    monkeypatch.setattr(loop, "_save", save_until_interrupted)
+    out = tmp_path / "ar"
+    common = ["train", "--family", "ar", "--preset", "tiny", "--output-dir", str(out), "--max-steps", "3",
+              "--save-every", "1", "--eval-every", "0", "--batch-size", "2", "--no-sample", "--train-file",
+              str(small_text)]
+    code, stdout, err = run_cli(*common)
+    assert code == 130 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    if saves_before:
+        assert last == (f"hf-latentlm train: interrupted; the last complete checkpoint is {out / 'checkpoint-0000002'}:"
+                        f" continue from it with the same command plus --resume")
+        monkeypatch.setattr(loop, "_save", save)
+        code, stdout, err = run_cli(*common, "--resume")
+        assert code == 0 and f"resumed from {out / 'checkpoint-0000002'} at step 2" in stdout, err
+    else:
+        assert last == (f"hf-latentlm train: interrupted; no checkpoint in {out} yet, so nothing to resume: rerun the "
+                        f"command to start over")
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp")]

@@ -213,18 +213,25 @@ def previous_complete_checkpoint(checkpoint: Path) -> Path | None:
     """The newest complete checkpoint older than `checkpoint` in its folder, or None."""
     folders = checkpoint_folders(Path(checkpoint).parent)
     step = int(CHECKPOINT_PATTERN.match(Path(checkpoint).name).group(1))
-    earlier = [f for f in folders if int(CHECKPOINT_PATTERN.match(f.name).group(1)) < step and is_complete_checkpoint(f)]
+    earlier = [folder for folder in folders
+               if int(CHECKPOINT_PATTERN.match(folder.name).group(1)) < step and is_complete_checkpoint(folder)]
     return earlier[-1] if earlier else None
 
 
 def atomic_directory_write(target: Path, write) -> None:
-    """Call `write(tmp_dir)` then move `tmp_dir` to `target`, replacing an older `target`."""
+    """Call `write(tmp_dir)` then move `tmp_dir` to `target`, replacing an older `target`. An interrupted write
+    (Ctrl-C, an error) removes its temporary folder; one a killed process left is removed by the next write of the
+    same target."""
     target = Path(target)
+    for stale in target.parent.glob(f".tmp-{target.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = target.parent / f".tmp-{target.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if target.exists():
         old = target.parent / f".old-{target.name}-{os.getpid()}"
         os.replace(target, old)
@@ -389,7 +396,8 @@ def load_rank_rng(checkpoint: Path, rank: int = 0) -> None:
     try:
         restore_rng_state(tensors, meta)
     except (KeyError, ValueError, TypeError, RuntimeError) as err:
-        raise DamagedCheckpoint(checkpoint, f"rng_rank{rank}.safetensors", f"holds no usable RNG state ({err})") from err
+        raise DamagedCheckpoint(checkpoint, f"rng_rank{rank}.safetensors",
+                                f"holds no usable RNG state ({err})") from err
 
 
 def _json_default(value):

@@ -437,52 +437,55 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
     max_grad_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     hooks = training_hooks(accelerator.unwrap_model(model))
 
-    for step in range(start_step, end_step):
-        losses: dict[str, torch.Tensor] = {}  # loss and its parts, averaged over micro-steps, on the device
-        for micro in range(cfg.grad_accum):
-            if isinstance(train_rows, StreamingRows):
-                rows = train_rows.take(cfg.batch_size).to(accelerator.device)
-            else:
-                rows = train_rows[sample_indices(step, micro, rank, world, cfg, len(train_rows))].to(accelerator.device)
-            sync = nullcontext() if micro == cfg.grad_accum - 1 else accelerator.no_sync(model)
-            with sync, accelerator.autocast():
-                output = model(input_ids=rows, labels=rows)
-                accelerator.backward(output.loss / cfg.grad_accum)
-            for key, value in step_losses(output).items():
-                losses[key] = losses.get(key, 0.0) + value / cfg.grad_accum
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        hooks.on_optimizer_step()  # a model's own per-step state (AURORA's EMA copy and step count)
-        window_tokens += tokens_per_step
-        done = step + 1
+    try:  # the bar is closed however the loop ends, so that a Ctrl-C message after it starts its own line
+        for step in range(start_step, end_step):
+            losses: dict[str, torch.Tensor] = {}  # loss and its parts, averaged over micro-steps, on the device
+            for micro in range(cfg.grad_accum):
+                if isinstance(train_rows, StreamingRows):
+                    rows = train_rows.take(cfg.batch_size).to(accelerator.device)
+                else:
+                    indices = sample_indices(step, micro, rank, world, cfg, len(train_rows))
+                    rows = train_rows[indices].to(accelerator.device)
+                sync = nullcontext() if micro == cfg.grad_accum - 1 else accelerator.no_sync(model)
+                with sync, accelerator.autocast():
+                    output = model(input_ids=rows, labels=rows)
+                    accelerator.backward(output.loss / cfg.grad_accum)
+                for key, value in step_losses(output).items():
+                    losses[key] = losses.get(key, 0.0) + value / cfg.grad_accum
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            hooks.on_optimizer_step()  # a model's own per-step state (AURORA's EMA copy and step count)
+            window_tokens += tokens_per_step
+            done = step + 1
 
-        log_now = done % cfg.log_every == 0 or done == end_step
-        last = {"step": done}
-        if log_now or on_step is not None:
-            # The step's only device-to-host copy; without on_step it happens on log steps only.
-            values = to_floats({**losses, "grad_norm": grad_norm})
-            grad_norm_value = values.pop("grad_norm")
-            last.update(values, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm_value)
-        if log_now:
-            elapsed = time.perf_counter() - window_start
-            last["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
-            last["tokens"] = done * tokens_per_step  # training tokens so far (all processes): the report's record
-            window_start, window_tokens = time.perf_counter(), 0
-            _append_jsonl(metrics_path, last, accelerator)
-            bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
-        if val_rows is not None and cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == end_step):
-            last["val_loss"] = evaluate_loss(model, val_rows, cfg.batch_size, accelerator)
-            _append_jsonl(metrics_path, {"step": done, "val_loss": last["val_loss"]}, accelerator)
-            if accelerator.is_main_process:
-                bar.write(f"step {done}: val_loss {last['val_loss']:.4f}")
-        if done % cfg.save_every == 0 or done == end_step:
-            _save(accelerator, output_dir, done, model, tokenizer, optimizer, scheduler, cfg, train_rows)
-        if on_step is not None:
-            on_step(done, last)
-        bar.update(1)
-    bar.close()
+            log_now = done % cfg.log_every == 0 or done == end_step
+            last = {"step": done}
+            if log_now or on_step is not None:
+                # The step's only device-to-host copy; without on_step it happens on log steps only.
+                values = to_floats({**losses, "grad_norm": grad_norm})
+                grad_norm_value = values.pop("grad_norm")
+                last.update(values, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm_value)
+            if log_now:
+                elapsed = time.perf_counter() - window_start
+                last["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
+                last["tokens"] = done * tokens_per_step  # training tokens so far, all processes (the report's)
+                window_start, window_tokens = time.perf_counter(), 0
+                _append_jsonl(metrics_path, last, accelerator)
+                bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+            if val_rows is not None and cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == end_step):
+                last["val_loss"] = evaluate_loss(model, val_rows, cfg.batch_size, accelerator)
+                _append_jsonl(metrics_path, {"step": done, "val_loss": last["val_loss"]}, accelerator)
+                if accelerator.is_main_process:
+                    bar.write(f"step {done}: val_loss {last['val_loss']:.4f}")
+            if done % cfg.save_every == 0 or done == end_step:
+                _save(accelerator, output_dir, done, model, tokenizer, optimizer, scheduler, cfg, train_rows)
+            if on_step is not None:
+                on_step(done, last)
+            bar.update(1)
+    finally:
+        bar.close()
 
     if end_step == cfg.max_steps:
         state_dict = gathered_state_dict(accelerator, model) if is_sharded(accelerator) else None  # every rank gathers
