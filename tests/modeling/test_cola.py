@@ -443,6 +443,53 @@ def test_reference_kl_is_zero_at_init_and_grows_when_the_encoder_moves():
     assert model(input_ids=ids, labels=ids).reference_kl > 1e-3
 
 
+def test_gaussian_kl_against_torch_distributions_and_its_gradient():
+    """KL(N(μ, σ²) ‖ N(μ_ref, σ_ref²)) summed over channels, away from N(0, I) on both sides (per-channel reference
+    means and scales, a scalar σ ≠ 1): the value is torch.distributions' and the gradients are the closed forms
+    ∂/∂μ = (μ − μ_ref)/σ_ref² and ∂/∂σ = Σ (σ/σ_ref² − 1/σ)."""
+    from hf_latentlm.modeling.modeling_cola import gaussian_kl
+
+    generator = torch.Generator().manual_seed(0)
+    mean = torch.randn(2, 3, D_Z, generator=generator, dtype=torch.float64).requires_grad_()
+    std = torch.tensor(0.6, dtype=torch.float64, requires_grad=True)
+    ref_mean = torch.randn(2, 3, D_Z, generator=generator, dtype=torch.float64) + 0.5
+    ref_std = torch.linspace(0.4, 1.7, D_Z, dtype=torch.float64)
+    kl = gaussian_kl(mean, std, ref_mean, ref_std)
+    expected = torch.distributions.kl_divergence(torch.distributions.Normal(mean, std.expand_as(mean)),
+                                                 torch.distributions.Normal(ref_mean, ref_std)).sum(-1)
+    torch.testing.assert_close(kl, expected)
+    grad_mean, grad_std = torch.autograd.grad(kl.sum(), (mean, std))
+    torch.testing.assert_close(grad_mean, (mean - ref_mean).detach() / ref_std**2)
+    torch.testing.assert_close(grad_std, (std / ref_std**2 - 1 / std).detach().expand_as(mean).sum())
+
+
+def test_reference_kl_is_kl_of_the_current_posterior_from_the_reference_one():
+    """The objective's reference_kl is the mean over scored positions of KL(q_φ ‖ q_φref) (this direction: the
+    reverse differs here by more than the tolerance), computed by hand from both encoders' means and σ's after
+    the current encoder's weights and logSNR moved; its gradient reaches the current encoder's logSNR."""
+    model = make_cola(vae=make_vae(mask_loss_weight=0.0), flow_matching_weight=0.0, vae_loss_weight=0.0,
+                      reference_kl_weight=1.0).train()
+    vae = model.model.vae
+    with torch.no_grad():
+        vae.encoder.layers[0].mlp.up_proj.weight.mul_(3.0)
+        vae.encoder.logsnr.value.add_(0.8)
+    ids = tokens(2, 8, seed=4)
+    out = model(input_ids=ids, labels=ids)
+    with torch.no_grad():
+        q = torch.distributions.Normal(vae.encoder(ids).double(), float(vae.encoder.posterior_std()))
+        ref = torch.distributions.Normal(model.reference_encoder(ids).double(),
+                                         float(model.reference_encoder.posterior_std()))
+    forward = torch.distributions.kl_divergence(q, ref).sum(-1).mean()
+    reverse = torch.distributions.kl_divergence(ref, q).sum(-1).mean()
+    assert abs(float(forward - reverse)) > 0.05 * float(forward)
+    assert float(out.reference_kl) == pytest.approx(float(forward), rel=1e-4)
+    out.loss.backward()
+    # ∂KL/∂logSNR: σ² = e^{−logSNR} ⇒ ∂/∂logSNR Σ_c ½(σ²/σ_ref² − log σ²) = ½·d_z·(1 − σ²/σ_ref²), averaged.
+    sigma2 = float(vae.encoder.posterior_std().detach()) ** 2
+    ref2 = float(model.reference_encoder.posterior_std()) ** 2
+    assert float(vae.encoder.logsnr.value.grad) == pytest.approx(0.5 * D_Z * (1 - sigma2 / ref2), rel=1e-4)
+
+
 def test_logged_parts_are_scalars_and_the_loss_is_their_weighted_sum():
     vae = make_vae(kl_weight=0.05, mask_loss_weight=0.5, mask_prob=0.3)
     model = make_cola(vae=vae, flow_matching_weight=0.7, vae_loss_weight=1.3, reference_kl_weight=0.4).train()
