@@ -187,8 +187,11 @@ def check_config_keys(spec, overrides: dict) -> None:
 
 
 def cmd_train(args) -> int:
+    from pathlib import Path
+
     from .data.generated import parse_corpus
-    from .training.loop import TrainConfig, train
+    from .presets import get_preset
+    from .training.config import TrainConfig  # no torch: every check up to check_config_keys answers in a second
 
     cfg = TrainConfig(
         family=args.family, preset=args.preset, output_dir=args.output_dir, max_steps=args.max_steps,
@@ -201,9 +204,14 @@ def cmd_train(args) -> int:
         model_kwargs=config_overrides(args.config),
     )
     spec = get_family(cfg.family)
+    get_preset(cfg.preset)
     check_components(cfg.family, cfg.components)
-    check_config_keys(spec, cfg.model_kwargs)
+    for name, folder in cfg.components.items():  # (the registry checks the folder's contents when it loads it)
+        if not Path(folder).is_dir():
+            raise FileNotFoundError(f"--{name} {folder!r} does not exist: not a saved {name} folder")
     cfg.resolved()  # fail on bad values before loading any data
+    check_config_keys(spec, cfg.model_kwargs)  # the config classes come with torch
+    from .training.loop import train
     if args.sample_prompt is None:
         args.sample_prompt = sample_prompt(cfg.corpus)
     metrics = train(cfg)
@@ -304,13 +312,15 @@ def cmd_generate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .eval.harness import evaluate_model
-    from .loading import load_model_and_tokenizer
+    from .folders import check_model_folder
 
     if args.num_positions < 1:
         raise ValueError(f"--num-positions must be at least 1, got {args.num_positions}")
+    check_model_folder(args.model, f"model folder {args.model!r}")
     from .data.generated import GeneratedLanguage
+    from .eval.harness import evaluate_model  # torch: after every argument check
     from .eval.optimum import optimum_headline
+    from .loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(args.model)
     language = GeneratedLanguage.from_folder(args.model)  # None unless it was trained on a generated language
@@ -324,11 +334,15 @@ def cmd_eval(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .eval.bench import bench_extras, benchmark_models, named_models, parse_sweeps, write_report
+    from .eval.arguments import named_models, parse_sweeps
+    from .presets import get_preset
 
     models = named_models(args.model)
     baseline = args.baseline or next(iter(models))
     sweeps = parse_sweeps(args.sweep, models)  # before the long run, not after it
+    get_preset(args.train_preset)
+    from .eval.bench import bench_extras, benchmark_models, write_report  # torch: after every argument check
+
     report = benchmark_models(models, baseline, args.num_positions, args.context_len,
                               max_new_tokens=args.max_new_tokens, repeats=args.repeats, mauve=args.mauve,
                               seed=args.seed)
@@ -343,8 +357,7 @@ def cmd_bench(args) -> int:
 def cmd_report(args) -> int:
     import shlex
 
-    from .eval.bench import named_models
-    from .eval.report import build_report, write_report
+    from .eval.arguments import named_models
 
     models = named_models(args.model)
     for option in ("num_positions", "max_new_tokens", "repeats", "context_len"):
@@ -352,6 +365,7 @@ def cmd_report(args) -> int:
             raise ValueError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
     if not args.no_mauve and args.mauve_samples < 10:
         raise ValueError(f"--mauve-samples must be at least 10 (MAUVE's minimum), got {args.mauve_samples}")
+    from .eval.report import build_report, write_report  # torch: after every argument check
     # The command as run, every option spelled out, so that report.md says exactly how to rerun it.
     options = [*(("--model", m) for m in args.model), ("--output", args.output),
                ("--num-positions", args.num_positions), ("--context-len", args.context_len),
@@ -368,7 +382,8 @@ def cmd_report(args) -> int:
 
 def cmd_post_train(args) -> int:
     """`sft` and `dpo`: TRL's stock trainers for the AR baseline, the hf_latentlm subclasses for the other families."""
-    from .recipes import run_dpo, run_sft
+    from .folders import check_model_folder
+    from .training.tasks import TASKS
 
     for option in ("max_steps", "batch_size", "train_size", "save_every"):
         value = getattr(args, option)
@@ -376,6 +391,11 @@ def cmd_post_train(args) -> int:
             raise ValueError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
     if args.learning_rate is not None and args.learning_rate <= 0:
         raise ValueError(f"--learning-rate must be positive, got {args.learning_rate}")
+    if args.task is not None and args.task not in TASKS:
+        raise ValueError(f"unknown task {args.task!r}; known tasks: {', '.join(TASKS)}")
+    check_model_folder(args.model, f"model folder {args.model!r}")
+    from .recipes import run_dpo, run_sft  # torch: after every argument check
+
     run, options = run_sft, {}
     if args.command == "dpo":
         run, options = run_dpo, {"policy_rejections": args.policy_rejections}

@@ -20,15 +20,15 @@ def load_model_and_tokenizer(path: str, device: str | None = None, language_mode
     where the package is not installed. `language_model=False` also accepts components (families
     registered with `language_model=False`, loaded with `AutoModel`).
     """
+    folder = Path(path)
+    label = f"model folder {path!r}"
+    check_model_folder(folder, label)  # before the slow imports: a bad folder is refused in a second
+    check_tokenizer_files(folder, label)
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from . import modeling  # noqa: F401  (registers our classes before AutoConfig reads the folder)
     from .families import families_using, family_of_model_type
 
-    folder = Path(path)
-    label = f"model folder {path!r}"
-    check_model_folder(folder, label)
-    check_tokenizer_files(folder, label)
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
     except OSError as err:

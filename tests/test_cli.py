@@ -405,3 +405,55 @@ def test_ctrl_c_during_train_is_one_line_naming_the_checkpoint_and_the_resume_fl
         assert last == (f"hf-latentlm train: interrupted; no checkpoint in {out} yet, so nothing to resume: rerun the "
                         f"command to start over")
     assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp")]
+
+
+# One fresh interpreter runs every refused command line in turn and reports, after each, its exit status, stderr and
+# whether torch has been imported (once one case imports it, every later case shows it too: the first is the culprit).
+REFUSED_WITHOUT_TORCH = """
+import contextlib, io, json, sys
+from hf_latentlm.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exit:
+            code = exit.code
+    results.append({"argv": argv, "code": code, "err": err.getvalue(), "torch": "torch" in sys.modules})
+print(json.dumps(results))
+"""
+
+
+def test_argument_errors_of_every_command_answer_before_torch_is_imported(tmp_path):
+    import subprocess
+    import sys
+
+    missing = str(tmp_path / "missing")
+    cases = [
+        (["train", "--family", "rnn", "--output-dir", "x"], "unknown family 'rnn'"),
+        (["train", "--preset", "gigantic", "--output-dir", "x"], "unknown preset 'gigantic'"),
+        (["train", "--family", "cola", "--preset", "tiny", "--output-dir", "x"], "needs a trained vae"),
+        (["train", "--family", "aurora", "--output-dir", "x"], "needs a trained autoencoder"),
+        (["train", "--family", "calm", "--autoencoder", missing, "--output-dir", "x"], "does not exist"),
+        (["train", "--family", "ar", "--vae", missing, "--output-dir", "x"], "--vae only applies to --family cola"),
+        (["train", "--output-dir", "x", "--max-steps", "0"], "max_steps must be at least 1"),
+        (["train", "--output-dir", "x", "--config", "no-equals-sign"], "expected KEY=VALUE"),
+        (["generate", "--model", missing, "--prompt", "hi"], "does not exist"),
+        (["eval", "--model", missing], "does not exist"),
+        (["eval", "--model", missing, "--num-positions", "0"], "--num-positions must be at least 1"),
+        (["bench", "--model", "no-equals-sign"], "NAME=DIR"),
+        (["bench", "--model", "ar=x", "--sweep", "plm:k_pred=2"], "no model 'plm'"),
+        (["bench", "--model", "ar=x", "--train-preset", "huge"], "unknown preset 'huge'"),
+        (["report", "--model", "ar=x", "--repeats", "0"], "--repeats must be at least 1"),
+        (["sft", "--model", missing, "--output-dir", "x"], "does not exist"),
+        (["dpo", "--model", missing, "--output-dir", "x", "--task", "no-such-task"], "unknown task 'no-such-task'"),
+        (["sft", "--model", missing, "--output-dir", "x", "--max-steps", "0"], "--max-steps must be at least 1"),
+    ]
+    run = subprocess.run([sys.executable, "-c", REFUSED_WITHOUT_TORCH, json.dumps([argv for argv, _ in cases])],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for (argv, needle), result in zip(cases, json.loads(run.stdout)):
+        assert result["code"] == 2 and needle in result["err"], (argv, result["err"])
+        assert len(result["err"].strip().splitlines()) == 1, (argv, result["err"])
+        assert not result["torch"], f"{argv} imported torch before refusing"

@@ -30,24 +30,12 @@ from ..families import family_of_model_type
 from ..folders import check_model_folder
 from ..loading import load_model_and_tokenizer
 from ..presets import get_preset
+from .arguments import named_models, parse_sweeps  # noqa: F401  (their home before arguments.py)
 from .brier import evaluate_brier
 from .harness import check_evaluation_lengths, evaluate_model, nll_rows, split_stream
 from .optimum import evaluation_stream
 from .sampling import evaluation_windows
 from .speed import fresh_training_step_time, speed_versus_baseline
-
-
-def named_models(items: list[str]) -> dict[str, str]:
-    """`--model NAME=DIR` items -> {name: folder}, refused with one line when malformed or a name repeats."""
-    models = {}
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--model expects NAME=DIR, got {item!r}")
-        if name in models:
-            raise ValueError(f"model name {name!r} given twice")
-        models[name] = path
-    return models
 
 
 def benchmark_models(models: dict[str, str], baseline: str, num_positions: int = 20000, context_len: int = 128,
@@ -178,28 +166,6 @@ def write_report(report: dict, json_path: str | os.PathLike, markdown_path: str 
 # Extras: what one model does beyond the side-by-side table (`hf-latentlm bench --extras / --sweep / --train-steps /
 # --profile`), each model measured next to the baseline in the same process.
 # ====================================================================================================================
-
-def parse_sweeps(items: list[str], models: dict[str, str]) -> dict[str, dict[str, dict]]:
-    """`--sweep MODEL:KEY=V1,V2,...` items -> {model: {"KEY=V": {KEY: V}}}, each value read as JSON (a bare word as
-    text); refused with one line when malformed or naming a model not among `models`."""
-    sweeps = {}
-    for item in items:
-        model, sep, rest = item.partition(":")
-        key, eq, values = rest.partition("=")
-        if not (sep and eq and model and key and values):
-            raise ValueError(f"--sweep expects MODEL:KEY=V1,V2,..., got {item!r}")
-        if model not in models:
-            raise ValueError(f"--sweep {item!r}: no model {model!r} among {sorted(models)}")
-        sweeps.setdefault(model, {}).update({f"{key}={v}": {key: _json_or_text(v)} for v in values.split(",")})
-    return sweeps
-
-
-def _json_or_text(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
 
 def decoding_row(model, baseline, stream, prompts, options: dict, positions: int, new_tokens: int, repeats: int,
                  seed: int) -> dict:
