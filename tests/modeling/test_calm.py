@@ -124,6 +124,31 @@ def test_autoencoder_kl_matches_the_closed_form_away_from_the_prior(tokenizer, t
     assert out.posterior_std.item() == pytest.approx(log_std.exp().mean().item(), rel=1e-5)
 
 
+def test_autoencoder_kl_gradient_is_the_closed_form_and_zero_under_the_free_bits_floor(tokenizer, tiny_rows):
+    """Gradients, not only values: at μ = 1.5, log σ = −1 (KL 1.69 per dimension, above the 0.5 floor) on half the
+    dimensions and μ = 0.2, log σ = 0 (below it) on the other half, the KL's share of ∂loss/∂(posterior bias) —
+    the loss's gradient at kl_weight w minus at 0 — is w·μ and w·(σ² − 1) above the floor and exactly 0 below."""
+    ae = build_model("calm-ae", "tiny", tokenizer).eval()
+    latent, weight = ae.config.latent_size, 0.3
+    half = latent // 2
+    mean = torch.tensor([1.5] * half + [0.2] * (latent - half))
+    log_std = torch.tensor([-1.0] * half + [0.0] * (latent - half))
+    with torch.no_grad():
+        ae.to_posterior.weight.zero_()
+        ae.to_posterior.bias.copy_(torch.cat([mean, log_std]))
+    grads = {}
+    for w in (weight, 0.0):
+        ae.config.kl_weight = w
+        ae.zero_grad()
+        ae(tiny_rows[:2], labels=tiny_rows[:2]).loss.backward()
+        grads[w] = ae.to_posterior.bias.grad.clone()
+    kl_grad = (grads[weight] - grads[0.0]) / weight
+    above = torch.arange(latent) < half
+    expected_mean = torch.where(above, mean, 0.0)
+    expected_log_std = torch.where(above, log_std.exp().pow(2) - 1, 0.0)
+    torch.testing.assert_close(kl_grad, torch.cat([expected_mean, expected_log_std]), atol=2e-4, rtol=1e-3)
+
+
 def test_autoencoder_ignores_minus_100_labels_in_loss_and_accuracy(trained_autoencoder, tiny_rows):
     ae = CALMAutoencoder.from_pretrained(trained_autoencoder).eval()
     ids = tiny_rows[:2]
