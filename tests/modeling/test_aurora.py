@@ -7,6 +7,7 @@ one or two layers, vocabulary 96, blocks of 4)."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import latent_fixtures as lf
@@ -698,6 +699,31 @@ def test_self_conditioning_draft_is_the_first_passs_prediction(monkeypatch):
     assert len(spy.calls) == 1 and not spy.calls[0]["self_condition"].any()
 
 
+def test_denoising_targets_are_the_latents_standardised_with_the_stored_statistics(monkeypatch):
+    """Statistics far from (0, 1) per channel (means −2..2, variances 4..0.25): the clean stream the denoiser
+    receives in training is (z_enc − μ)/√(var + ε) of the frozen encoder's latents (hand formula, real positions),
+    and the denoising loss is measured against exactly that z, not the raw latents."""
+    model = make_aurora(self_condition_prob=0.0, consistency_warmup_steps=0, prompt_block_prob=0.0).train()
+    autoencoder = model.model.autoencoder
+    mean, var = torch.linspace(-2.0, 2.0, D), torch.linspace(0.25, 4.0, D).flip(0)
+    autoencoder.set_latent_statistics(torch.stack([mean - var.sqrt(), mean + var.sqrt()])[None])
+    torch.testing.assert_close(autoencoder.latent_mean, mean)
+    torch.testing.assert_close(autoencoder.latent_var, var)
+    spy = DenoiserSpy(monkeypatch, model.model.denoiser)
+    length = 10
+    ids = tokens(2, length, seed=6)
+    mask = torch.tensor([[1] * length, [1] * 7 + [0] * 3])
+    out = model(input_ids=ids, labels=ids, attention_mask=mask)
+    with torch.no_grad():
+        raw = autoencoder.encode(ids, mask)
+    z = (raw - mean) / torch.sqrt(var + autoencoder.config.statistics_eps)
+    call = spy.calls[0]
+    clean, x0 = call["latents"][:, :length], call["x0"][:, length:]
+    real = mask.bool()
+    torch.testing.assert_close(clean[real], z[real], atol=1e-5, rtol=1e-5)
+    assert float(out.denoising_loss) == pytest.approx(float(scored_mean((x0 - z).pow(2).mean(-1), real)), rel=1e-5)
+
+
 def test_denoising_loss_scores_only_labelled_real_positions(monkeypatch):
     """Replay from the main pass's inputs: mean over channels of (ẑ − z)², averaged over positions whose label is
     not −100 and that are not right padding (a Python loop); masking labels changes the loss; nothing scored gives
@@ -861,6 +887,34 @@ def test_sc_cfg_and_prompt_cfg_mix_their_branches_on_rows_with_history(generator
             assert torch.equal(uncond["draft"], aware["draft"])
             expected[0] = uncond["out"][0] + w * (z_sc[0] - uncond["out"][0])
         torch.testing.assert_close(out, (x - expected) / sigma, atol=1e-4, rtol=1e-4)
+
+
+def test_generate_standardises_the_prompt_and_unstandardises_before_decoding(generator_model):
+    """Per-channel statistics far from (0, 1) (means −2..2, variances 0.25..4): the denoiser receives the prompt's
+    clean history as (z − μ)/√(var + ε), and the decoder reads every generated block as x·√(var + ε) + μ of the
+    block the solver returned (hand formulas, per channel), and the history as the raw encoder latents."""
+    model = copy.deepcopy(generator_model)
+    autoencoder = model.model.autoencoder
+    eps = autoencoder.config.statistics_eps
+    mean, var = torch.linspace(-2.0, 2.0, D), torch.linspace(0.25, 4.0, D).flip(0)
+    with torch.no_grad():
+        autoencoder.latent_mean.copy_(mean)
+        autoencoder.latent_var.copy_(var)
+    prompt = tokens(1, 2 * Q, seed=40)
+    with torch.no_grad():
+        raw = autoencoder.encode(prompt)
+    solved, appended = [], []
+    denoise, append = model._denoise_block, model._append_to_prior
+    model._denoise_block = lambda *args: solved.append(denoise(*args)) or solved[-1]
+    model._append_to_prior = lambda latents, *args: appended.append(latents.clone()) or append(latents, *args)
+    with lf.first_inputs_recorded(autoencoder.decoder) as decoded:
+        model.generate(prompt, max_new_tokens=2 * Q, eos_token_id=None, num_inference_steps=2,
+                       self_condition_guidance=1.0, guidance_scale=1.0, noise_seeds=[0])
+    assert len(decoded) == 3 and len(solved) == 2
+    torch.testing.assert_close(appended[0], (raw - mean) / torch.sqrt(var + eps), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decoded[0], raw, atol=1e-4, rtol=1e-4)
+    for block, seen in zip(solved, decoded[1:]):
+        torch.testing.assert_close(seen, block.latents * torch.sqrt(var + eps) + mean, atol=1e-5, rtol=1e-5)
 
 
 def test_repaint_holds_the_prompt_latents_at_time_zero_in_every_call(generator_model, monkeypatch):
