@@ -341,6 +341,9 @@ def cmd_bench(args) -> int:
     baseline = args.baseline or next(iter(models))
     sweeps = parse_sweeps(args.sweep, models)  # before the long run, not after it
     get_preset(args.train_preset)
+    if baseline not in models:
+        raise ValueError(f"--baseline {baseline!r} is none of the models {sorted(models)}")
+    check_bench_baseline(baseline, models[baseline])
     from .eval.bench import bench_extras, benchmark_models, write_report  # torch: after every argument check
 
     report = benchmark_models(models, baseline, args.num_positions, args.context_len,
@@ -352,6 +355,20 @@ def cmd_bench(args) -> int:
                                         args.seed)
     print(write_report(report, args.output, args.markdown))
     return 0
+
+
+def check_bench_baseline(name: str, folder: str) -> None:
+    """ValueError unless `bench`'s baseline is an autoregressive model: its table divides every model by it
+    ("speed×AR"), so a latent model alone would print 1.00 against itself (the same refusal as `report`'s)."""
+    from .families import BASELINE_FAMILY, family_of_model_type
+    from .folders import check_model_folder
+
+    model_type = check_model_folder(folder, f"--model {name}={folder}")["model_type"]
+    spec = family_of_model_type(model_type)  # None: a model from outside the registry, e.g. the Llama baseline
+    if spec is not None and spec.name != BASELINE_FAMILY:
+        raise ValueError(f"bench divides every model by the AR baseline, and its baseline {name!r} is a {spec.name} "
+                         f"model: add --model {BASELINE_FAMILY}=DIR (a model of `train --family {BASELINE_FAMILY}`) "
+                         f"and --baseline {BASELINE_FAMILY}")
 
 
 def cmd_report(args) -> int:
@@ -382,7 +399,9 @@ def cmd_report(args) -> int:
 
 def cmd_post_train(args) -> int:
     """`sft` and `dpo`: TRL's stock trainers for the AR baseline, the hf_latentlm subclasses for the other families."""
-    from .folders import check_model_folder
+    from pathlib import Path
+
+    from .folders import POST_TRAINING_RECORD, check_model_folder
     from .training.tasks import TASKS
 
     for option in ("max_steps", "batch_size", "train_size", "save_every"):
@@ -394,6 +413,11 @@ def cmd_post_train(args) -> int:
     if args.task is not None and args.task not in TASKS:
         raise ValueError(f"unknown task {args.task!r}; known tasks: {', '.join(TASKS)}")
     check_model_folder(args.model, f"model folder {args.model!r}")
+    if args.command == "dpo" and not (Path(args.model) / POST_TRAINING_RECORD).is_file():
+        # `sft` writes that record; DPO's reference is the model itself, so a model that never learnt the task's
+        # answer format gives the preference loss little to work with. Allowed (a model may be tuned elsewhere).
+        print(f"hf-latentlm dpo: warning: {args.model} was not fine-tuned by `hf-latentlm sft` (no "
+              f"{POST_TRAINING_RECORD}); DPO is meant to start from an SFT model", file=sys.stderr)
     from .recipes import run_dpo, run_sft  # torch: after every argument check
 
     run, options = run_sft, {}
@@ -402,6 +426,8 @@ def cmd_post_train(args) -> int:
     summary = run(args.model, args.output_dir, task=args.task, max_steps=args.max_steps, lora=args.lora,
                   learning_rate=args.learning_rate, batch_size=args.batch_size, train_size=args.train_size,
                   seed=args.seed, save_every=args.save_every, resume=args.resume, **options)
+    if not summary.get("losses"):  # a run shorter than the Trainer's logging period logs none: no empty list
+        summary.pop("losses", None)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
     return 0

@@ -457,3 +457,17 @@ def test_argument_errors_of_every_command_answer_before_torch_is_imported(tmp_pa
         assert result["code"] == 2 and needle in result["err"], (argv, result["err"])
         assert len(result["err"].strip().splitlines()) == 1, (argv, result["err"])
         assert not result["torch"], f"{argv} imported torch before refusing"
+
+
+def test_bench_refuses_a_latent_baseline(tmp_path, run_cli, plm_folder):
+    """Its table divides every model by the baseline ("speed×AR"): a PLM alone would print 1.00 against itself. Refused before anything is measured, as `report` refuses a run without `ar=DIR`."""
+    output = ["--output", str(tmp_path / "b.json"), "--markdown", str(tmp_path / "b.md")]
+    code, stdout, err = run_cli("bench", "--model", f"plm={plm_folder}", *output)
+    assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
+    assert "its baseline 'plm' is a plm model: add --model ar=DIR" in err
+    code, _, err = run_cli("bench", "--model", f"plm={plm_folder}", "--model", f"other={plm_folder}", "--baseline",
+                           "other", *output)
+    assert code == 2 and "its baseline 'other' is a plm model" in err
+    code, _, err = run_cli("bench", "--model", f"plm={plm_folder}", "--baseline", "ar", *output)
+    assert code == 2 and "--baseline 'ar' is none of the models ['plm']" in err
+    assert not (tmp_path / "b.json").exists()

@@ -30,7 +30,7 @@ from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from ..data.generated import parse_corpus
-from ..families import build_model
+from ..families import FAMILIES, build_model
 from ..modeling.modeling_backbone import training_hooks
 from .checkpoint import (
     DamagedCheckpoint,
@@ -247,11 +247,32 @@ def build(cfg: TrainConfig, model, tokenizer):
     learning-rate schedule."""
     if model is None:  # components are checked (folder intact, type, weights) by the registry
         model = build_model(cfg.family, cfg.preset, tokenizer, **cfg.components, **cfg.model_kwargs)
+    check_row_length(model.config, cfg.seq_len, cfg.family)
     # Saved with the weights: evaluation refuses windows that reach past the positions the model was trained at.
     model.config.trained_seq_len = max(cfg.seq_len, getattr(model.config, "trained_seq_len", None) or 0)
     optimizer = make_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     return model, optimizer, scheduler
+
+
+def check_row_length(config, seq_len: int, family: str) -> None:
+    """ValueError unless a training row of `seq_len` tokens holds the family's unit of prediction: one block of
+    `block_size` tokens (PLM, Cola DLM, AURORA-LM; `vae_block_size` for Cola's VAE), whole chunks of `chunk_size` (CALM's autoencoder), two chunks
+    for CALM's energy loss (a chunk predicted from the one before). A shorter row would train on partial blocks
+    without a word."""
+    field = next((name for name in ("block_size", "vae_block_size") if isinstance(getattr(config, name, None), int)),
+                 None)
+    chunk = getattr(config, "chunk_size", None)
+    if field is not None and seq_len < getattr(config, field):
+        block = getattr(config, field)
+        raise ValueError(f"seq_len {seq_len} is shorter than one block of the {family} model ({field} {block}): "
+                         f"give --seq-len {block} or more, or a smaller --config {field}")
+    if isinstance(chunk, int):
+        spec = FAMILIES.get(family)
+        chunks = 2 if spec is None or spec.language_model else 1
+        if seq_len % chunk or seq_len < chunks * chunk:
+            raise ValueError(f"seq_len {seq_len} must be a multiple of the {family} model's chunk_size {chunk} and at "
+                             f"least {chunks * chunk} ({chunks} chunk{'s' if chunks > 1 else ''})")
 
 
 def is_sharded(accelerator: Accelerator) -> bool:

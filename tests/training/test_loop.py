@@ -334,3 +334,19 @@ def test_the_saved_model_records_the_longest_rows_it_was_trained_at(tmp_path, to
     train(dataclasses.replace(first, output_dir=str(tmp_path / "third"), seq_len=64), model=model, tokenizer=tokenizer,
           train_rows=tiny_rows[:8, :64])
     assert load_model_and_tokenizer(str(tmp_path / "third"))[0].config.trained_seq_len == 64
+
+
+@pytest.mark.parametrize("family,seq_len,message", [
+    ("plm", 3, "seq_len 3 is shorter than one block of the plm model (block_size 4)"),
+    ("cola-vae", 1, "seq_len 1 is shorter than one block of the cola-vae model (vae_block_size 2)"),
+    ("calm-ae", 6, "seq_len 6 must be a multiple of the calm-ae model's chunk_size 4 and at least 4 (1 chunk)"),
+    ("plm", 4, None), ("calm-ae", 8, None), ("ar", 3, None),
+])
+def test_rows_that_cannot_hold_one_block_or_chunk_are_refused(tmp_path, tokenizer, family, seq_len, message):
+    cfg = tiny_config(tmp_path, family=family, seq_len=seq_len).resolved()
+    if message is None:
+        assert loop.build(cfg, None, tokenizer)[0].config.trained_seq_len == seq_len
+    else:
+        with pytest.raises(ValueError) as refused:
+            loop.build(cfg, None, tokenizer)
+        assert message in str(refused.value)

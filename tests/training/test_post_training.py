@@ -977,7 +977,11 @@ def test_every_stored_auxiliary_lies_in_the_cell_of_its_observed_target(tmp_path
     assert drawn > 0, "some auxiliaries were drawn"
 
 
-def test_cli_sft_and_dpo_pass_save_every_and_resume(tmp_path, run_cli, monkeypatch):
+def test_cli_sft_and_dpo_pass_save_every_and_resume(tmp_path, run_cli, monkeypatch, plm_folder):
+    """...and print the run's summary without an empty `losses` (a run shorter than the logging period logs none);
+    `dpo` on a model `sft` did not write (no post_training.json) warns in one line, and goes on."""
+    import shutil
+
     from hf_latentlm import recipes
 
     calls = []
@@ -985,15 +989,24 @@ def test_cli_sft_and_dpo_pass_save_every_and_resume(tmp_path, run_cli, monkeypat
     def fake(kind):
         def run(model_dir, output_dir, **kwargs):
             calls.append((kind, kwargs))
-            return {"stage": kind, "steps": 0}
+            return {"stage": kind, "steps": 0, "losses": [] if kind == "sft" else [2.5]}
         return run
 
     monkeypatch.setattr(recipes, "run_sft", fake("sft"))
     monkeypatch.setattr(recipes, "run_dpo", fake("dpo"))
-    base = ["--model", str(tmp_path), "--output-dir", str(tmp_path / "out")]
-    assert run_cli("sft", *base)[0] == 0
-    assert run_cli("dpo", *base, "--save-every", "7", "--resume")[0] == 0
+    base = ["--model", str(plm_folder), "--output-dir", str(tmp_path / "out")]
+    code, out, err = run_cli("sft", *base)
+    assert code == 0 and json.loads(out) == {"stage": "sft", "steps": 0} and err == ""
+    code, out, err = run_cli("dpo", *base, "--save-every", "7", "--resume")
+    assert code == 0 and json.loads(out)["losses"] == [2.5]
+    assert err == (f"hf-latentlm dpo: warning: {plm_folder} was not fine-tuned by `hf-latentlm sft` (no "
+                   f"post_training.json); DPO is meant to start from an SFT model\n")
     assert [(k, kw["save_every"], kw["resume"]) for k, kw in calls] == [("sft", 100, False), ("dpo", 7, True)]
+    sft_output = tmp_path / "sft"  # what `sft` writes: the model and its record
+    shutil.copytree(plm_folder, sft_output)
+    (sft_output / "post_training.json").write_text(json.dumps({"stage": "sft"}))
+    code, _, err = run_cli("dpo", "--model", str(sft_output), "--output-dir", str(tmp_path / "out2"))
+    assert code == 0 and err == ""
     code, _, err = run_cli("sft", *base, "--save-every", "0")
     assert code == 2 and "--save-every must be at least 1" in err
 
