@@ -62,3 +62,18 @@ def test_summary_flags_intervals_containing_zero_and_undefined_score():
     assert "≈0" in headline(result)
     with pytest.raises(ValueError, match="no positions"):
         summarize_brier(torch.zeros(0, 4))
+
+
+def test_brierlm_is_the_geometric_mean_of_all_four_and_brierlm_2_of_the_first_two():
+    """Per-n means 0.5, 0.4, 0.2, 0.1 (all different, so a wrong n range or a wrong mean shows): BrierLM =
+    100·(0.5·0.4·0.2·0.1)^(1/4) and BrierLM-2 = 100·√(0.5·0.4), each inside its bootstrap interval."""
+    pattern = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0], [-1, 0, 0, 0],
+                            [0, 0, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+    terms = pattern.repeat(20, 1).double()
+    torch.testing.assert_close(terms.mean(0), torch.tensor([0.5, 0.4, 0.2, 0.1], dtype=torch.float64))
+    result = summarize_brier(terms, num_bootstrap=200)
+    assert result["brierlm"]["value"] == pytest.approx(100 * (0.5 * 0.4 * 0.2 * 0.1) ** 0.25)
+    assert result["brierlm_2"]["value"] == pytest.approx(100 * math.sqrt(0.5 * 0.4))
+    assert [result[f"brier_{n}"]["value"] for n in range(1, 5)] == pytest.approx([0.5, 0.4, 0.2, 0.1])
+    for name in ("brierlm", "brierlm_2", "brier_3"):
+        assert result[name]["ci_low"] <= result[name]["value"] <= result[name]["ci_high"]
