@@ -280,6 +280,33 @@ def check_inputs_embeds_are_token_embeddings(model, rows):
         model.base_model(input_ids=ids, inputs_embeds=embeds)
 
 
+def check_eval_loss_is_deterministic_and_per_row(model, rows):
+    """An eval-mode loss (Trainer's `eval_loss`, early stopping) is the same for the same batch, leaves the global
+    RNG alone, and a row's loss does not depend on the rest of the batch: the batch [a, b] (equal lengths, every
+    position scored) averages the losses of [a] and [b]. Training mode still draws afresh from the global RNG."""
+    a, b = rows[1600:1601, :32], rows[1601:1602, :32]
+    both = torch.cat([a, b])
+    assert not model.training
+    with torch.no_grad():
+        state = torch.get_rng_state()
+        first = model(input_ids=both, labels=both).loss
+        assert torch.equal(torch.get_rng_state(), state), "the eval loss drew from the global RNG"
+        again = model(input_ids=both, labels=both).loss
+        alone = [model(input_ids=x, labels=x).loss for x in (a, b)]
+        model.train()
+        try:
+            torch.manual_seed(0)
+            trained = [model(input_ids=both, labels=both).loss for _ in range(2)]
+            torch.manual_seed(0)
+            replayed = model(input_ids=both, labels=both).loss
+        finally:
+            model.eval()
+    assert torch.equal(first, again)
+    torch.testing.assert_close(first, (alone[0] + alone[1]) / 2, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(alone[0], alone[1])
+    assert not torch.equal(trained[0], trained[1]) and torch.equal(trained[0], replayed)
+
+
 def check_return_dict_false_gives_tuples(model, rows):
     ids = rows[1600:1602, :16]
     as_dict = model(input_ids=ids)

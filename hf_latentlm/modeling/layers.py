@@ -527,9 +527,32 @@ def dual_stream_mask(
     return mask[:, None]
 
 
+# Seed of the draws an eval-mode loss makes (`evaluation_generator`).
+EVALUATION_SEED = 0
+
+
+def evaluation_generator() -> torch.Generator:
+    """Where an eval-mode latent-family loss draws its noise, flow times and block conditions: a CPU generator with a
+    fixed seed, new at every call, so the same batch gives the same loss (Trainer's `eval_loss`, early stopping) and
+    the global RNG is left alone. Callers draw ONE row and expand it over the batch (`fixed_row_draw`), so a row's
+    loss does not depend on the rest of the batch, as PLM's fixed eval auxiliaries (`fixed_uniforms`)."""
+    return torch.Generator().manual_seed(EVALUATION_SEED)
+
+
+def fixed_row_draw(generator: torch.Generator, batch: int, shape: tuple[int, ...], device=None,
+                   dtype: torch.dtype = torch.float32, uniform: bool = False) -> torch.Tensor:
+    """Standard normal (or, with `uniform`, U[0, 1)) draws of one row's `shape` from `generator`, the same for every
+    one of `batch` rows: [batch, *shape]. Prefix-consistent: a longer row's first positions are a shorter row's."""
+    draw = (torch.rand if uniform else torch.randn)(shape, generator=generator, device=generator.device)
+    return draw.to(device=device, dtype=dtype).expand(batch, *shape)
+
+
 def draw_block_conditions(time_sampler, batch: int, length: int, block_size: int, prompt_block_prob: float,
-                          history_dropout: float, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          history_dropout: float, device=None,
+                          generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The random conditions of one dual-stream training pass of a block-causal denoiser (Cola DLM, AURORA-LM).
+    From the global RNG; with a `generator` (an eval-mode loss, `evaluation_generator`), one row's conditions drawn
+    from it, shared by every row.
 
     - times [B, length]: one flow time per (row, block) from `time_sampler.sample(shape, device=...)`, spread over
       the block's positions, and 0 on clean leading positions;
@@ -541,12 +564,16 @@ def draw_block_conditions(time_sampler, batch: int, length: int, block_size: int
     num_blocks = -(-length // block_size)
     block = torch.arange(length, device=device) // block_size
     offset = torch.arange(length, device=device) % block_size
-    times = time_sampler.sample((batch, num_blocks), device=device)[:, block]
-    prompt_block = torch.rand(batch, num_blocks, device=device) < prompt_block_prob
-    known_len = torch.randint(1, max(block_size, 2), (batch, num_blocks), device=device)
+    rows, draw_device = (batch, device) if generator is None else (1, generator.device)
+    draws = {"generator": generator, "device": draw_device}
+    times = time_sampler.sample((rows, num_blocks), **draws)
+    prompt_block = torch.rand(rows, num_blocks, **draws) < prompt_block_prob
+    known_len = torch.randint(1, max(block_size, 2), (rows, num_blocks), **draws)
+    history_visible = torch.rand(rows, num_blocks, **draws) >= history_dropout
+    times, prompt_block, known_len, history_visible = (
+        x.to(device).expand(batch, -1) for x in (times, prompt_block, known_len, history_visible))
     clean_lead = (prompt_block & (block_size > 1))[:, block] & (offset[None] < known_len[:, block])
-    times = torch.where(clean_lead, 0.0, times)
-    history_visible = torch.rand(batch, num_blocks, device=device) >= history_dropout
+    times = torch.where(clean_lead, 0.0, times[:, block])
     return times, clean_lead, history_visible
 
 

@@ -44,6 +44,8 @@ from .layers import (
     decoder_layers,
     draw_block_conditions,
     dual_stream_mask,
+    evaluation_generator,
+    fixed_row_draw,
     init_backbone_weights,
     make_padding_position_ids,
 )
@@ -662,17 +664,22 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentForCausalLM):
         `history_dropout`) and predicts z. With probability `self_condition_prob` per row, a first pass without
         gradient gives the draft the main pass sees (`self_condition_draft`). Consistency (`consistency_target`):
         the EMA copy's prediction one Euler step further down the sampling grid is the target of the online
-        prediction."""
+        prediction.
+
+        In eval mode the draws (σ, block conditions, ε) are one fixed row from `evaluation_generator`, shared by
+        every row, and nothing else is random (no draft, no consistency term): the same batch gives the same loss."""
         cfg = self.config
         check_block_training_rows(input_ids, attention_mask, "AURORA")
         batch, length = input_ids.shape
         scored = scored_positions(labels, attention_mask)
         z = self.latent_targets(input_ids, attention_mask)
         sampler = make_time_sampler(cfg.time_sampler, **cfg.time_sampler_kwargs())
+        generator = None if self.training else evaluation_generator()
         sigma, clean_lead, history_visible = draw_block_conditions(sampler, batch, length, cfg.block_size,
                                                                    cfg.prompt_block_prob, cfg.history_dropout,
-                                                                   input_ids.device)
-        stream = self.dual_stream_inputs(z, sigma, torch.randn_like(z), history_visible, attention_mask)
+                                                                   input_ids.device, generator)
+        noise = torch.randn_like(z) if generator is None else fixed_row_draw(generator, batch, z.shape[1:], z.device)
+        stream = self.dual_stream_inputs(z, sigma, noise, history_visible, attention_mask)
         draft = self.self_condition_draft(stream)
         x0 = self.predict_x0(stream.latents, stream.timesteps, stream.noisy, noisy_stream_draft(draft), stream.mask,
                              stream.positions)[:, length:]

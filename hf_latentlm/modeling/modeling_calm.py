@@ -48,6 +48,8 @@ from .layers import (
     SwiGLUMLP,
     causal_layout,
     decoder_layers,
+    evaluation_generator,
+    fixed_row_draw,
 )
 from .modeling_backbone import (
     BackbonePreTrainedModel,
@@ -591,10 +593,18 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         scored = (targets != -100).all(-1)
         if attention_mask is not None:
             scored &= attention_mask[:, cfg.chunk_size:].view_as(targets).bool().all(-1)
-        # Draws for every step (scored or not), from the global RNG.
-        target_noise = torch.randn(*scored.shape, cfg.num_target_samples, cfg.latent_size, device=hidden.device)
-        model_noise = torch.rand(*scored.shape, cfg.num_model_samples, cfg.noise_size, device=hidden.device,
-                                 dtype=hidden.dtype) - 0.5
+        # Draws for every step (scored or not): from the global RNG in training; in eval mode one fixed row from
+        # `evaluation_generator`, shared by every row, so the same batch gives the same loss.
+        batch, steps = scored.shape
+        target_shape = (steps, cfg.num_target_samples, cfg.latent_size)
+        model_shape = (steps, cfg.num_model_samples, cfg.noise_size)
+        if self.training:
+            target_noise = torch.randn(batch, *target_shape, device=hidden.device)
+            model_noise = torch.rand(batch, *model_shape, device=hidden.device, dtype=hidden.dtype) - 0.5
+        else:
+            generator = evaluation_generator()
+            target_noise = fixed_row_draw(generator, batch, target_shape, hidden.device)
+            model_noise = fixed_row_draw(generator, batch, model_shape, hidden.device, hidden.dtype, uniform=True) - 0.5
         loss, fidelity, diversity = self.masked_energy_loss(hidden, targets, scored, target_noise, model_noise)
         return CALMOutput(loss=loss, last_hidden_state=hidden, energy_fidelity=fidelity.detach(),
                           energy_diversity=diversity.detach(), context_spread=context_spread(hidden, scored),

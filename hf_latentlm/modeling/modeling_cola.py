@@ -39,6 +39,8 @@ from .layers import (
     dit_layers,
     draw_block_conditions,
     dual_stream_mask,
+    evaluation_generator,
+    fixed_row_draw,
     init_backbone_weights,
 )
 from .modeling_backbone import (
@@ -232,8 +234,9 @@ class ColaTextVAE(BackbonePreTrainedModel):
         return self.decoder(latents, attention_mask)
 
     def losses(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               sample_latent: bool = True) -> tuple[ColaVAEOutput, torch.Tensor]:
-        """The VAE objective on one batch, and the latents it decoded (sampled z with gradient, or μ).
+               sample_latent: bool = True, latent_noise: torch.Tensor | None = None) -> tuple[ColaVAEOutput, torch.Tensor]:
+        """The VAE objective on one batch, and the latents it decoded (sampled z = μ + σ·ε with gradient, ε the
+        given `latent_noise` or a fresh draw; or μ).
 
         Reconstruction: decode z from the clean input; KL(N(μ, σ²) ‖ N(0, I)); BERT-style: a second encoder pass
         with `mask_prob` of the scored inputs replaced by the mask embedding, whose latents must still decode to the
@@ -242,7 +245,7 @@ class ColaTextVAE(BackbonePreTrainedModel):
         scored = scored_positions(labels, attention_mask)
         mean = self.encoder(input_ids, attention_mask)
         std = self.encoder.posterior_std()
-        z = self.sample_latents(mean) if sample_latent else mean
+        z = self.sample_latents(mean, latent_noise) if sample_latent else mean
         logits = self.decoder(z, attention_mask)
         reconstruction = masked_cross_entropy(logits, labels, scored)
         zero = torch.zeros((), device=mean.device)
@@ -539,22 +542,28 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
         Flow matching runs every block at once over [clean stream ; noisy stream] (`dual_stream_mask`): block b's
         noisy copy z_t = (1 − t)·z_0 + t·ε, t drawn per (row, block), sees itself and the clean, detached blocks
         < b (none with probability `history_dropout`), and regresses the velocity ε − z_0. z_0 is the VAE's sampled
-        latent with gradient when the VAE trains, so the latent space co-adapts with the prior."""
+        latent with gradient when the VAE trains, so the latent space co-adapts with the prior.
+
+        In eval mode every draw (the latent's ε, times, block conditions, the flow's ε) is one fixed row from
+        `evaluation_generator`, shared by every row: the same batch gives the same loss."""
         cfg = self.config
         check_block_training_rows(input_ids, attention_mask, "Cola")
         batch, length = input_ids.shape
         vae = self.model.vae
+        generator = None if self.training else evaluation_generator()
+        latent_noise = None if generator is None else fixed_row_draw(generator, batch, (length, cfg.latent_size),
+                                                                     input_ids.device)
         parts = {}
         joint = self.trains_vae_now()
         if joint:
-            vae_out, z0 = vae.losses(input_ids, labels, attention_mask)
+            vae_out, z0 = vae.losses(input_ids, labels, attention_mask, latent_noise=latent_noise)
             parts.update(vae_loss=vae_out.loss, reconstruction_nll=vae_out.reconstruction_nll, kl=vae_out.kl,
                          mask_nll=vae_out.mask_nll)
             mean = vae_out.latent_mean
         else:
             with torch.no_grad():
                 mean = vae.encoder(input_ids, attention_mask)
-                z0 = vae.sample_latents(mean)
+                z0 = vae.sample_latents(mean, latent_noise)
         scored = scored_positions(labels, attention_mask)
         if self.reference_encoder is not None and joint:
             with torch.no_grad():
@@ -566,8 +575,8 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
         Q, device = cfg.block_size, input_ids.device
         sampler = make_time_sampler(cfg.time_sampler, **cfg.time_sampler_kwargs())
         t, clean_lead, history_visible = draw_block_conditions(sampler, batch, length, Q, cfg.prompt_block_prob,
-                                                               cfg.history_dropout, device)
-        noise = torch.randn_like(z0)
+                                                               cfg.history_dropout, device, generator)
+        noise = torch.randn_like(z0) if generator is None else fixed_row_draw(generator, batch, z0.shape[1:], device)
         error = self.flow_matching_error(z0, t, noise, history_visible, attention_mask)
         fm_scored = (scored & ~clean_lead).float()
         flow_matching = (error * fm_scored).sum() / fm_scored.sum().clamp(min=1)
