@@ -332,8 +332,8 @@ def push_model(folder: str | Path, repo_id: str, private: bool = False, revision
                datasets: list[str] | None = None) -> str:
     """Create `repo_id` (and branch `revision`) if needed and upload the model folder plus a model card in one
     commit; returns the commit URL. Everything that can be refused is refused before the first network call."""
-    from huggingface_hub import CommitOperationAdd, HfApi
-    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
+    from huggingface_hub import CommitOperationAdd, HfApi, constants, get_token
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
 
     folder = Path(folder)
     problem = repo_id_problem(repo_id)
@@ -343,6 +343,13 @@ def push_model(folder: str | Path, repo_id: str, private: bool = False, revision
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name))
                   for name in files_to_upload(folder)]
     operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(card).encode()))
+    # The two causes huggingface_hub reports only as a network error, named here before the first call.
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError("push needs the network, and offline mode is on (HF_HUB_OFFLINE=1): unset HF_HUB_OFFLINE "
+                         "to push")
+    if get_token() is None:
+        raise ValueError("push needs a Hugging Face token with write access, and none is set: run `hf auth login` "
+                         "or set HF_TOKEN")
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
@@ -352,4 +359,18 @@ def push_model(folder: str | Path, repo_id: str, private: bool = False, revision
                                  commit_message=commit_message or "Upload model with hf-latentlm push")
     except (HfHubHTTPError, LocalTokenNotFoundError) as err:  # the CLI prints ValueErrors as one line
         raise ValueError(f"the Hub refused the push to {repo_id}: {err}") from err
+    except OfflineModeIsEnabled as err:
+        raise ValueError(f"push needs the network, and offline mode is on: {err}") from err
+    except Exception as err:
+        if not is_network_error(err):
+            raise
+        raise ValueError(f"cannot reach the Hub at {api.endpoint} to push {repo_id} ({type(err).__name__}: {err}): "
+                         f"check the network (or HF_ENDPOINT)") from err
     return info.commit_url
+
+
+def is_network_error(err: Exception) -> bool:
+    """Whether `err` is a connection failure: an OSError, or a transport error of the HTTP client huggingface_hub
+    uses (httpx, vendored as `httpx2` in some versions: matched by name, not imported)."""
+    return isinstance(err, OSError) or any(cls.__name__ in ("TransportError", "ConnectError", "TimeoutException")
+                                           for cls in type(err).__mro__)

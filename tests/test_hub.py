@@ -309,3 +309,28 @@ def test_card_says_how_a_trained_folder_was_trained(tmp_path, run_cli):
     card = build_model_card(folder, "someone/ar-tiny")
     assert "`hf-latentlm train --family ar --preset tiny` for 2 steps on the Project Gutenberg" in card.text
     assert "on someone/verse" in build_model_card(folder, "someone/ar-tiny", datasets=["someone/verse"]).text
+
+
+@pytest.mark.parametrize("cause", ["offline", "no token", "no network"])
+def test_push_names_why_it_cannot_reach_the_hub_in_one_line(tmp_path, run_cli, tokenizer, monkeypatch, cause):
+    """Offline mode and a missing token, which huggingface_hub reports only as a network error (OfflineModeIsEnabled,
+    or a ConnectError that never mentions the token), are named; so is an unreachable endpoint."""
+    from huggingface_hub import constants
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    damage("plm")(folder, tokenizer, tmp_path)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: never the real Hub
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", cause == "offline")
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-file"))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(name, raising=False)
+    if cause == "no network":
+        monkeypatch.setenv("HF_TOKEN", "hf_dummy_token_for_tests")
+    code, stdout, err = run_cli("push", "--model", str(folder), "--repo-id", "someone/x")
+    assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    needle = {"offline": "offline mode is on (HF_HUB_OFFLINE=1): unset HF_HUB_OFFLINE to push",
+              "no token": "needs a Hugging Face token with write access, and none is set: run `hf auth login` or set "
+                          "HF_TOKEN",
+              "no network": "cannot reach the Hub at http://127.0.0.1:9 to push someone/x (ConnectError"}[cause]
+    assert needle in err, err
