@@ -210,6 +210,11 @@ class BackbonePreTrainedModel(PreTrainedModel, TrainingHooks):
     def check_vocab_resize(self, size: int) -> None:
         """Raise if resizing the vocabulary to `size` would leave the checkpoint inconsistent (default: any size)."""
 
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary size, as transformers' models expose it (read from the config, so a resize shows)."""
+        return self.config.vocab_size
+
     def get_input_embeddings(self):
         return self.base_model.embed_tokens
 

@@ -831,6 +831,7 @@ def test_resize_token_embeddings_keeps_every_vocabulary_piece_consistent(tmp_pat
     assert model.reference_encoder.embed_tokens.weight.shape[0] == padded
     assert not model.reference_encoder.embed_tokens.weight.requires_grad
     assert model.config.vocab_size == model.config.vae_config.vocab_size == vae.config.vocab_size == padded
+    assert model.vocab_size == model.model.vocab_size == padded  # transformers models' attribute
     torch.testing.assert_close(embedding.weight[:VOCAB], old_embedding)
     torch.testing.assert_close(vae.decoder.lm_head.weight[:VOCAB], old_head)
     torch.testing.assert_close(model.reference_encoder.embed_tokens.weight[:VOCAB], old_reference)
