@@ -215,6 +215,10 @@ class BackbonePreTrainedModel(PreTrainedModel, TrainingHooks):
         """The vocabulary size, as transformers' models expose it (read from the config, so a resize shows)."""
         return self.config.vocab_size
 
+    @vocab_size.setter
+    def vocab_size(self, value: int) -> None:  # transformers' resize sets it
+        self.config.vocab_size = value
+
     def get_input_embeddings(self):
         return self.base_model.embed_tokens
 
