@@ -413,6 +413,22 @@ def test_length_normalisation(tokenizer):
 # (7) SFT: the prompt is context only
 # ---------------------------------------------------------------------------------------------------------------------
 
+def test_sft_labels_mask_padding_and_everything_outside_the_completion():
+    """`response_labels` by hand on a batch whose labels still hold ids at the padding and the prompt: −100 where
+    attention_mask is 0 and where completion_mask is 0, the ids elsewhere; without a completion mask only the
+    padding goes, and without labels the input ids are the labels."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0], [5, 6, 7, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]])
+    completion = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0]])
+    labels = ids.clone()
+    out = LatentSFTTrainer.response_labels({"input_ids": ids, "attention_mask": mask, "completion_mask": completion,
+                                            "labels": labels})
+    assert out.tolist() == [[-100, -100, 7, 8, 9, -100], [-100, 6, 7, -100, -100, -100]]
+    assert torch.equal(labels, ids), "the batch's own labels are not modified"
+    padding_only = LatentSFTTrainer.response_labels({"input_ids": ids, "attention_mask": mask})
+    assert padding_only.tolist() == [[5, 6, 7, 8, 9, -100], [5, 6, 7, -100, -100, -100]]
+
+
 def test_sft_scores_response_tokens_only(tmp_path, tokenizer):
     model = build_tiny("plm", tokenizer)
     rows = toy_sft_rows(2)
