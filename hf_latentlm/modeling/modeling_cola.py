@@ -31,6 +31,7 @@ from .flow import FlowMatchEulerSampler, FlowMatchHeunSampler, TimestepEmbedding
 from .generation import BlockLatentGenerationOptions
 from .layers import (
     AttentionProbs,
+    DecoderBlock,
     DiTBlock,
     RMSNorm,
     RotaryEmbedding,
@@ -45,6 +46,7 @@ from .layers import (
 )
 from .modeling_backbone import (
     BackbonePreTrainedModel,
+    check_backbone_inputs,
     check_block_training_rows,
     check_forward_kwargs,
     masked_cross_entropy,
@@ -57,16 +59,21 @@ from .modeling_block_latent import BlockLatentForCausalLM, BlockLatentPreTrained
 class ColaVAEOutput(ModelOutput):
     """`loss` = reconstruction CE + kl_weight·KL + mask_loss_weight·masked CE. `logits` [B, T, V]: the decoding of
     the sampled latents (of the posterior mean in eval mode unless `sample_latent=True`). The 0-dim parts are
-    logged by the training loop; `token_accuracy` is that of `logits` on the scored tokens."""
+    logged by the training loop; `token_accuracy` is that of `logits` on the scored tokens. `last_hidden_state`
+    [B, T, hidden]: the encoder's final (normed) states, from which `latent_mean` is read; `hidden_states` /
+    `attentions`: the encoder blocks', when asked."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     latent_mean: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = None
     reconstruction_nll: torch.Tensor | None = None
     kl: torch.Tensor | None = None
     mask_nll: torch.Tensor | None = None
     token_accuracy: torch.Tensor | None = None
     logsnr: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
@@ -124,6 +131,11 @@ class ColaVAEEncoder(nn.Module):
         """input_ids [B, T] (or their token embeddings `inputs_embeds` [B, T, hidden]); attention_mask [B, cached + T]
         (left padding); masked [B, T] bool: positions whose input is the mask embedding; cache: keys of earlier
         tokens (written). Returns μ [B, T, d_z] in float32."""
+        return self.posterior_mean(self.states(input_ids, attention_mask, masked, cache, inputs_embeds))
+
+    def states(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
+               masked: torch.Tensor | None = None, cache=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The final normed states [B, T, hidden] that `forward` reads μ from (same arguments)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if masked is not None:
             x = torch.where(masked[..., None], self.mask_embedding.weight[0].to(x.dtype), x)
@@ -133,7 +145,10 @@ class ColaVAEEncoder(nn.Module):
         cos, sin = self.rotary(positions, dtype=x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache=cache)
-        mean = self.to_latent(self.norm(x)).float()
+        return self.norm(x)
+
+    def posterior_mean(self, states: torch.Tensor) -> torch.Tensor:
+        mean = self.to_latent(states).float()
         return F.layer_norm(mean, (mean.shape[-1],))  # no affine parameters: power ≈ 1 per channel (code)
 
     def posterior_std(self) -> torch.Tensor:
@@ -189,9 +204,11 @@ class ColaTextVAE(BackbonePreTrainedModel):
     base_model_prefix = "vae"
     main_input_name = "input_ids"
     _no_split_modules = ["DecoderBlock"]
-    # No output recording: the VAE is also a submodel of `ColaModel`, and transformers' recorder hooks of a submodel
-    # fire into the outer model's capture, which must hold the DiT's states only. Asking for them raises instead.
-    _can_record_outputs = None
+    # The encoder's blocks, as an encoder model's. The VAE is also a submodel of `ColaModel`, whose recorded states
+    # must be the DiT's only: a recorder hook fires into whichever capture is active, so the outer model reaches the
+    # VAE only through `encode`, a capture of its own that records nothing unless asked.
+    _can_record_outputs = {"hidden_states": OutputRecorder(DecoderBlock, layer_name="encoder.layers"),
+                           "attentions": OutputRecorder(AttentionProbs, layer_name="encoder.layers")}
     _can_compile_fullgraph = False  # the masked pass draws its mask inside forward
 
     def __init__(self, config: ColaVAEConfig):
@@ -221,9 +238,11 @@ class ColaTextVAE(BackbonePreTrainedModel):
     def set_output_embeddings(self, value):
         self.decoder.lm_head = value
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The posterior mean μ [B, T, d_z] (what inference uses)."""
-        return self.encoder(input_ids, attention_mask)
+    @capture_outputs
+    def encode(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None, cache=None,
+               inputs_embeds: torch.Tensor | None = None, masked: torch.Tensor | None = None) -> torch.Tensor:
+        """The posterior mean μ [B, T, d_z] (what inference uses) of the tokens (ids, or their embeddings)."""
+        return self.encoder(input_ids, attention_mask, masked=masked, cache=cache, inputs_embeds=inputs_embeds)
 
     def sample_latents(self, mean: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
         """z = μ + σ·ε (ε standard normal; drawn from the global RNG unless given)."""
@@ -243,7 +262,8 @@ class ColaTextVAE(BackbonePreTrainedModel):
         masked tokens (CE at the masked positions only; skipped outside training or when its weight is 0)."""
         cfg = self.config
         scored = scored_positions(labels, attention_mask)
-        mean = self.encoder(input_ids, attention_mask)
+        states = self.encoder.states(input_ids, attention_mask)
+        mean = self.encoder.posterior_mean(states)
         std = self.encoder.posterior_std()
         z = self.sample_latents(mean, latent_noise) if sample_latent else mean
         logits = self.decoder(z, attention_mask)
@@ -255,35 +275,36 @@ class ColaTextVAE(BackbonePreTrainedModel):
         mask_nll = None
         if self.training and cfg.mask_loss_weight > 0 and cfg.mask_prob > 0:
             masked = (torch.rand(scored.shape, device=scored.device) < cfg.mask_prob) & scored
-            masked_z = self.sample_latents(self.encoder(input_ids, attention_mask, masked=masked))
+            masked_z = self.sample_latents(self.encode(input_ids, attention_mask, masked=masked))  # not recorded
             mask_nll = masked_cross_entropy(self.decoder(masked_z, attention_mask), labels, masked)
             loss = loss + cfg.mask_loss_weight * mask_nll
         accuracy = ((logits.argmax(-1) == labels) & scored).sum() / scored.sum().clamp(min=1)
-        out = ColaVAEOutput(loss=loss, logits=logits, latent_mean=mean, reconstruction_nll=reconstruction.detach(),
+        out = ColaVAEOutput(loss=loss, logits=logits, latent_mean=mean, last_hidden_state=states,
+                            reconstruction_nll=reconstruction.detach(),
                             kl=kl.detach(), mask_nll=None if mask_nll is None else mask_nll.detach(),
                             token_accuracy=accuracy, logsnr=self.encoder.logsnr().detach())
         return out, z
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+    @capture_outputs
+    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, sample_latent: bool | None = None,
-                return_dict: bool | None = None, **kwargs) -> ColaVAEOutput:
-        """input_ids [B, T]; with labels (same shape, −100 = ignore; label i is token i, no shift) the loss.
-        sample_latent: decode z = μ + σ·ε (default in training) or μ (default in eval mode). `return_dict` applies
-        as in transformers; hidden states and attentions are not recorded (see `_can_record_outputs`)."""
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> ColaVAEOutput:
+        """input_ids [B, T] (or their token embeddings `inputs_embeds`); with labels (same shape, −100 = ignore;
+        label i is token i, no shift) the loss. sample_latent: decode z = μ + σ·ε (default in training) or μ
+        (default in eval mode). `return_dict`, `output_hidden_states` and `output_attentions` (the encoder's
+        blocks) apply as in transformers."""
+        check_backbone_inputs(self, kwargs, input_ids=input_ids, inputs_embeds=inputs_embeds)
         check_forward_kwargs(self, kwargs)
-        for name in ("output_hidden_states", "output_attentions"):
-            if kwargs.get(name):
-                raise ValueError(f"{name} is not supported by the Cola VAE (its blocks are recorded by no one: the VAE "
-                                 f"is also a submodel of ColaModel, whose recorded states are the DiT's)")
         sample = self.training if sample_latent is None else sample_latent
         if labels is None:
-            mean = self.encoder(input_ids, attention_mask)
+            states = self.encoder.states(input_ids, attention_mask, inputs_embeds=inputs_embeds)
+            mean = self.encoder.posterior_mean(states)
             z = self.sample_latents(mean) if sample else mean
-            out = ColaVAEOutput(logits=self.decoder(z, attention_mask), latent_mean=mean,
-                                logsnr=self.encoder.logsnr().detach())
-        else:
-            out = self.losses(input_ids, labels, attention_mask, sample_latent=sample)[0]
-        return out if return_dict is not False else out.to_tuple()
+            return ColaVAEOutput(logits=self.decoder(z, attention_mask), latent_mean=mean, last_hidden_state=states,
+                                 logsnr=self.encoder.logsnr().detach())
+        if inputs_embeds is not None:
+            raise ValueError("the Cola VAE loss takes input_ids and labels (not inputs_embeds)")
+        return self.losses(input_ids, labels, attention_mask, sample_latent=sample)[0]
 
     @torch.no_grad()
     def reconstruction_accuracy(self, input_ids: torch.Tensor, noise_levels: tuple[float, ...] = (),
@@ -350,6 +371,10 @@ class ColaModel(ColaPreTrainedModel):
     for the history (`inputs_embeds`: the tokens' embeddings instead of their ids). `forward(latents=..., timesteps=...)`
     runs the DiT on given latents [B, T, d_z]."""
 
+    # The causal LM's own parts, which `AutoModel` on its checkpoint leaves out on purpose: not reported as
+    # unexpected keys (the README's backbone snippet loads quietly).
+    _keys_to_ignore_on_load_unexpected = [r"^(reference_encoder|velocity_head)(\.|$)"]
+
     def __init__(self, config: ColaConfig):
         super().__init__(config)
         self.vae = ColaTextVAE(config.vae_config)
@@ -379,7 +404,7 @@ class ColaModel(ColaPreTrainedModel):
     def encode_tokens(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                       cache=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The VAE's posterior mean [B, T, d_z] of the tokens (ids, or their embeddings)."""
-        return self.vae.encoder(input_ids, attention_mask, cache=cache, inputs_embeds=inputs_embeds)
+        return self.vae.encode(input_ids, attention_mask, cache=cache, inputs_embeds=inputs_embeds)
 
     @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @capture_outputs
@@ -562,7 +587,7 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
             mean = vae_out.latent_mean
         else:
             with torch.no_grad():
-                mean = vae.encoder(input_ids, attention_mask)
+                mean = vae.encode(input_ids, attention_mask)
                 z0 = vae.sample_latents(mean, latent_noise)
         scored = scored_positions(labels, attention_mask)
         if self.reference_encoder is not None and joint:

@@ -802,16 +802,31 @@ def test_from_pretrained_keeps_what_init_froze(tmp_path):
     assert not any(trainable.values()), trainable
 
 
-def test_vae_refuses_to_record_outputs_it_cannot_give():
-    """The VAE is also a submodel of ColaModel, whose recorded hidden states must be the DiT's only, so the VAE
-    records nothing and says so instead of returning None."""
+def test_vae_records_its_encoder_and_the_dit_records_only_its_own_blocks():
+    """The VAE alone records its encoder's blocks as transformers' encoders do (layers + 1 hidden states, the last
+    its `last_hidden_state`; one eager attention map per layer, block-causal); inside Cola the recorded states are
+    the DiT's only (it has another depth here, so a VAE state leaking in would change the count)."""
     vae = ColaTextVAE(ColaVAEConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                    num_key_value_heads=1, num_hidden_layers=1, latent_size=8, vae_block_size=2))
-    ids = torch.randint(2, 64, (1, 8))
-    for name in ("output_hidden_states", "output_attentions"):
-        with pytest.raises(ValueError, match=name):
-            vae(ids, **{name: True})
-    assert isinstance(vae(ids, labels=ids, return_dict=False), tuple)
+                                    num_key_value_heads=1, num_hidden_layers=2, latent_size=8, vae_block_size=2)).eval()
+    ids = torch.randint(2, 64, (2, 8))
+    out = vae(ids, output_hidden_states=True)
+    assert len(out.hidden_states) == 3 and out.hidden_states[0].shape == (2, 8, 32)
+    torch.testing.assert_close(out.hidden_states[0], vae.get_input_embeddings()(ids))
+    torch.testing.assert_close(out.hidden_states[-1], out.last_hidden_state)
+    assert vae(ids).hidden_states is None
+    vae.set_attn_implementation("eager")
+    probs = vae(ids, labels=ids, output_attentions=True).attentions
+    assert len(probs) == 2 and probs[0].shape == (2, 2, 8, 8)
+    later_block = torch.arange(8)[None, :] // 2 > torch.arange(8)[:, None] // 2
+    assert (probs[0][..., later_block] == 0).all()
+    as_tuple = vae(ids, labels=ids, return_dict=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], vae(ids, labels=ids).loss)
+
+    model = make_cola(vae=vae).eval()  # a DiT of 1 layer over a VAE of 2
+    model.set_attn_implementation("eager")
+    dit = model(input_ids=ids, output_hidden_states=True, output_attentions=True)
+    assert len(dit.hidden_states) == 2 and len(dit.attentions) == 1
+    assert dit.hidden_states[0].shape[-1] == model.config.hidden_size
 
 
 def test_resize_token_embeddings_keeps_every_vocabulary_piece_consistent(tmp_path):
