@@ -1,4 +1,4 @@
-"""`hf-latentlm` command line: train, generate, eval, bench, sft, dpo, push.
+"""`hf-latentlm` command line: train, generate, eval, bench, sft, dpo, report, push.
 
 Every user mistake (bad argument, missing folder, empty prompt, unknown preset or family)
 ends with ONE line on stderr and exit status 2.
@@ -24,31 +24,38 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="hf-latentlm", description=__doc__.splitlines()[0])
+    # The commands listed from the table itself, so the top-level --help names every one.
+    parser = OneLineParser(prog="hf-latentlm", description=f"`hf-latentlm` command line: {', '.join(COMMANDS)}.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     t = sub.add_parser("train", help="train a model on the embedded corpus (or your text files)")
-    t.add_argument("--family", default="ar", help=f"model family: {', '.join(sorted(FAMILIES))}")
-    t.add_argument("--preset", default="small", help=f"model size: {', '.join(PRESETS)}")
-    t.add_argument("--output-dir", required=True)
+    t.add_argument("--family", default="ar", help=f"model family: {', '.join(sorted(FAMILIES))} (default: %(default)s)")
+    t.add_argument("--preset", default="small", help=f"model size: {', '.join(PRESETS)} (default: %(default)s)")
+    t.add_argument("--output-dir", required=True, help="where checkpoints, metrics.jsonl and the final model go")
     t.add_argument("--max-steps", type=int, help="optimizer steps (default: the preset's)")
     t.add_argument("--stop-at-step", type=int, help="stop early after this step; continue later with --resume")
     t.add_argument("--resume", nargs="?", const="latest", choices=["latest", "previous"],
                    help="continue from the latest checkpoint in --output-dir; `--resume previous`: from the complete "
                         "checkpoint before it, the fallback when the latest is damaged")
-    t.add_argument("--batch-size", type=int)
-    t.add_argument("--grad-accum", type=int, default=1)
-    t.add_argument("--seq-len", type=int)
-    t.add_argument("--learning-rate", type=float)
-    t.add_argument("--schedule", choices=["cosine", "wsd"], default="cosine")
-    t.add_argument("--warmup-steps", type=int)
-    t.add_argument("--eval-every", type=int, default=100)
-    t.add_argument("--save-every", type=int, default=100)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--batch-size", type=int, help="rows per process per micro-step (default: the preset's)")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default: %(default)s)")
+    t.add_argument("--seq-len", type=int, help="tokens per training row; at least one block or chunk of the family "
+                                               "(default: the preset's)")
+    t.add_argument("--learning-rate", type=float, help="peak learning rate of AdamW (default: the preset's)")
+    t.add_argument("--schedule", choices=["cosine", "wsd"], default="cosine",
+                   help="after warmup: cosine decay, or warmup-stable-decay (default: %(default)s)")
+    t.add_argument("--warmup-steps", type=int, help="linear warmup steps (default: the preset's, at most a tenth "
+                                                    "of --max-steps)")
+    t.add_argument("--eval-every", type=int, default=100,
+                   help="validation loss every N steps, 0 for none (default: %(default)s)")
+    t.add_argument("--save-every", type=int, default=100,
+                   help="a resumable checkpoint every N steps, and at the last (default: %(default)s)")
+    t.add_argument("--seed", type=int, default=0, help="model initialisation and data order (default: %(default)s)")
     t.add_argument("--corpus", help="'shakespeare' (default: the embedded corpus) or 'generated:LEVEL', a generated "
                                      "language with a known optimum (LEVEL: easy, medium, hard; docs/generated_language.md)")
     t.add_argument("--train-file", action="append", help="your own text file (repeatable; one document each)")
-    t.add_argument("--validation-file", action="append")
+    t.add_argument("--validation-file", action="append",
+                   help="your own validation text (repeatable; default: the embedded corpus's validation split)")
     t.add_argument("--dataset", help="a corpus too large for memory, streamed: a folder written by datasets' "
                                       "save_to_disk (its train split; validation split if any), a text file or a "
                                       "folder of *.txt files")

@@ -471,3 +471,18 @@ def test_bench_refuses_a_latent_baseline(tmp_path, run_cli, plm_folder):
     code, _, err = run_cli("bench", "--model", f"plm={plm_folder}", "--baseline", "ar", *output)
     assert code == 2 and "--baseline 'ar' is none of the models ['plm']" in err
     assert not (tmp_path / "b.json").exists()
+
+
+def test_top_level_help_names_every_command_and_train_options_say_what_they_do_and_their_default():
+    import argparse
+
+    from hf_latentlm.cli import COMMANDS, build_parser
+
+    parser = build_parser()
+    assert parser.description == f"`hf-latentlm` command line: {', '.join(COMMANDS)}." and "report" in COMMANDS
+    train = parser._subparsers._group_actions[0].choices["train"]
+    for action in train._actions:
+        assert action.help, f"train {action.option_strings} has no help"
+        text = action.help % vars(action)
+        if action.default not in (None, False, [], argparse.SUPPRESS):
+            assert f"(default: {action.default})" in text, (action.option_strings, text)

@@ -170,3 +170,30 @@ def test_synopsis_lists_every_option_of_every_subcommand():
     families = re.search(r"--family \{([^}]*)\}", written["train"]).group(1).split(",")
     presets = re.search(r"--preset \{([^}]*)\}", written["train"]).group(1).split(",")
     assert sorted(families) == sorted(FAMILIES) and presets == list(PRESETS)
+
+
+def test_the_lora_snippet_never_asks_the_hub(tmp_path, monkeypatch, tokenizer, capsys):
+    """The guide's LoRA snippet, run in this process with the Hub reachable in principle (offline mode off, an
+    endpoint where nothing listens): no lookup fails, so it made none. An adapter folder without the tokenizer
+    makes PEFT's reload ask the Hub for `tokenizer_config.json` ("Unable to fetch remote file ...")."""
+    import warnings
+
+    from huggingface_hub import constants, hf_api
+
+    from hf_latentlm.families import build_model
+    from hf_latentlm.training.checkpoint import save_tokenizer
+
+    code = next(code for document, code, _ in SNIPPETS if document == "docs/guide.md" and "get_peft_model" in code)
+    monkeypatch.chdir(tmp_path)
+    build_model("plm", "tiny", tokenizer).save_pretrained("runs/plm-tiny")
+    save_tokenizer(tokenizer, "runs/plm-tiny")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # (PEFT reads the variable itself)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(hf_api.api, "endpoint", "http://127.0.0.1:9")  # the instance `file_exists` & co. use
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(code, "docs/guide.md", "exec"), {"__name__": "__snippet__"})
+    failed = [str(w.message) for w in caught if "remote file" in str(w.message) or "Connection" in str(w.message)]
+    assert not failed, failed
+    assert "PLMForCausalLM" in capsys.readouterr().out  # the snippet ran to its end

@@ -415,6 +415,10 @@ class AuroraModel(AuroraPreTrainedModel):
     generation computes for the prefix (`inputs_embeds`: the tokens' embeddings instead of their ids).
     `forward(latents=..., timesteps=..., noisy=...)` runs the denoiser on given standardised latents [B, T, D]."""
 
+    # The causal LM's own parts, which `AutoModel` on its checkpoint leaves out on purpose: not reported as
+    # unexpected keys (the README's backbone snippet loads quietly).
+    _keys_to_ignore_on_load_unexpected = [r"^(ema_denoiser|optimizer_steps)(\.|$)"]
+
     def __init__(self, config: AuroraConfig):
         super().__init__(config)
         self.autoencoder = AuroraAutoencoder(config.autoencoder_config)

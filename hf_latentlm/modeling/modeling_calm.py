@@ -449,6 +449,10 @@ class CALMModel(CALMPreTrainedModel):
     """Backbone over chunk steps: token embedding, input compression of each chunk's K embeddings, decoder
     blocks, final norm. One rotary position per chunk."""
 
+    # The causal LM's own parts, which `AutoModel` on its checkpoint leaves out on purpose: not reported as
+    # unexpected keys (the README's backbone snippet loads quietly).
+    _keys_to_ignore_on_load_unexpected = [r"^(autoencoder|energy_head)(\.|$)"]
+
     def __init__(self, config: CALMConfig):
         super().__init__(config)
         d = config.hidden_size

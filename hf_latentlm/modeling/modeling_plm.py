@@ -236,6 +236,10 @@ class PLMPreTrainedModel(BackbonePreTrainedModel):
 class PLMModel(PLMPreTrainedModel):
     """The shared backbone: embeddings for both modes, decoder blocks, final norm."""
 
+    # The causal LM's own parts, which `AutoModel` on its checkpoint leaves out on purpose: not reported as
+    # unexpected keys (the README's backbone snippet loads quietly).
+    _keys_to_ignore_on_load_unexpected = [r"^(lm_head|alignment_proj)(\.|$)"]
+
     def __init__(self, config: PLMConfig):
         super().__init__(config)
         d = config.hidden_size
