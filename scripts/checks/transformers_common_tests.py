@@ -366,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         run_class(out, name, args.pythonpath, args.timeout, extra)
     summarize(out, names)
     print((out / "summary.md").read_text())
-    print(f"total: {time.time() - start:.0f} s; junit files and logs in {out / 'junit'}", file=sys.stderr)
+    kept = f"junit files and logs in {out / 'junit'}" if scratch is None else "scratch folder removed (--out keeps it)"
+    print(f"total: {time.time() - start:.0f} s; {kept}", file=sys.stderr)
     if scratch is not None:
         scratch.cleanup()
     return 0
