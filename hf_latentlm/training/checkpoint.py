@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,10 @@ logger = logging.getLogger(__name__)
 #: `dpo`) match; both write `trainer_state.json` after everything else.
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
+#: Fault injection for the kill-and-resume test (tests/training/test_checkpoint.py): set to a step, the process
+#: that writes `checkpoint-<step>` SIGKILLs itself after its temporary folder is complete and before the rename, the
+#: worst moment for a crash. Unset in normal use.
+KILL_BEFORE_RENAME_ENV = "HF_LATENTLM_KILL_BEFORE_RENAME"
 
 
 class DamagedCheckpoint(ValueError):
@@ -232,6 +237,9 @@ def atomic_directory_write(target: Path, write) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    kill_at = os.environ.get(KILL_BEFORE_RENAME_ENV)
+    if kill_at and (match := CHECKPOINT_PATTERN.match(target.name)) and int(match.group(1)) == int(kill_at):
+        os.kill(os.getpid(), signal.SIGKILL)  # only for the kill test (KILL_BEFORE_RENAME_ENV)
     if target.exists():
         old = target.parent / f".old-{target.name}-{os.getpid()}"
         os.replace(target, old)

@@ -1,7 +1,7 @@
 """Run by test_loop.py (under torchrun or alone): train a `tiny` model of FAMILY on fixed rows and write this
 rank's final parameters to OUT/rank<r>.safetensors.
 
-    ddp_worker.py OUT ROWS BATCH_SIZE [--family F] [--max-steps N] [--stop-at-step N] [--resume]
+    ddp_worker.py OUT ROWS BATCH_SIZE [--family F] [--max-steps N] [--stop-at-step N] [--save-every N] [--resume]
                   [--component NAME=DIR ...] [--rank-draws]
 """
 
@@ -23,6 +23,7 @@ parser.add_argument("batch_size", type=int)
 parser.add_argument("--family", default="ar")
 parser.add_argument("--max-steps", type=int, default=4)
 parser.add_argument("--stop-at-step", type=int)
+parser.add_argument("--save-every", type=int, help="default: --max-steps")
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--component", action="append", default=[], help="NAME=DIR")
 parser.add_argument("--rank-draws", action="store_true", help="rank r draws r + 1 numbers after step 1")
@@ -35,7 +36,7 @@ torch.manual_seed(0)
 model = build_model(args.family, "tiny", tokenizer, **components)
 cfg = TrainConfig(family=args.family, preset="tiny", output_dir=args.out, max_steps=args.max_steps,
                   stop_at_step=args.stop_at_step, resume=args.resume, batch_size=args.batch_size, seq_len=64,
-                  eval_every=0, save_every=args.max_steps, log_every=1, progress_bar=False, seed=0,
+                  eval_every=0, save_every=args.save_every or args.max_steps, log_every=1, progress_bar=False, seed=0,
                   components=components)
 rank = int(os.environ.get("RANK", "0"))
 

@@ -282,11 +282,13 @@ def test_ranks_draw_different_random_numbers_in_a_fresh_run(tmp_path, tiny_rows)
 
 
 @WORKERS
-def test_two_process_resume_matches_uninterrupted_two_process_run(tmp_path, tokenizer, tiny_rows, worker):
+def test_two_process_run_killed_mid_save_resumes_to_the_uninterrupted_weights(tmp_path, tokenizer, tiny_rows, worker):
     """torchrun with 2 CPU processes (DDP, or FSDP: weights and optimizer state gathered into the checkpoint and
-    sharded again on resume), for the first registered family whose training draws randomness: stopping
-    after step 2 and resuming ends with the same weights as the straight run. The worker makes each rank draw a
-    different amount after step 1, so the ranks' RNG states differ and each rank must get back its own."""
+    sharded again on resume), for the first registered family whose training draws randomness (DDP) and AR (FSDP):
+    a run checkpointing every 2 steps is SIGKILLed while saving step 4, after its temporary folder is written and
+    before the rename (`HF_LATENTLM_KILL_BEFORE_RENAME`); `--resume` continues from checkpoint 2, the last complete
+    one, and ends with the same weights as the straight run (1e-5). The worker makes each rank draw a different
+    amount after step 1, so the ranks' RNG states differ and each rank must get back its own."""
     family = next(f for f in FAMILIES if draws_randomness(f, tokenizer, tiny_rows,
                                                          component_folders(f, tokenizer, tmp_path / "components")))
     if worker == FSDP_WORKER:
@@ -299,19 +301,26 @@ def test_two_process_resume_matches_uninterrupted_two_process_run(tmp_path, toke
     torch.save(tiny_rows[:64].clone(), rows_file)
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
-    def launch(out, *flags):
+    def launch(out, *flags, **extra_env):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(worker), str(tmp_path / out), str(rows_file), "2", "--family", family, "--rank-draws",
-               *[f"--component={name}={folder}" for name, folder in components.items()], *flags]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
+               "--save-every", "2", *[f"--component={name}={folder}" for name, folder in components.items()], *flags]
+        return subprocess.run(cmd, env={**env, **extra_env}, capture_output=True, text=True, timeout=300)
 
-    launch("straight")
-    launch("resumed", "--stop-at-step", "2")
+    done = launch("straight")
+    assert done.returncode == 0, done.stderr[-3000:]
+    killed = launch("resumed", HF_LATENTLM_KILL_BEFORE_RENAME="4")
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    left = sorted(p.name for p in (tmp_path / "resumed").iterdir())
+    assert "checkpoint-0000002" in left and "checkpoint-0000004" not in left, left
+    assert any(name.startswith(".tmp-checkpoint-0000004-") for name in left), f"not killed mid-save: {left}"
     checkpoint = latest_checkpoint(tmp_path / "resumed")
     rank_states = [load_file(checkpoint / f"rng_rank{r}.safetensors")["torch"] for r in range(2)]
     assert not torch.equal(*rank_states), "the ranks' RNG states should differ at the checkpoint"
-    launch("resumed", "--resume")
+    done = launch("resumed", "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'resumed' / 'checkpoint-0000002'} at step 2" in done.stdout
+    assert not [p.name for p in (tmp_path / "resumed").iterdir() if p.name.startswith(".tmp")]
     for rank in range(2):
         straight = load_file(tmp_path / "straight" / f"rank{rank}.safetensors")
         resumed = load_file(tmp_path / "resumed" / f"rank{rank}.safetensors")
