@@ -136,3 +136,17 @@ def test_no_import_circles_including_the_registrys_lazy_fields():
             if target.startswith("hf_latentlm."):
                 assert target in graph and "hf_latentlm.families" not in reach(target) | {target}, \
                     f"{spec.name}.{field} = {value!r} imports the registry back"
+
+
+def test_the_bad_inputs_table_quotes_messages_its_tests_assert():
+    """docs/bad_inputs.md stays true: each row's message is asserted in the test file the row names (compared with
+    regex escapes removed, as `pytest.raises(match=...)` writes some of them), and no row is left without one."""
+    rows = [line for line in (ROOT / "docs" / "bad_inputs.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| command") and not line.startswith("|---")]
+    assert len(rows) >= 50
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split(" | ")]
+        assert len(cells) == 5, row
+        message, test_file = cells[3].strip("`"), ROOT / cells[4]
+        assert test_file.is_file(), row
+        assert message in test_file.read_text().replace("\\", ""), f"{cells[4]} asserts no {message!r}"
