@@ -51,6 +51,7 @@ from .layers import (
 )
 from .modeling_backbone import (
     BackbonePreTrainedModel,
+    check_backbone_inputs,
     check_block_training_rows,
     check_forward_kwargs,
     masked_cross_entropy,
@@ -63,12 +64,18 @@ from .modeling_block_latent import BlockLatentForCausalLM, BlockLatentPreTrained
 @dataclass
 class AuroraAutoencoderOutput(ModelOutput):
     """`loss`: token cross-entropy over the scored tokens (with token and latent dropout in training).
-    `logits` [B, L, V]; `latents` [B, N, D] (raw, not standardised); `token_accuracy` of `logits`."""
+    `logits` [B, L, V]; `latents` [B, N, D] (raw, not standardised), also `last_hidden_state` (the encoder's final
+    query states are the latents); `token_accuracy` of `logits`. When asked: `hidden_states`, the encoder's query
+    states (N slots each) before its first and after every layer; `attentions`, its eager attention maps over the
+    whole stream of token items and queries ([B, H, n + N, n + N], interleaved at keep ratio 1)."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     latents: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = None
     token_accuracy: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
@@ -102,6 +109,11 @@ def causal_by_position_mask(query_positions: torch.Tensor, key_positions: torch.
     return (mask | own)[:, None]
 
 
+class QueryStates(nn.Identity):
+    """Marks a query stack's query states (the stream without its context items) for transformers' output
+    recording, as `AttentionProbs` marks attention probabilities."""
+
+
 class QueryStack(nn.Module):
     """Learned queries that read a fixed context: every layer runs over the merged stream of context items and query
     items, causal by position, and the context items are reset to the given context before the next layer (the
@@ -119,6 +131,7 @@ class QueryStack(nn.Module):
         self.layers = decoder_layers(config)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary = RotaryEmbedding.from_config(config)
+        self.query_states = QueryStates()
 
     def read(self, context: torch.Tensor, is_context: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
              cache=None, query_start: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,9 +146,12 @@ class QueryStack(nn.Module):
             x = stream.clone()
             x[:, ~is_context] = query_start.to(dtype)
         cos, sin = self.rotary(positions.expand(batch, -1), dtype=dtype)
+        queries = ~is_context
+        self.query_states(x[:, queries])
         for layer in self.layers:
             x = torch.where(fixed, stream, layer(x, cos, sin, mask, cache=cache))
-        return self.norm(x[:, ~is_context])
+            self.query_states(x[:, queries])
+        return self.norm(x[:, queries])
 
     def read_one_per_position(self, context: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
         """Keep ratio 1: query i shares position i with context item i (interleaved stream), so left padding
@@ -246,9 +262,13 @@ class AuroraAutoencoder(BackbonePreTrainedModel):
     config_class = AuroraAutoencoderConfig
     base_model_prefix = "autoencoder"
     main_input_name = "input_ids"
-    # No output recording: the autoencoder is also a submodel of `AuroraModel`, whose recorded states must be the
-    # denoiser's only (as Cola's VAE).
-    _can_record_outputs = None
+    # The encoder's query states and attention maps. The autoencoder is also a submodel of `AuroraModel`, whose
+    # recorded states must be the denoiser's only: a recorder hook fires into whichever capture is active, so the
+    # outer model reaches the autoencoder only through `encode`, a capture of its own that records nothing unless
+    # asked (as Cola's VAE).
+    _can_record_outputs = {
+        "hidden_states": OutputRecorder(QueryStates, layer_name="encoder", capture_initial_hidden_state=False),
+        "attentions": OutputRecorder(AttentionProbs, layer_name="encoder.layers")}
     _can_compile_fullgraph = False  # the dropouts draw their masks inside forward
 
     def __init__(self, config: AuroraAutoencoderConfig):
@@ -274,10 +294,16 @@ class AuroraAutoencoder(BackbonePreTrainedModel):
     def get_output_embeddings(self):
         return None  # the logits go through the input embedding itself: h·Eᵀ
 
+    @capture_outputs
     def encode(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None, cache=None,
                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Raw latents [B, N, D] (float32) of the tokens (ids, or their embeddings `inputs_embeds` [B, N, D]). Token
         dropout applies in training mode."""
+        return self.latents_of(input_ids, attention_mask, cache, inputs_embeds)
+
+    def latents_of(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None, cache=None,
+                   inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`encode` inside this model's own forward (where its states are recorded)."""
         embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.training and self.config.token_dropout > 0:
             keep = torch.rand(embeds.shape[:2], device=embeds.device) >= self.config.token_dropout
@@ -310,24 +336,24 @@ class AuroraAutoencoder(BackbonePreTrainedModel):
         self.latent_var.copy_(flat.var(0, unbiased=False))
         self.has_latent_statistics.fill_(True)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, return_dict: bool | None = None,
+    @capture_outputs
+    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 **kwargs) -> AuroraAutoencoderOutput:
-        """input_ids [B, L]; labels (same shape, −100 = ignore; label j is token j, no shift) give the loss.
-        Hidden states and attentions are not recorded (see `_can_record_outputs`)."""
+        """input_ids [B, L] (or their token embeddings `inputs_embeds`); labels (same shape, −100 = ignore; label j
+        is token j, no shift) give the loss. `return_dict`, `output_hidden_states` and `output_attentions` (the
+        encoder's, see `AuroraAutoencoderOutput`) apply as in transformers."""
+        check_backbone_inputs(self, kwargs, input_ids=input_ids, inputs_embeds=inputs_embeds)
         check_forward_kwargs(self, kwargs)
-        for name in ("output_hidden_states", "output_attentions"):
-            if kwargs.get(name):
-                raise ValueError(f"{name} is not supported by the AURORA autoencoder (it is also a submodel of "
-                                 f"AuroraModel, whose recorded states are the denoiser's)")
-        latents = self.encode(input_ids, attention_mask)
-        logits = self.decode_logits(latents, input_ids.shape[1], attention_mask)
-        out = AuroraAutoencoderOutput(logits=logits, latents=latents)
+        latents = self.latents_of(input_ids, attention_mask, inputs_embeds=inputs_embeds)
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        logits = self.decode_logits(latents, length, attention_mask)
+        out = AuroraAutoencoderOutput(logits=logits, latents=latents, last_hidden_state=latents)
         if labels is not None:
             scored = scored_positions(labels, attention_mask)
             out.loss = masked_cross_entropy(logits, labels, scored)
             out.token_accuracy = ((logits.argmax(-1) == labels) & scored).sum() / scored.sum().clamp(min=1)
-        return out if return_dict is not False else out.to_tuple()
+        return out
 
     @torch.no_grad()
     def reconstruction_accuracy(self, input_ids: torch.Tensor) -> float:

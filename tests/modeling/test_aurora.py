@@ -28,7 +28,7 @@ VOCAB, Q, RANK, D = 96, 4, 8, 32
 AE_KW = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
              num_hidden_layers=1)
 DENOISER_KW = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-                   num_hidden_layers=1, block_size=Q, noisy_input_rank=RANK, consistency_steps=4, num_ode_steps=3)
+                   num_hidden_layers=1, block_size=Q, noisy_input_rank=RANK, consistency_steps=4, num_inference_steps=3)
 
 
 def make_autoencoder(seed: int = 0, randomize: bool = False, **overrides) -> AuroraAutoencoder:
@@ -341,12 +341,32 @@ def test_without_dropout_training_and_eval_outputs_are_equal():
         assert not torch.equal(dropping.train()(input_ids=ids, labels=ids).logits, evaluated.logits)
 
 
-def test_autoencoder_refuses_to_record_outputs():
-    autoencoder = make_autoencoder()
-    ids = tokens(1, 6)
-    for name in ("output_hidden_states", "output_attentions"):
-        with pytest.raises(ValueError, match=name):
-            autoencoder(ids, **{name: True})
+@pytest.mark.parametrize("keep_ratio", [1.0, 0.5])
+def test_autoencoder_records_its_encoder_queries_and_the_denoiser_records_only_its_own(keep_ratio):
+    """Alone, the autoencoder records its encoder's query states as an encoder's hidden states (layers + 1 of them,
+    N slots each, the last its latents) and one eager attention map per layer over the whole stream; inside AURORA
+    the recorded states are the denoiser's only (of another depth here, so a leak would change the count)."""
+    autoencoder = make_autoencoder(randomize=True, num_hidden_layers=2, keep_ratio=keep_ratio,
+                                   query_residual=keep_ratio == 1).eval()
+    ids = tokens(2, 8)
+    slots = 8 if keep_ratio == 1 else 4
+    out = autoencoder(ids, output_hidden_states=True)
+    assert len(out.hidden_states) == 3 and all(h.shape == (2, slots, D) for h in out.hidden_states)
+    start = autoencoder.encoder.query + (autoencoder.get_input_embeddings()(ids) if keep_ratio == 1 else 0)
+    torch.testing.assert_close(out.hidden_states[0], start.expand(2, slots, D))  # the queries' start
+    torch.testing.assert_close(out.hidden_states[-1], out.latents)
+    assert not torch.equal(out.hidden_states[1], out.hidden_states[2])
+    assert autoencoder(ids).hidden_states is None
+    autoencoder.set_attn_implementation("eager")
+    probs = autoencoder(ids, labels=ids, output_attentions=True).attentions
+    stream = 16 if keep_ratio == 1 else 12
+    assert len(probs) == 2 and probs[0].shape == (2, 2, stream, stream)
+    torch.testing.assert_close(probs[0].sum(-1), torch.ones(2, 2, stream))
+
+    model = make_aurora(autoencoder=autoencoder if keep_ratio == 1 else None).eval()  # 1 denoiser layer
+    model.set_attn_implementation("eager")
+    prior = model(input_ids=ids, output_hidden_states=True, output_attentions=True)
+    assert len(prior.hidden_states) == 2 and len(prior.attentions) == 1
 
 
 # ====================================================================================================================
