@@ -414,6 +414,20 @@ def test_acceptance_rules_on_a_known_distribution(rule, expected):
     assert rule.accepts(pending, torch.zeros_like(pending), logits)[0].tolist() == expected
 
 
+@pytest.mark.parametrize("rule,expected", [
+    # probabilities 0.5 / 0.3 / 0.15 / 0.05; the sampler drew the unlikely token 3 at every row; pending 0..3.
+    (AcceptanceRule("exact"), [False, False, False, True]),
+    (AcceptanceRule("epsilon", epsilon=0.1), [True, True, True, True]),  # token 3: q = .05 < .1, but sampled
+    (AcceptanceRule("nucleus", nucleus=0.7), [True, True, False, True]),  # token 3: mass above .95, but sampled
+])
+def test_relaxed_rules_still_accept_the_sampled_token_where_the_relaxation_would_not(rule, expected):
+    """The relaxed rules extend exact acceptance: a pending token equal to the Voronoi draw is kept even where its
+    probability (or the mass above it) alone would reject it."""
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(1, 4, 4)
+    pending = torch.tensor([[0, 1, 2, 3]])
+    assert rule.accepts(pending, torch.full_like(pending, 3), logits)[0].tolist() == expected
+
+
 def test_bad_acceptance_rules_are_named():
     for kwargs, needle in ((dict(rule="greedy"), "acceptance must be"), (dict(epsilon=0.0), "acceptance_epsilon"),
                            (dict(nucleus=1.0), "acceptance_nucleus")):
