@@ -19,6 +19,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import is_torch_greater_or_equal
 
+from .configuration_backbone import STATIC_ROPE_TYPES
+
 # `enable_gqa` appeared in torch 2.5; the package allows torch>=2.4, so keep a fallback.
 _SDPA_HAS_GQA = is_torch_greater_or_equal("2.5")
 
@@ -92,6 +94,9 @@ class RotaryEmbedding(nn.Module):
         """base^(-2i/head_dim) for i in [0, head_dim/2), float32, shape [head_dim/2] (or the scaled RoPE's)."""
         rope_type = (self.config.rope_parameters.get("rope_type", "default") if self.config is not None
                      else "default")
+        if rope_type not in STATIC_ROPE_TYPES:  # a config changed after its checks (they refuse these too)
+            raise ValueError(f"rope_type {rope_type!r} is not supported: the rotary tables are computed once, so only "
+                             f"RoPE whose frequencies do not change with the sequence length is ({STATIC_ROPE_TYPES})")
         if rope_type != "default":
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, device)
             return inv_freq.float()

@@ -55,6 +55,13 @@ def test_sequence_dependent_rope_is_refused_by_name():
     with pytest.raises(ValueError, match="rope_type.*'dynamic'"):
         PLMConfig(**SMALL, rope_parameters={"rope_type": "dynamic", "factor": 2.0}, block_size=4, k_pred=4,
                   auxiliary_top_m=32, num_auxiliaries=64)
+    # Set after the config's checks (as transformers' RoPE tests do), the model refuses it instead of ignoring it.
+    from hf_latentlm.modeling.modeling_plm import PLMModel
+
+    config = PLMConfig(**SMALL, block_size=4, k_pred=4, auxiliary_top_m=32, num_auxiliaries=64)
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is not supported"):
+        PLMModel(config)
 
 
 def test_attn_implementation_reaches_the_embedded_autoencoder_config():
