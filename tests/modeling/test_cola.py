@@ -238,6 +238,30 @@ def test_masked_pass_runs_in_training_only_and_adds_its_weighted_loss():
     torch.testing.assert_close(evaluated.loss, evaluated.reconstruction_nll + 0.05 * evaluated.kl)
 
 
+def test_masked_pass_replaces_the_drawn_inputs_and_scores_exactly_them():
+    """The BERT-style pass by hand: its encoder call gets `masked` = the drawn positions (scored ones only, about
+    mask_prob of them), and mask_nll is the CE of its decoder's logits at exactly those positions (not at every
+    scored one), for the row's own tokens."""
+    vae = make_vae(mask_prob=0.5, mask_loss_weight=0.7).train()
+    ids = tokens(2, 8, seed=5)
+    labels = ids.clone()
+    labels[1, :3] = -100
+    encoder_calls, decoder_logits = [], []
+    encoder, decoder = vae.encoder.forward, vae.decoder.forward
+    vae.encoder.forward = lambda *a, **k: encoder_calls.append(k.get("masked")) or encoder(*a, **k)
+    vae.decoder.forward = lambda *a, **k: decoder_logits.append(decoder(*a, **k)) or decoder_logits[-1]
+    try:
+        torch.manual_seed(2)
+        out = vae(input_ids=ids, labels=labels)
+    finally:
+        del vae.encoder.forward, vae.decoder.forward
+    (masked,) = [m for m in encoder_calls if m is not None]
+    assert 0 < int(masked.sum()) < int((labels != -100).sum()) and not masked[1, :3].any()
+    logits = decoder_logits[-1].detach()  # the masked pass decodes last
+    nll = [-torch.log_softmax(logits[b, i].double(), -1)[ids[b, i]] for b in range(2) for i in range(8) if masked[b, i]]
+    assert float(out.mask_nll) == pytest.approx(float(sum(nll) / len(nll)), rel=1e-5)
+
+
 def test_left_padded_batch_gives_each_row_what_it_gets_alone():
     """VAE encoder, VAE decoder and the DiT base model (input_ids) on rows of lengths that are not multiples of the
     VAE block (2) or the DiT block (4), left padded: blocks are counted from each row's first real token."""
