@@ -262,6 +262,25 @@ def test_masked_pass_replaces_the_drawn_inputs_and_scores_exactly_them():
     assert float(out.mask_nll) == pytest.approx(float(sum(nll) / len(nll)), rel=1e-5)
 
 
+def test_masked_encoder_inputs_are_the_mask_embedding():
+    """encoder(ids, masked=m): a masked position reads the [MASK] embedding, so its token no longer matters (the
+    output is unchanged when that token changes), while an unmasked token still does; no mask is the plain pass."""
+    vae = make_vae().eval()
+    ids = tokens(1, 8, seed=7)
+    masked = torch.zeros(1, 8, dtype=torch.bool)
+    masked[0, [2, 5]] = True
+    other = ids.clone()
+    other[0, [2, 5]] = (ids[0, [2, 5]] + 1 - 2) % (VOCAB - 2) + 2
+    with torch.no_grad():
+        base = vae.encoder(ids, masked=masked)
+        torch.testing.assert_close(vae.encoder(other, masked=masked), base)
+        assert (vae.encoder(other) - vae.encoder(ids)).abs().max() > 1e-3
+        unmasked_changed = ids.clone()
+        unmasked_changed[0, 3] = (ids[0, 3] + 1 - 2) % (VOCAB - 2) + 2
+        assert (vae.encoder(unmasked_changed, masked=masked) - base).abs().max() > 1e-3
+        torch.testing.assert_close(vae.encoder(ids, masked=torch.zeros_like(masked)), vae.encoder(ids))
+
+
 def test_left_padded_batch_gives_each_row_what_it_gets_alone():
     """VAE encoder, VAE decoder and the DiT base model (input_ids) on rows of lengths that are not multiples of the
     VAE block (2) or the DiT block (4), left padded: blocks are counted from each row's first real token."""
