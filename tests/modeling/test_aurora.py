@@ -589,6 +589,27 @@ def test_velocity_space_loss_is_the_x0_loss_over_sigma_squared(monkeypatch, sigm
     assert losses["velocity"] == pytest.approx(losses["x0"] / floor**2, rel=1e-5)
 
 
+def test_noisy_stream_is_the_straight_path_from_the_clean_latents_to_the_drawn_noise(monkeypatch):
+    """σ = 0.3 everywhere and the noise ε fixed (torch.randn_like of the latents' shape returns a known tensor): the
+    main pass's noisy stream is exactly (1 − σ)·z + σ·ε of its clean stream z, at time σ, and its target is z."""
+    sigma = 0.3
+    monkeypatch.setattr(modeling_aurora, "make_time_sampler", lambda kind, **kwargs: ConstantSigma(sigma))
+    model = make_aurora(self_condition_prob=0.0, consistency_weight=0.0, prompt_block_prob=0.0).train()
+    ids, length = tokens(2, 8, seed=9), 8
+    noise = torch.randn(2, length, D, generator=torch.Generator().manual_seed(1))
+    randn_like = torch.randn_like
+    monkeypatch.setattr(torch, "randn_like", lambda t, **kw: noise.clone() if t.shape == noise.shape
+                        else randn_like(t, **kw))
+    spy = DenoiserSpy(monkeypatch, model.model.denoiser)
+    out = model(input_ids=ids, labels=ids)
+    call = spy.calls[0]
+    z, x = call["latents"][:, :length], call["latents"][:, length:]
+    torch.testing.assert_close(x, (1 - sigma) * z + sigma * noise, atol=1e-6, rtol=1e-5)
+    assert bool((call["timesteps"][:, length:] == sigma).all()) and not call["timesteps"][:, :length].any()
+    expected = scored_mean((call["x0"][:, length:] - z).pow(2).mean(-1), torch.ones(2, length, dtype=torch.bool))
+    assert float(out.denoising_loss) == pytest.approx(float(expected), rel=1e-5)
+
+
 @pytest.mark.parametrize("decay", [0.9999, 0.1])
 def test_ema_moves_by_the_warmed_up_decay(decay):
     """After the n-th step: ema = d·ema + (1 − d)·online, d = min(ema_decay, (1 + n)/(10 + n))."""
