@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from .families import BASELINE_FAMILY, FAMILIES, check_components, component_names, get_family
 from .presets import PRESETS
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     t = sub.add_parser("train", help="train a model on the embedded corpus (or your text files)")
-    t.add_argument("--family", default="ar", help=f"model family: {', '.join(sorted(FAMILIES))} (default: %(default)s)")
+    t.add_argument("--family", default="ar",
+                   help=f"model family: {', '.join(sorted(FAMILIES))} (default: %(default)s)")
     t.add_argument("--preset", default="small", help=f"model size: {', '.join(PRESETS)} (default: %(default)s)")
     t.add_argument("--output-dir", required=True, help="where checkpoints, metrics.jsonl and the final model go")
     t.add_argument("--max-steps", type=int, help="optimizer steps (default: the preset's)")
@@ -194,15 +196,14 @@ def check_config_keys(spec, overrides: dict) -> None:
 
 
 def cmd_train(args) -> int:
-    from pathlib import Path
-
     from .data.generated import parse_corpus
     from .presets import get_preset
     from .training.config import TrainConfig  # no torch: every check up to check_config_keys answers in a second
 
     cfg = TrainConfig(
         family=args.family, preset=args.preset, output_dir=args.output_dir, max_steps=args.max_steps,
-        stop_at_step=args.stop_at_step, resume=args.resume or False, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        stop_at_step=args.stop_at_step, resume=args.resume or False, batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
         seq_len=args.seq_len, learning_rate=args.learning_rate, schedule=args.schedule,
         warmup_steps=args.warmup_steps, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
         corpus=args.corpus, train_files=args.train_file, validation_files=args.validation_file, tokenizer=args.tokenizer,
@@ -406,8 +407,6 @@ def cmd_report(args) -> int:
 
 def cmd_post_train(args) -> int:
     """`sft` and `dpo`: TRL's stock trainers for the AR baseline, the hf_latentlm subclasses for the other families."""
-    from pathlib import Path
-
     from .folders import POST_TRAINING_RECORD, check_model_folder
     from .training.tasks import TASKS
 
@@ -485,7 +484,8 @@ def resume_hint(args) -> str:
     checkpoint = latest_checkpoint(args.output_dir)
     if checkpoint is None:
         return f"; no checkpoint in {args.output_dir} yet, so nothing to resume: rerun the command to start over"
-    return f"; the last complete checkpoint is {checkpoint}: continue from it with the same command plus --resume"
+    how = "the same command (it has --resume)" if args.resume else "the same command plus --resume"
+    return f"; the last complete checkpoint is {checkpoint}: continue from it with {how}"
 
 
 def end_process_group() -> None:

@@ -344,7 +344,7 @@ def push_model(folder: str | Path, repo_id: str, private: bool = False, revision
                   for name in files_to_upload(folder)]
     operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(card).encode()))
     # The two causes huggingface_hub reports only as a network error, named here before the first call.
-    if constants.HF_HUB_OFFLINE:
+    if constants.is_offline_mode():  # what huggingface_hub's own requests check
         raise ValueError("push needs the network, and offline mode is on (HF_HUB_OFFLINE=1): unset HF_HUB_OFFLINE "
                          "to push")
     if get_token() is None:

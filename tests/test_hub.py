@@ -312,7 +312,8 @@ def test_card_says_how_a_trained_folder_was_trained(tmp_path, run_cli):
 
 
 @pytest.mark.parametrize("cause", ["offline", "no token", "no network"])
-def test_push_names_why_it_cannot_reach_the_hub_in_one_line(tmp_path, run_cli, tokenizer, monkeypatch, cause):
+def test_push_names_why_it_cannot_reach_the_hub_in_one_line(tmp_path, run_cli, tokenizer, monkeypatch, capsys,
+                                                            cause):
     """Offline mode and a missing token, which huggingface_hub reports only as a network error (OfflineModeIsEnabled,
     or a ConnectError that never mentions the token), are named; so is an unreachable endpoint."""
     from huggingface_hub import constants
@@ -320,8 +321,9 @@ def test_push_names_why_it_cannot_reach_the_hub_in_one_line(tmp_path, run_cli, t
     folder = tmp_path / "m"
     folder.mkdir()
     damage("plm")(folder, tokenizer, tmp_path)
+    capsys.readouterr()  # (saving it may have drawn a progress bar)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: never the real Hub
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", cause == "offline")
+    monkeypatch.setattr(constants, "is_offline_mode", lambda: cause == "offline")
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-file"))
     for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
         monkeypatch.delenv(name, raising=False)
