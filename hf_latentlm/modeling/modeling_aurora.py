@@ -55,6 +55,7 @@ from .modeling_backbone import (
     check_block_training_rows,
     check_forward_kwargs,
     masked_cross_entropy,
+    recording_nothing,
     refuse_vocab_resize,
     scored_positions,
 )
@@ -109,9 +110,13 @@ def causal_by_position_mask(query_positions: torch.Tensor, key_positions: torch.
     return (mask | own)[:, None]
 
 
-class QueryStates(nn.Identity):
+class QueryStates(nn.Module):
     """Marks a query stack's query states (the stream without its context items) for transformers' output
-    recording, as `AttentionProbs` marks attention probabilities."""
+    recording, as `AttentionProbs` marks attention probabilities: forward(before, after) -> after, called once per
+    layer, so that the recorder's initial state is the queries' start (its first input)."""
+
+    def forward(self, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+        return after
 
 
 class QueryStack(nn.Module):
@@ -146,12 +151,15 @@ class QueryStack(nn.Module):
             x = stream.clone()
             x[:, ~is_context] = query_start.to(dtype)
         cos, sin = self.rotary(positions.expand(batch, -1), dtype=dtype)
+        # The query items' states are carried on their own and scattered into the stream for each layer, so that the
+        # recorded states are the ones the output is computed from (their gradients exist).
         queries = ~is_context
-        self.query_states(x[:, queries])
+        query_items = queries[None, :, None].expand_as(stream)
+        state = x[:, queries]
         for layer in self.layers:
-            x = torch.where(fixed, stream, layer(x, cos, sin, mask, cache=cache))
-            self.query_states(x[:, queries])
-        return self.norm(x[:, queries])
+            out = layer(stream.masked_scatter(query_items, state), cos, sin, mask, cache=cache)
+            state = self.query_states(state, out[:, queries])
+        return self.norm(state)
 
     def read_one_per_position(self, context: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
         """Keep ratio 1: query i shares position i with context item i (interleaved stream), so left padding
@@ -264,10 +272,10 @@ class AuroraAutoencoder(BackbonePreTrainedModel):
     main_input_name = "input_ids"
     # The encoder's query states and attention maps. The autoencoder is also a submodel of `AuroraModel`, whose
     # recorded states must be the denoiser's only: a recorder hook fires into whichever capture is active, so the
-    # outer model reaches the autoencoder only through `encode`, a capture of its own that records nothing unless
-    # asked (as Cola's VAE).
+    # outer model reaches the autoencoder only through `encode`, which records nothing (`recording_nothing`, as
+    # Cola's VAE).
     _can_record_outputs = {
-        "hidden_states": OutputRecorder(QueryStates, layer_name="encoder", capture_initial_hidden_state=False),
+        "hidden_states": OutputRecorder(QueryStates, layer_name="encoder"),
         "attentions": OutputRecorder(AttentionProbs, layer_name="encoder.layers")}
     _can_compile_fullgraph = False  # the dropouts draw their masks inside forward
 
@@ -294,7 +302,7 @@ class AuroraAutoencoder(BackbonePreTrainedModel):
     def get_output_embeddings(self):
         return None  # the logits go through the input embedding itself: h·Eᵀ
 
-    @capture_outputs
+    @recording_nothing
     def encode(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None, cache=None,
                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Raw latents [B, N, D] (float32) of the tokens (ids, or their embeddings `inputs_embeds` [B, N, D]). Token

@@ -4,11 +4,13 @@ weight init, token-embedding accessors and a `save_pretrained` that writes the f
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.utils import logging
+from transformers.utils.output_capturing import capture_outputs
 
 from .layers import init_backbone_weights
 
@@ -43,6 +45,23 @@ def check_backbone_inputs(model, kwargs: dict, **inputs) -> None:
     if kwargs.get("output_attentions") and config._attn_implementation != "eager":
         logger.warning_once(f"`{config._attn_implementation}` attention does not support `output_attentions=True`; "
                             "no attentions are returned. Load the model with attn_implementation='eager' to get them.")
+
+
+def recording_nothing(method):
+    """For a component's method that a composite model calls inside its own forward (Cola's VAE, AURORA's
+    autoencoder): transformers' recorder hooks fire into whichever capture is active, so the component's recorded
+    states would land in the composite model's. The method runs in a capture of its own with every recording off,
+    whatever the configs say (a config may ask for hidden states in every sub-config)."""
+    def without_flags(self, *args, output_hidden_states=None, output_attentions=None, **kwargs):
+        return method(self, *args, **kwargs)
+
+    captured = capture_outputs(without_flags)
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        return captured(self, *args, output_hidden_states=False, output_attentions=False, return_dict=True, **kwargs)
+
+    return call
 
 
 def embedded_config(component_config):
@@ -228,4 +247,5 @@ class BackbonePreTrainedModel(PreTrainedModel, TrainingHooks):
 
 __all__ = ["BackbonePreTrainedModel", "DefaultTrainingHooks", "TrainingHooks", "check_backbone_inputs",
            "check_block_training_rows", "check_forward_kwargs", "composite_config", "embedded_config",
-           "masked_cross_entropy", "refuse_vocab_resize", "resized_vocab_size", "scored_positions", "training_hooks"]
+           "masked_cross_entropy", "recording_nothing", "refuse_vocab_resize", "resized_vocab_size", "scored_positions",
+           "training_hooks"]

@@ -50,6 +50,7 @@ from .modeling_backbone import (
     check_block_training_rows,
     check_forward_kwargs,
     masked_cross_entropy,
+    recording_nothing,
     scored_positions,
 )
 from .modeling_block_latent import BlockLatentForCausalLM, BlockLatentPreTrainedModel, BlockVelocityField
@@ -206,7 +207,7 @@ class ColaTextVAE(BackbonePreTrainedModel):
     _no_split_modules = ["DecoderBlock"]
     # The encoder's blocks, as an encoder model's. The VAE is also a submodel of `ColaModel`, whose recorded states
     # must be the DiT's only: a recorder hook fires into whichever capture is active, so the outer model reaches the
-    # VAE only through `encode`, a capture of its own that records nothing unless asked.
+    # VAE only through `encode`, which records nothing (`recording_nothing`).
     _can_record_outputs = {"hidden_states": OutputRecorder(DecoderBlock, layer_name="encoder.layers"),
                            "attentions": OutputRecorder(AttentionProbs, layer_name="encoder.layers")}
     _can_compile_fullgraph = False  # the masked pass draws its mask inside forward
@@ -238,7 +239,7 @@ class ColaTextVAE(BackbonePreTrainedModel):
     def set_output_embeddings(self, value):
         self.decoder.lm_head = value
 
-    @capture_outputs
+    @recording_nothing
     def encode(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None, cache=None,
                inputs_embeds: torch.Tensor | None = None, masked: torch.Tensor | None = None) -> torch.Tensor:
         """The posterior mean μ [B, T, d_z] (what inference uses) of the tokens (ids, or their embeddings)."""

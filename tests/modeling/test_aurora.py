@@ -367,6 +367,15 @@ def test_autoencoder_records_its_encoder_queries_and_the_denoiser_records_only_i
     model.set_attn_implementation("eager")
     prior = model(input_ids=ids, output_hidden_states=True, output_attentions=True)
     assert len(prior.hidden_states) == 2 and len(prior.attentions) == 1
+    for config in (model.config, model.config.autoencoder_config):  # asked through every config: the same
+        config.output_hidden_states = config.output_attentions = True
+    by_config = model(input_ids=ids)
+    assert len(by_config.hidden_states) == 2 and len(by_config.attentions) == 1
+    # The recorded query states are those the latents are computed from: a gradient reaches each of them.
+    autoencoder.set_attn_implementation("sdpa")
+    states = autoencoder(ids, output_hidden_states=True).hidden_states
+    grads = torch.autograd.grad(states[-1].sum(), states[:-1])
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
 
 
 # ====================================================================================================================

@@ -870,6 +870,11 @@ def test_vae_records_its_encoder_and_the_dit_records_only_its_own_blocks():
     dit = model(input_ids=ids, output_hidden_states=True, output_attentions=True)
     assert len(dit.hidden_states) == 2 and len(dit.attentions) == 1
     assert dit.hidden_states[0].shape[-1] == model.config.hidden_size
+    # Asked through the configs (every sub-config too), as transformers' tests do: still the DiT's alone.
+    for config in (model.config, model.config.vae_config):
+        config.output_hidden_states = config.output_attentions = True
+    by_config = model(input_ids=ids)
+    assert len(by_config.hidden_states) == 2 and len(by_config.attentions) == 1
 
 
 def test_resize_token_embeddings_keeps_every_vocabulary_piece_consistent(tmp_path):
