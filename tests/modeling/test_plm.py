@@ -93,6 +93,22 @@ def test_loss_is_normalised_sum_of_parts(tokenizer, tiny_rows):
     assert 0.0 <= out.mask_auxiliary_fraction <= 1.0 and out.reconstructed_tokens >= 1.0
 
 
+def test_loss_normalises_by_encoder_plus_decoder_terms_when_blocks_overlap(tokenizer, tiny_rows):
+    """Stride 2 < K = 4 (blocks overlap, so most targets are decoded twice and n_dec ≈ 2·n_enc): the loss is
+    (Σ enc NLL + Σ dec NLL) / (n_enc + n_dec) with n_dec counted by hand from the block starts 1 + 2z (phase 0 in
+    eval), each block's rows truncated to targets in [1, T)."""
+    model = tiny_plm(tokenizer, alignment_weight=0.0, block_stride=2).eval()
+    x = tiny_rows[:2, :20]
+    assert not (x == tokenizer.eos_token_id).any()
+    out = model(input_ids=x, labels=x)
+    T, K, s = x.shape[1], 4, 2
+    n_enc = x.shape[0] * (T - 1)
+    n_dec = x.shape[0] * sum(1 for z in range(T) for k in range(K) if 1 <= 1 + z * s + k < T)
+    assert n_dec > 1.8 * n_enc
+    expected = (out.encoder_nll * n_enc + out.decoder_nll * n_dec) / (n_enc + n_dec)
+    torch.testing.assert_close(out.loss, expected)
+
+
 def test_decoder_rows_never_see_their_own_targets(tokenizer, tiny_rows):
     """With the auxiliaries fixed (mask auxiliary everywhere), a decoder row whose block starts at or before
     position t must not change when token x_t changes; rows of later blocks may."""
