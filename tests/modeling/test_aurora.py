@@ -619,6 +619,44 @@ def test_noisy_stream_is_the_straight_path_from_the_clean_latents_to_the_drawn_n
     assert float(out.denoising_loss) == pytest.approx(float(expected), rel=1e-5)
 
 
+def test_consistency_term_gradient_is_its_closed_form_through_the_online_prediction(monkeypatch):
+    """Gradients, not only values: λ_ct = 0.7 against λ_ct = 0 on the same draws, the difference of the loss's
+    gradients with respect to the online x0 head's output is λ_ct·2(ẑ − target)/(D·n) at the n scored positions
+    (the target, recorded from `consistency_target`, a constant) and 0 on the clean stream."""
+    monkeypatch.setattr(modeling_aurora, "make_time_sampler", lambda kind, **kwargs: ConstantSigma(0.6))
+    model = make_aurora(self_condition_prob=0.0, prompt_block_prob=0.0, consistency_weight=0.7,
+                        consistency_warmup_steps=0).train()
+    ids, length = tokens(2, 8, seed=11), 8
+    targets, heads = [], []
+    consistency_target = model.consistency_target
+    monkeypatch.setattr(model, "consistency_target", lambda *a: targets.append(consistency_target(*a)) or targets[-1])
+
+    def keep(module, args, out):
+        if out.requires_grad:
+            out.retain_grad()
+            heads.append(out)
+
+    hook = model.model.denoiser.x0_head.register_forward_hook(keep)
+    grads = {}
+    try:
+        for weight in (0.7, 0.0):
+            model.config.consistency_weight = weight
+            heads.clear()
+            torch.manual_seed(4)
+            model(input_ids=ids, labels=ids).loss.backward()
+            (head,) = heads
+            grads[weight] = head.grad.clone()
+            x0 = head.detach()[:, length:].float()
+    finally:
+        hook.remove()
+        model.config.consistency_weight = 0.7
+    torch.testing.assert_close(targets[0], targets[1])
+    difference = grads[0.7] - grads[0.0]
+    expected = 0.7 * 2 * (x0 - targets[0]) / (D * 2 * length)
+    torch.testing.assert_close(difference[:, length:], expected, atol=1e-7, rtol=1e-4)
+    assert not difference[:, :length].any() and expected.abs().max() > 1e-5
+
+
 @pytest.mark.parametrize("decay", [0.9999, 0.1])
 def test_ema_moves_by_the_warmed_up_decay(decay):
     """After the n-th step: ema = d·ema + (1 − d)·online, d = min(ema_decay, (1 + n)/(10 + n))."""
