@@ -822,3 +822,30 @@ def test_offset_cache_writes_at_offset_layers_and_grows_a_fixed_cache():
     assert torch.equal(a, b)
     assert len(shared.layers) == 2 and torch.equal(shared.layers[1].keys, plain.layers[0].keys)
     assert shared.get_seq_length(0) == 0
+
+
+def test_block_conditions_draw_at_their_rates_with_times_per_block():
+    """draw_block_conditions at rates neither 0 nor 1 (prompt blocks 0.3, history dropout 0.2; 20000 blocks of
+    Q = 4): a block gets a clean prefix with frequency 0.3 and its length k is uniform on 1..Q−1, a block loses its
+    history with frequency 0.2, every position of a block shares the block's drawn time (0 on the clean prefix,
+    which is exactly the leading k positions)."""
+    from hf_latentlm.modeling.flow import make_time_sampler
+    from hf_latentlm.modeling.layers import draw_block_conditions
+
+    torch.manual_seed(0)
+    Q, batch, length = 4, 2000, 40
+    times, clean, visible = draw_block_conditions(make_time_sampler("uniform"), batch, length, Q, 0.3, 0.2)
+    blocks = clean.view(batch, -1, Q)
+    prefix = blocks.sum(-1)
+    assert (blocks == (torch.arange(Q) < prefix[..., None])).all()  # the clean positions lead their block
+    assert abs((prefix > 0).float().mean().item() - 0.3) < 0.015
+    lengths = prefix[prefix > 0]
+    assert set(lengths.unique().tolist()) == {1, 2, 3}
+    torch.testing.assert_close(torch.bincount(lengths, minlength=4)[1:].float() / lengths.numel(),
+                               torch.full((3,), 1 / 3), atol=0.02, rtol=0)
+    assert abs((~visible).float().mean().item() - 0.2) < 0.015
+    noisy_times = times.view(batch, -1, Q)
+    assert (noisy_times[clean.view(batch, -1, Q)] == 0).all()
+    last = noisy_times[..., -1:]  # never clean (k ≤ Q − 1): the block's time
+    assert (torch.where(blocks, last, noisy_times) == last).all() and (last > 0).all()
+    assert abs(last.mean().item() - 0.5) < 0.01  # the uniform sampler's mean
