@@ -1036,6 +1036,16 @@ def test_repaint_holds_the_prompt_latents_at_time_zero_in_every_call(generator_m
     assert seen_sigmas == set(grid)
 
 
+def test_timestep_shift_moves_the_solver_grid(generator_model, monkeypatch):
+    """timestep_shift = 3 (not the identity 1): the block's denoiser evaluations are exactly at the shifted grid's
+    σ = 3t/(1 + 2t), t = 1, 2/3, 1/3, hand values 1, 6/7, 3/5 (one evaluation each: no SC-CFG, no prompt CFG)."""
+    spy = DenoiserSpy(monkeypatch, generator_model.model.denoiser)
+    generator_model.generate(tokens(1, 2 * Q, seed=31), max_new_tokens=1, eos_token_id=None, num_inference_steps=3,
+                             self_condition_guidance=1.0, guidance_scale=1.0, timestep_shift=3.0, noise_seeds=[0])
+    seen = [c["timesteps"][0, -1].item() for c in spy.calls if c["noisy"] is not None]
+    assert seen == pytest.approx([1.0, 6 / 7, 3 / 5], abs=1e-6)
+
+
 @pytest.mark.parametrize("option,value", [
     ("num_inference_steps", 0), ("num_inference_steps", 1.5), ("self_condition_guidance", -1.0),
     ("guidance_scale", -1.0), ("cfg_min_sigma", 2.0), ("timestep_shift", 0.0), ("top_k", 5), ("top_p", 0.5),

@@ -770,6 +770,20 @@ def test_repaint_holds_the_prompt_latents_at_time_zero_in_every_call(generator_m
     assert {c["timesteps"][0, -1].item() for c in spy.calls} == grid
 
 
+def test_timestep_shift_moves_the_solver_grid(generator_model):
+    """timestep_shift = 3 (not the identity 1): the DiT is evaluated exactly at the shifted grid's times
+    3t/(1 + 2t), t = 1, 2/3, 1/3, hand values 1, 6/7, 3/5, which differ from the uniform grid."""
+    model = generator_model
+    spy = VelocitySpy(model)
+    try:
+        model.generate(tokens(1, 8, seed=30), max_new_tokens=1, eos_token_id=None, num_inference_steps=3,
+                       guidance_scale=1.0, timestep_shift=3.0, noise_seeds=[0])
+    finally:
+        del model.velocity
+    seen = [c["timesteps"][0, -1].item() for c in spy.calls]
+    assert seen == pytest.approx([1.0, 6 / 7, 3 / 5], abs=1e-6)
+
+
 @pytest.mark.parametrize("option,value", [
     ("top_k", 5), ("top_p", 0.9), ("num_inference_steps", 0), ("ode_solver", "rk4"), ("guidance_scale", -1.0),
     ("timestep_shift", 0.0), ("temperature", -1.0),
