@@ -895,6 +895,19 @@ def test_calls_by_network_match_a_hand_count_and_the_forward_hooks(generator_mod
     lf.assert_calls_match(out, max_new, expected, counted)
 
 
+def test_generate_defaults_come_from_the_config(generator_model):
+    """With no generate() options, the config's (non-default) self_condition_guidance 3, cfg_scale 2.5,
+    cfg_min_sigma 0.5 and num_inference_steps 4 are used: the calls per network are their hand count."""
+    model = copy.deepcopy(generator_model)
+    cfg = model.config
+    cfg.self_condition_guidance, cfg.cfg_scale, cfg.cfg_min_sigma, cfg.num_inference_steps = 3.0, 2.5, 0.5, 4
+    out = model.generate(tokens(1, 2 * Q, seed=33), max_new_tokens=Q, eos_token_id=None,
+                         return_dict_in_generate=True, noise_seeds=[0])
+    expected = expected_calls(2 * Q, Q, 4, 3.0, 2.5, 0.5)
+    assert {k: v.tolist() for k, v in out.calls_by_network.items()} == {k: [v] for k, v in expected.items()}
+    assert expected["denoiser"] == 1 + 4 + 3 + 3  # prefill; aware ×4, blind ×3, unconditional at σ = 1, .75, .5
+
+
 def test_no_blind_evaluation_without_self_conditioning():
     model = make_aurora(seed=4, self_condition_prob=0.0).eval()
     out = model.generate(tokens(1, 6), max_new_tokens=6, eos_token_id=None, return_dict_in_generate=True,

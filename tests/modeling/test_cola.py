@@ -676,6 +676,18 @@ def test_calls_by_network_match_a_hand_count_and_the_forward_hooks(generator_mod
     lf.assert_calls_match(out, max_new, expected, counted)
 
 
+def test_generate_defaults_come_from_the_config(generator_model):
+    """With no generate() options, the config's (non-default) cfg_scale 2.5, num_inference_steps 3 and ode_solver
+    "heun" are used: the calls per network are the hand count for Heun's 5 evaluations per block, doubled by CFG."""
+    model = copy.deepcopy(generator_model)
+    model.config.cfg_scale, model.config.num_inference_steps, model.config.ode_solver = 2.5, 3, "heun"
+    out = model.generate(tokens(1, 8, seed=32), max_new_tokens=4, eos_token_id=None, return_dict_in_generate=True,
+                         noise_seeds=[0])
+    expected = expected_calls(8, 4, FlowMatchHeunSampler.evaluations(3), True)
+    assert {k: v.tolist() for k, v in out.calls_by_network.items()} == {k: [v] for k, v in expected.items()}
+    assert expected["dit"] == 1 + 2 * 5
+
+
 def test_guidance_is_skipped_exactly_for_a_row_without_history(generator_model):
     """In a batch guided at w = 7 next to a row that has history, a row shorter than one block denoises its first
     block exactly as it would alone at w = 1; the row with history is guided (differs from w = 1)."""
