@@ -434,6 +434,31 @@ def test_ignored_labels_remove_their_steps(trained_autoencoder, tokenizer, tiny_
     assert torch.isfinite(hidden.grad).all() and (hidden.grad[~scored] == 0).all()
 
 
+def test_head_noise_is_uniform_on_the_centred_cube_in_training_eval_and_generate(trained_calm, tiny_rows):
+    """The energy head's noise input ε ~ U[−0.5, 0.5]^d_noise (CALM defaults) wherever it is drawn: the training
+    loss (train mode), the eval loss and generate() at T = 1: every draw inside [−0.5, 0.5], mean ≈ 0, variance
+    ≈ 1/12, both halves used."""
+    model = copy.deepcopy(trained_calm)
+    seen = []
+    hook = model.energy_head.register_forward_pre_hook(lambda module, args: seen.append(args[1].detach().flatten()))
+    try:
+        for mode, run in (("train", lambda: model.train()(input_ids=tiny_rows[:2], labels=tiny_rows[:2])),
+                          ("eval", lambda: model.eval()(input_ids=tiny_rows[:2], labels=tiny_rows[:2])),
+                          ("generate", lambda: model.eval().generate(tiny_rows[:2, :8], max_new_tokens=16,
+                                                                     eos_token_id=None, temperature=1.0,
+                                                                     noise_seeds=[1, 2]))):
+            seen.clear()
+            torch.manual_seed(0)
+            with torch.no_grad():
+                run()
+            noise = torch.cat(seen).double()
+            assert noise.numel() > 500, mode
+            assert noise.min() >= -0.5 and noise.max() <= 0.5, mode
+            assert abs(noise.mean().item()) < 0.05 and abs(noise.var().item() - 1 / 12) < 0.012, mode
+    finally:
+        hook.remove()
+
+
 def test_context_spread_is_the_std_over_scored_steps_only():
     torch.manual_seed(0)
     hidden = torch.randn(2, 5, 8)
