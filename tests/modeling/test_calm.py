@@ -165,6 +165,27 @@ def test_autoencoder_ignores_minus_100_labels_in_loss_and_accuracy(trained_autoe
     assert abs(counting_ignored - accuracy) > 1e-4  # the check above would see ignored positions counted
 
 
+def test_latent_dropout_drops_at_its_rate_in_training_only_and_rescales(tokenizer, tiny_rows):
+    """Latent dropout 0.4 (token replacement off, decoding μ): in training the decoder reads z with ≈ 40% of its
+    coordinates zeroed and the others μ/(1 − 0.4) (inverted dropout); in eval it reads μ itself."""
+    ae = build_model("calm-ae", "tiny", tokenizer, latent_dropout=0.4, token_replace_prob=0.0)
+    seen = []
+    decode = ae.decode_logits
+    ae.decode_logits = lambda z: seen.append(z.detach()) or decode(z)
+    try:
+        torch.manual_seed(0)
+        out = ae.train()(tiny_rows[:8], labels=tiny_rows[:8], sample_latent=False)
+        mean = out.latent_mean.detach()
+        z = seen[-1]
+        dropped = z == 0
+        assert abs(dropped.float().mean().item() - 0.4) < 0.03
+        torch.testing.assert_close(z[~dropped], mean[~dropped] / 0.6)
+        out = ae.eval()(tiny_rows[:8], labels=tiny_rows[:8])
+        torch.testing.assert_close(seen[-1], out.latent_mean.detach())
+    finally:
+        del ae.decode_logits
+
+
 def test_autoencoder_corrupts_only_in_training(tokenizer, tiny_rows):
     ae = build_model("calm-ae", "tiny", tokenizer, token_replace_prob=0.5)
     chunks = tiny_rows[:4].view(4, -1, 4)
