@@ -103,14 +103,23 @@ def test_grad_accum_matches_one_big_batch(tmp_path, tokenizer, tiny_rows, monkey
         micro_rows = [sample_indices(step, micro, 0, 1, accumulated, 200) for micro in range(2)]
         assert torch.equal(torch.cat(micro_rows), sample_indices(step, 0, 0, 1, big, 200))
 
-    def trained(cfg):
+    def trained(cfg, losses=None):
         norms = []
-        model, _ = run(cfg, tokenizer, tiny_rows, on_step=lambda step, metrics: norms.append(metrics["grad_norm"]))
+
+        def on_step(step, metrics):
+            norms.append(metrics["grad_norm"])
+            if losses is not None:
+                losses.append(metrics["loss"])
+
+        model, _ = run(cfg, tokenizer, tiny_rows, on_step=on_step)
         return model, torch.tensor(norms)
 
-    reference_model, reference_norms = trained(big)
-    model, norms = trained(accumulated)
+    reference_losses, losses = [], []
+    reference_model, reference_norms = trained(big, reference_losses)
+    model, norms = trained(accumulated, losses)
     torch.testing.assert_close(norms, reference_norms, atol=0, rtol=1e-4)
+    # The logged loss is the mean over the micro-batches, as the big batch's (not their sum).
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), atol=0, rtol=1e-4)
     # Not bit-equal: summation order differs, and Adam turns rounding noise on near-zero gradients into
     # up to ~1e-5 of movement.
     assert max_difference(model, reference_model) < 5e-5
