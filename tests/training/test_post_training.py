@@ -339,6 +339,18 @@ def test_reference_scores_and_draws_come_from_the_ref_model_and_the_loss_uses_th
     assert loss == pytest.approx(torch.nn.functional.softplus(-beta * margins).mean().item(), rel=1e-4)
 
 
+def test_post_training_optimisation_is_the_papers(tmp_path):
+    """App. 16: Adam (0.9, 0.95), eps 1e-8, no weight decay, clipping at 1, linear schedule; warmup 3% of SFT and
+    10% of DPO; DPO's γ = 5 with the length-normalised loss and a precomputed (frozen) reference."""
+    sft, dpo = sft_config(str(tmp_path / "s")), dpo_config(str(tmp_path / "d"))
+    for args in (sft, dpo):
+        assert (args.adam_beta1, args.adam_beta2, args.adam_epsilon) == (0.9, 0.95, 1e-8)
+        assert args.weight_decay == 0.0 and args.max_grad_norm == 1.0
+        assert getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type) == "linear"
+    assert sft.warmup_steps == pytest.approx(0.03) and dpo.warmup_steps == pytest.approx(0.10)
+    assert dpo.beta == 5.0 and list(dpo.loss_type) == ["sigmoid_norm"] and dpo.precompute_ref_log_probs
+
+
 def test_the_reference_never_receives_gradients(tmp_path, tokenizer):
     model = build_tiny("plm", tokenizer)
     ref_model = copy.deepcopy(model)
