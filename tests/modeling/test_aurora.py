@@ -937,13 +937,15 @@ def test_prompt_guidance_is_skipped_exactly_for_a_row_without_history(generator_
     assert (guided_block[1] - plain_block[1]).abs().max() > 1e-4
 
 
-def test_sc_cfg_and_prompt_cfg_mix_their_branches_on_rows_with_history(generator_model, monkeypatch):
+@pytest.mark.parametrize("draft_mode", ["unguided", "guided"])
+def test_sc_cfg_and_prompt_cfg_mix_their_branches_on_rows_with_history(generator_model, monkeypatch, draft_mode):
     """w_sc = 3 and w = 2.5 (neither 0 nor 1), batched rows with and without history, σ grid 1, .75, .5, .25 with
     cfg_min_sigma 0.5: every velocity the solver receives is (x − ẑ)/σ with ẑ_sc = ẑ_blind + 3·(ẑ_aware − ẑ_blind)
     (from the second step on; ẑ_aware alone before) and ẑ = ẑ_uncond + 2.5·(ẑ_sc − ẑ_uncond) on the row with
     history while σ ≥ 0.5, ẑ_sc otherwise. Branches identified by their inputs: aware and blind read the history
     cache (with the previous draft / a zero draft), the unconditional one the block alone (Q × Q, no cache) with the
-    aware call's draft. A stub offset per branch makes the three predictions differ."""
+    aware call's draft. A stub offset per branch makes the three predictions differ. The next step's draft is the
+    previous aware prediction ("unguided") or the previous fully guided ẑ ("guided")."""
     from hf_latentlm.modeling.modeling_aurora import AuroraBlockVelocity
 
     w_sc, w, steps = 3.0, 2.5, 4
@@ -968,8 +970,9 @@ def test_sc_cfg_and_prompt_cfg_mix_their_branches_on_rows_with_history(generator
     ids, mask = lf.left_padded([tokens(1, 9, seed=22)[0], tokens(1, 3, seed=23)[0]])  # history / none
     generator_model.generate(ids, attention_mask=mask, max_new_tokens=1, eos_token_id=None,
                              num_inference_steps=steps, self_condition_guidance=w_sc, guidance_scale=w,
-                             cfg_min_sigma=0.5, noise_seeds=[8, 9])
+                             cfg_min_sigma=0.5, self_condition_draft=draft_mode, noise_seeds=[8, 9])
     assert [f[1] for f in fields] == [1.0, 0.75, 0.5, 0.25] and all(f[2] == [True, False] for f in fields)
+    previous = None
     for k, (x, sigma, _, calls, out) in enumerate(fields):
         conditional = [c for c in calls if not c["alone"]]
         unconditional = [c for c in calls if c["alone"]]
@@ -988,6 +991,9 @@ def test_sc_cfg_and_prompt_cfg_mix_their_branches_on_rows_with_history(generator
             assert torch.equal(uncond["draft"], aware["draft"])
             expected[0] = uncond["out"][0] + w * (z_sc[0] - uncond["out"][0])
         torch.testing.assert_close(out, (x - expected) / sigma, atol=1e-4, rtol=1e-4)
+        if previous is not None:
+            torch.testing.assert_close(aware["draft"], previous, atol=1e-5, rtol=1e-5)
+        previous = expected if draft_mode == "guided" else aware["out"]
 
 
 def test_generate_standardises_the_prompt_and_unstandardises_before_decoding(generator_model):
