@@ -30,6 +30,13 @@ def test_options_are_merged_over_the_defaults():
     assert unbiased_sampling_kwargs(4, None) == unbiased_sampling_kwargs(4)
 
 
+
+def test_the_defaults_are_plain_ancestral_sampling_of_exactly_n_tokens():
+    """Pure draws from the model (what BrierLM's unbiasedness needs): sampling on, temperature 1, no top-k (0 turns
+    off transformers' default of 50) and no top-p, exactly n tokens with EOS an ordinary token."""
+    assert unbiased_sampling_kwargs(3) == dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=3,
+                                               eos_token_id=None)
+
 def test_greedy_options_give_the_models_greedy_continuations(tiny_ar, validation_stream):
     contexts, _ = evaluation_windows(validation_stream, 4, 16, 1)
     draws = sample_continuations(tiny_ar, contexts, 6, seed=0, generate_kwargs=GREEDY)
