@@ -262,7 +262,8 @@ class CALMAutoencoder(BackbonePreTrainedModel):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, attention_mask=None,
                 sample_latent: bool | None = None, **kwargs) -> CALMAutoencoderOutput:
         """input_ids [B, T] (T a multiple of K) or chunks [B, L, K]. With labels (same shape; −100 = ignore), the
-        loss. In training mode the input is corrupted and the sampled latent dropped out.
+        loss over the scored tokens (not −100, and not padding where `attention_mask` [B, T] is 0; every chunk is
+        encoded on its own, so padding changes nothing else). In training mode the input is corrupted and the sampled latent dropped out.
         sample_latent: decode a sampled z = μ + σ·ε (True) or the posterior mean μ (False). Default: sample only
         in training, so that an eval-mode forward is deterministic (and compiles to the same numbers);
         `reconstruction_accuracy` reports both decodings. `output_hidden_states` and `return_dict` apply as in
@@ -281,11 +282,16 @@ class CALMAutoencoder(BackbonePreTrainedModel):
         if labels is None:
             return out
         targets = labels.reshape(chunks.shape)
-        nll = F.cross_entropy(logits.flatten(0, -2).float(), targets.reshape(-1), ignore_index=-100)
-        # KL(N(μ, σ²) || N(0, 1)) per dimension, floored at kl_clamp ("free bits"), summed over dimensions.
-        kl_dim = 0.5 * (mean.float().pow(2) + std.float().pow(2) - 1) - log_std.float()
-        kl = kl_dim.clamp(min=cfg.kl_clamp).sum(-1).mean()
+        if attention_mask is not None:  # padding is never a target
+            targets = targets.masked_fill(~attention_mask.reshape(chunks.shape).bool(), -100)
         scored = targets != -100
+        nll = F.cross_entropy(logits.flatten(0, -2).float(), targets.reshape(-1), ignore_index=-100)
+        # KL(N(μ, σ²) || N(0, 1)) per dimension, floored at kl_clamp ("free bits"), summed over dimensions, averaged
+        # over the chunks with a scored token (all of them in packed rows), as the reconstruction is.
+        kl_dim = 0.5 * (mean.float().pow(2) + std.float().pow(2) - 1) - log_std.float()
+        kl_chunk = kl_dim.clamp(min=cfg.kl_clamp).sum(-1)
+        chunk_scored = scored.any(-1)
+        kl = (kl_chunk * chunk_scored).sum() / chunk_scored.sum().clamp(min=1)
         out.loss = cfg.chunk_size * nll + cfg.kl_weight * kl
         out.reconstruction_nll, out.kl = nll.detach(), kl.detach()
         out.token_accuracy = ((logits.argmax(-1) == targets) & scored).sum() / scored.sum().clamp(min=1)

@@ -124,6 +124,32 @@ def test_autoencoder_kl_matches_the_closed_form_away_from_the_prior(tokenizer, t
     assert out.posterior_std.item() == pytest.approx(log_std.exp().mean().item(), rel=1e-5)
 
 
+def test_autoencoder_loss_scores_only_real_labelled_chunks(tokenizer, tiny_rows):
+    """The KL is averaged over the chunks with a scored token, as the reconstruction is over scored tokens: a chunk
+    whose labels are all −100, or that is all padding (`attention_mask` 0, labels = input_ids), leaves both parts
+    what they are on the rows without it; random ids under the padding change nothing."""
+    torch.manual_seed(0)
+    ae = build_model("calm-ae", "tiny", tokenizer).eval()
+    K = ae.config.chunk_size
+    ids = tiny_rows[:2, :4 * K].clone()
+    with torch.no_grad():
+        ae.to_posterior.bias.normal_()  # a KL that differs from chunk to chunk
+        kept = ae(ids[:, :2 * K], labels=ids[:, :2 * K])
+        labels = ids.clone()
+        labels[:, 2 * K:] = -100
+        unscored = ae(ids, labels=labels)
+        mask = torch.ones_like(ids)
+        mask[:, 2 * K:] = 0
+        junk = ids.clone()
+        junk[:, 2 * K:] = torch.randint(2, 100, junk[:, 2 * K:].shape)
+        padded = ae(junk, labels=junk, attention_mask=mask)
+        whole = ae(ids, labels=ids)
+    for out in (unscored, padded):
+        torch.testing.assert_close(out.kl, kept.kl)
+        torch.testing.assert_close(out.reconstruction_nll, kept.reconstruction_nll)
+    assert not torch.allclose(whole.kl, kept.kl)
+
+
 def test_autoencoder_kl_gradient_is_the_closed_form_and_zero_under_the_free_bits_floor(tokenizer, tiny_rows):
     """Gradients, not only values: at μ = 1.5, log σ = −1 (KL 1.69 per dimension, above the 0.5 floor) on half the
     dimensions and μ = 0.2, log σ = 0 (below it) on the other half, the KL's share of ∂loss/∂(posterior bias) —
@@ -725,3 +751,22 @@ def test_from_pretrained_keeps_the_autoencoder_frozen(tmp_path, tokenizer):
     for model in (calm, loaded):
         assert not any(p.requires_grad for p in model.autoencoder.parameters())
         assert all(p.requires_grad for n, p in model.named_parameters() if not n.startswith("autoencoder."))
+
+
+def test_right_padded_chunks_do_not_enter_the_energy_loss():
+    """labels = input_ids (the HF convention) with a right-padding attention_mask: a step is scored by its TARGET
+    chunk's padding, so the eval-mode loss cannot depend on the ids under the padding, and equals the same rows with
+    those labels set to −100; the padding is not ignored altogether (shorter rows change the loss)."""
+    torch.manual_seed(0)
+    model = CALMForCausalLM(tiny_calm_config()).eval()
+    ids = torch.randint(1, 99, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0  # row 1: chunks 2 and 3 are padding
+    other = ids.clone()
+    other[1, 8:] = torch.randint(1, 99, (8,))  # other ids under the padding
+    masked_labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        torch.testing.assert_close(model(input_ids=other, attention_mask=mask, labels=other).loss, loss)
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask, labels=masked_labels).loss, loss)
+        assert not torch.allclose(model(input_ids=ids, labels=ids).loss, loss)
