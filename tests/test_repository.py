@@ -42,7 +42,7 @@ def test_modeling_files_import_only_siblings_torch_and_transformers():
                 for name in names:
                     root = name.split(".")[0]
                     # (standard-library modules every Python has, so remote code still needs nothing else)
-                    assert root in {"torch", "transformers", "math", "copy", "dataclasses", "typing", "warnings",
+                    assert root in {"torch", "transformers", "math", "copy", "dataclasses", "functools", "typing", "warnings",
                                     "__future__"}, f"{path.name} imports {name}"
 
 
