@@ -142,23 +142,18 @@ class QueryStack(nn.Module):
              cache=None, query_start: torch.Tensor | None = None) -> torch.Tensor:
         """query_start [B, m, d]: what each query starts from (default: the learned query alone)."""
         batch, dtype = context.shape[0], self.query.dtype
+        # Index tensors once per call (boolean indexing would sync with the device at every layer).
+        context_index, query_index = is_context.nonzero().squeeze(1), (~is_context).nonzero().squeeze(1)
         stream = context.new_zeros(batch, is_context.numel(), context.shape[-1], dtype=dtype)
-        stream[:, is_context] = context.to(dtype)
-        fixed = is_context[None, :, None]
-        if query_start is None:
-            x = torch.where(fixed, stream, self.query)
-        else:
-            x = stream.clone()
-            x[:, ~is_context] = query_start.to(dtype)
+        stream = stream.index_copy(1, context_index, context.to(dtype))
+        state = (self.query.expand(batch, query_index.numel(), -1) if query_start is None
+                 else query_start.to(dtype))
         cos, sin = self.rotary(positions.expand(batch, -1), dtype=dtype)
-        # The query items' states are carried on their own and scattered into the stream for each layer, so that the
-        # recorded states are the ones the output is computed from (their gradients exist).
-        queries = ~is_context
-        query_items = queries[None, :, None].expand_as(stream)
-        state = x[:, queries]
+        # The query items' states are carried on their own and put into the stream for each layer (the context items
+        # are reset to the given context), so that the recorded states are the ones the output is computed from.
         for layer in self.layers:
-            out = layer(stream.masked_scatter(query_items, state), cos, sin, mask, cache=cache)
-            state = self.query_states(state, out[:, queries])
+            out = layer(stream.index_copy(1, query_index, state), cos, sin, mask, cache=cache)
+            state = self.query_states(state, out.index_select(1, query_index))
         return self.norm(state)
 
     def read_one_per_position(self, context: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> torch.Tensor:

@@ -208,10 +208,10 @@ def resume_checkpoint(output_dir: str | os.PathLike, which: str = "latest") -> P
         raise FileNotFoundError(f"--resume: no checkpoint-* folder in {output_dir}")
     if which == "latest":
         return folders[-1]
-    earlier = [folder for folder in folders[:-1] if is_complete_checkpoint(folder)]
-    if not earlier:
+    previous = previous_complete_checkpoint(folders[-1])
+    if previous is None:
         raise FileNotFoundError(f"--resume previous: no complete checkpoint before {folders[-1]}")
-    return earlier[-1]
+    return previous
 
 
 def previous_complete_checkpoint(checkpoint: Path) -> Path | None:
