@@ -335,8 +335,12 @@ class LatentDPOTrainer(DPOTrainer):
     dataset gets, from the reference (`ref_model`; under PEFT the adapter-disabled model; else the model itself,
     which has not trained yet): the frozen draws of both candidates (`scorer.draws`, seeded per pair, so independent
     of batching and epoch), stored as columns `chosen_draw_<key>` / `rejected_draw_<key>`, the reference scores
-    `ref_chosen_score` / `ref_rejected_score` under those draws, and the `pair_key`. The collator hands them to
-    `compute_loss`, which scores the policy on the stacked [chosen; rejected] batch under the same draws. Logged as
+    `ref_chosen_score` / `ref_rejected_score` under those draws, and the `pair_key`. A scorer whose draws are seeded
+    by the pair key (`draws_from_keys`: CALM, Cola, AURORA) has them made again at every step instead, except those
+    the reference model made (`reference_draws`: Cola's latents z0, the reference VAE's, stored as
+    `chosen_draw_latents` / `rejected_draw_latents`, so the policy is scored on the reference's latents and DPO trains
+    Cola's prior, never its VAE). The collator hands them to `compute_loss`, which scores the policy on the stacked
+    [chosen; rejected] batch under the same draws. Logged as
     in TRL: rewards/chosen, rewards/rejected (β·δ), rewards/margins, rewards/accuracies; plus scores/chosen,
     scores/rejected (the policy's s_θ).
 
@@ -448,7 +452,7 @@ class LatentDPOTrainer(DPOTrainer):
                 draws = self.scorer.draws(reference, ids, mask, completion, keys + keys)
                 scores = self.sequence_score(self.scorer.score(reference, ids, mask, completion, draws)).float().cpu()
                 n = len(indices)
-                stored = {} if getattr(self.scorer, "draws_from_keys", False) else draws
+                stored = self.stored_draws(draws)
                 for j, index in enumerate(indices):
                     record = {PAIR_KEY: keys[j], REF_CHOSEN: float(scores[j]), REF_REJECTED: float(scores[n + j])}
                     for key, value in stored.items():
@@ -477,15 +481,25 @@ class LatentDPOTrainer(DPOTrainer):
         """s of each row: the length-normalised score (`sigmoid_norm`, the paper's) or the summed one (`sigmoid`)."""
         return score.normalised() if "sigmoid_norm" in self.args.loss_type else -score.loss_sum
 
+    def stored_draws(self, draws: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The draws kept as dataset columns: all of them, or, for a scorer whose draws come from the pair keys
+        (`draws_from_keys`), only those the reference model made (`reference_draws`, e.g. Cola's latents)."""
+        if not getattr(self.scorer, "draws_from_keys", False):
+            return dict(draws)
+        return {k: v for k, v in draws.items() if k in getattr(self.scorer, "reference_draws", ())}
+
     def policy_scores(self, model, inputs) -> torch.Tensor:
-        """[2B] s_θ of the stacked [chosen; rejected] rows of `inputs` under their stored draws (or, for a scorer
-        whose draws come from the pair keys alone, the same draws made again)."""
+        """[2B] s_θ of the stacked [chosen; rejected] rows of `inputs` under their stored draws (and, for a scorer
+        whose draws come from the pair keys, those draws made again: `keyed_draws`, else `draws`)."""
         draws = {k.removeprefix("draw_"): v for k, v in inputs.items() if k.startswith("draw_")}
         keys = inputs.get(PAIR_KEY)
-        if not draws and keys is not None and getattr(self.scorer, "draws_from_keys", False):
-            draws = self.scorer.draws(model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"],
-                                      list(keys) + list(keys))
-        needs_draws = bool(self._draw_keys) or getattr(self.scorer, "draws_from_keys", False)
+        keyed = getattr(self.scorer, "draws_from_keys", False)
+        if keyed and keys is not None:
+            rows = (inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"], list(keys) + list(keys))
+            redraw = getattr(self.scorer, "keyed_draws", None)
+            fresh = redraw(core_model(model).config, *rows) if redraw is not None else self.scorer.draws(model, *rows)
+            draws = {**fresh, **draws}
+        needs_draws = bool(self._draw_keys) or keyed
         if REF_CHOSEN not in inputs or (needs_draws and not draws):
             raise ValueError("the batch lacks the precomputed draws / reference scores (use the trainer's collator)")
         with self.accelerator.autocast():  # as the reference scores were computed

@@ -45,10 +45,15 @@ What a term is (this file's definitions; the papers define no DPO score for thes
   inside a chunk) the response's last chunk is right-filled with EOS to K tokens (its target is that filled chunk).
   A prompt of at least one token is needed (its last chunk's hidden state predicts the first response chunk).
 * Cola DLM (`ColaResponseScorer`): one term per RESPONSE LATENT POSITION (one latent per token, so num_terms = R):
-  the flow-matching error mean_c (v̂ − (ε − z0))² of that position, with block times t and noise ε fixed; z0 is the
-  VAE's posterior sample μ + σ·ξ with fixed ξ (the training objective's z0; with gradient iff the VAE trains). Only
-  the flow-matching term: the VAE's reconstruction / KL / masked terms and the reference-KL are not part of the
-  score. History always visible (no history dropout).
+  the flow-matching error mean_c (v̂ − (ε − z0))² of that position, with block times t and noise ε fixed. z0 is the
+  REFERENCE VAE's posterior sample μ_ref + σ_ref·ξ with fixed ξ, drawn once with the reference (a `reference_draws`
+  entry, `latents`, stored beside the reference scores) and a constant for the policy: policy and reference are
+  scored on the same latents, and the DPO gradient reaches the prior (DiT and velocity head) only, never the VAE. The
+  score has only the flow-matching term (the VAE's reconstruction / KL / masked terms and the reference-KL, which
+  anchor the VAE in joint training, are not part of it), so a VAE trained through it could lower the chosen answer's
+  error by moving its latents instead of improving the prior. `ColaResponseScorer(latents="policy")` is that
+  ablation: z0 from the scored model's own VAE (policy: its own latents, reference: the reference's), with gradient
+  into the VAE iff it trains (`trains_vae`). History always visible (no history dropout).
 * AURORA-LM (`AuroraResponseScorer`): one term per RESPONSE LATENT POSITION (num_terms = R): the plain denoising
   error mean_c (ẑ − z)² (divided by σ² when `loss_space="velocity"`) of that position, with block σ and noise ε
   fixed, z the frozen encoder's standardised latent. ONE pass of the online denoiser with a zero self-conditioning
@@ -68,7 +73,9 @@ Draws (`draws()`): pages of 16 terms, each page from `torch.Generator().manual_s
 stream, page))` (sha256-based, never Python's salted `hash`), indexed by the term's index from the response's start
 (CALM: response chunk k; Cola/AURORA: response block k for t/σ, response position j for ε; Cola's ξ: row position p
 from the row's first real token). So the draws depend only on (seed, pair key, index): not on the batch, the padding,
-the epoch or the model, and they are the same for policy and reference. The two candidates of a pair share one pair
+the epoch or the model, and they are the same for policy and reference. The one exception is Cola's `latents` (z0
+of every row position, [B, L, d_z]): made from ξ by the REFERENCE's VAE, so they are a `reference_draws` entry, stored
+(not redrawn) by the trainer. The two candidates of a pair share one pair
 key, hence the same draws at the same index (common random numbers: Diffusion-DPO shares t AND ε between the winning
 and losing sample; here also CALM's head noise and posterior draws); each candidate's draws are frozen for good.
 Draw tensors are [B, n, ...] with n the term index (padding along dim 1 with 0, `draw_pad_values`, is harmless).
@@ -131,6 +138,10 @@ class ResponseScorer(Protocol):
         not the reference model's outputs): the trainer then redraws them at every step instead of storing them
         (CALM's posterior samples, 100 x 128 floats per chunk, would take gigabytes as dataset columns). Optional;
         a scorer without it has its draws stored.
+    reference_draws: with `draws_from_keys`, the names of the draws that DO come from the reference model's outputs
+        (Cola: `latents`, the reference VAE's z0). The trainer stores those as columns and, at every step, redraws
+        only the others, with `keyed_draws(config, input_ids, attention_mask, completion_mask, pair_keys)` (which a
+        scorer with `reference_draws` provides; `draws` without the reference's part). Optional; default none.
     """
 
     draw_pad_values: ClassVar[dict[str, float | int]]
@@ -619,8 +630,9 @@ class BlockFlowResponseScorer:
 
     draw_pad_values: ClassVar[dict[str, float]] = {"times": 0.0, "noise": 0.0}
     draws_from_keys: ClassVar[bool] = True  # seeded per pair: redrawn at every step, never stored
+    reference_draws: tuple[str, ...] = ()  # ... except these, made by the reference model (stored)
     family: ClassVar[str] = ""
-    draw_names: ClassVar[tuple[str, ...]] = ("times", "noise")
+    draw_names: tuple[str, ...] = ("times", "noise")
 
     def __init__(self, seed: int = DRAW_SEED, alignment: str = "repaint"):
         if alignment not in ALIGNMENTS:
@@ -644,12 +656,25 @@ class BlockFlowResponseScorer:
         return BlockLayout(ids_out, mask_out, lengths - response_length, response_length, lengths)
 
     def extra_draws(self, config, layout: BlockLayout, pair_keys) -> dict[str, torch.Tensor]:
+        """More draws seeded by the pair keys (none here)."""
+        return {}
+
+    def model_draws(self, reference_model, layout: BlockLayout, pair_keys) -> dict[str, torch.Tensor]:
+        """The draws the reference model makes (`reference_draws`; none here)."""
         return {}
 
     @torch.no_grad()
     def draws(self, reference_model, input_ids, attention_mask, completion_mask, pair_keys) -> dict[str, torch.Tensor]:
-        check_keys(pair_keys, input_ids.shape[0])
         config = core_model(reference_model).config
+        out = self.keyed_draws(config, input_ids, attention_mask, completion_mask, pair_keys)
+        layout = self.layout(config, input_ids, attention_mask, completion_mask)
+        out.update(self.model_draws(reference_model, layout, pair_keys))
+        return out
+
+    @torch.no_grad()
+    def keyed_draws(self, config, input_ids, attention_mask, completion_mask, pair_keys) -> dict[str, torch.Tensor]:
+        """The draws seeded by the pair keys alone: `times`, `noise` and the subclass's `extra_draws`."""
+        check_keys(pair_keys, input_ids.shape[0])
         layout = self.layout(config, input_ids, attention_mask, completion_mask)
         sampler = make_time_sampler(config.time_sampler, **config.time_sampler_kwargs())
         blocks = layout.response_blocks(config.block_size).tolist()
@@ -695,29 +720,68 @@ class BlockFlowResponseScorer:
 
 class ColaResponseScorer(BlockFlowResponseScorer):
     """Cola DLM's DPO response score: Σ over the response's latent positions of the flow-matching error at fixed
-    (t per response block, ε per position) and a fixed posterior draw ξ (z0 = μ + σ·ξ), over R terms (module
-    docstring). Extra draw: `latent_noise` [B, L, d_z], ξ of every row position from its first token."""
+    (t per response block, ε per position) and fixed clean latents z0, over R terms (module docstring).
 
-    draw_pad_values: ClassVar[dict[str, float]] = {"times": 0.0, "noise": 0.0, "latent_noise": 0.0}
+    latents (`str`, "reference"): where z0 comes from.
+    * "reference" (default): the reference VAE's posterior sample μ_ref + σ_ref·ξ (fixed ξ), made in `draws` (with
+      the reference) and returned as the draw `latents` [B, L, d_z] (z0 of every layout column from the row's first
+      token; `reference_draws`, so the trainer stores it). `score` reads z0 from it, a constant: the policy is scored
+      on the reference's latents and its VAE gets no gradient, whatever `trains_vae` says; only the prior trains.
+    * "policy": the ablation without an anchor: z0 = μ + σ·ξ from the SCORED model's own VAE, with gradient iff the VAE
+      trains (`trains_vae`), so DPO can move the latents; the draw is ξ itself, `latent_noise` [B, L, d_z], seeded by
+      the pair key (nothing stored).
+    """
+
+    LATENT_SOURCES: ClassVar[tuple[str, ...]] = ("reference", "policy")
+    draw_pad_values: ClassVar[dict[str, float]] = {"times": 0.0, "noise": 0.0, "latent_noise": 0.0, "latents": 0.0}
     family: ClassVar[str] = "cola"
-    draw_names: ClassVar[tuple[str, ...]] = ("times", "noise", "latent_noise")
 
-    def extra_draws(self, config, layout: BlockLayout, pair_keys) -> dict[str, torch.Tensor]:
+    def __init__(self, seed: int = DRAW_SEED, alignment: str = "repaint", latents: str = "reference"):
+        super().__init__(seed, alignment)
+        if latents not in self.LATENT_SOURCES:
+            raise ValueError(f"latents must be one of {self.LATENT_SOURCES}, got {latents!r}")
+        self.latents = latents
+        self.reference_draws = ("latents",) if latents == "reference" else ()
+        self.draw_names = ("times", "noise", "latents" if latents == "reference" else "latent_noise")
+
+    def posterior_noise(self, config, layout: BlockLayout, pair_keys) -> torch.Tensor:
+        """ξ [B, L, d_z] of every row position from its first token, seeded by the pair key."""
         rows = [paged_draws(self.seed, pair_keys[b], "cola-posterior", length,
                             lambda g: torch.randn(PAGE, config.latent_size, generator=g))
                 for b, length in enumerate(layout.row_length.tolist())]
-        return {"latent_noise": stack_padded(rows, layout.input_ids.device)}
+        return stack_padded(rows, layout.input_ids.device)
+
+    def extra_draws(self, config, layout: BlockLayout, pair_keys) -> dict[str, torch.Tensor]:
+        return {} if self.latents == "reference" else {"latent_noise": self.posterior_noise(config, layout, pair_keys)}
+
+    def model_draws(self, reference_model, layout, pair_keys) -> dict[str, torch.Tensor]:
+        if self.latents != "reference":
+            return {}
+        xi = self.posterior_noise(core_model(reference_model).config, layout, pair_keys)
+        # Through the wrapped model's forward (PEFT: the adapters as the caller set them, disabled for the reference).
+        z0 = call_as_forward(reference_model, self._posterior_latents, input_ids=layout.input_ids,
+                             attention_mask=layout.attention_mask, latent_noise=xi)
+        return {"latents": z0.float()}
+
+    @staticmethod
+    def _posterior_latents(core, input_ids=None, attention_mask=None, latent_noise=None, grad: bool = False,
+                           **_wrapper_kwargs) -> torch.Tensor:
+        """z0 = μ + σ·ξ [B, W, d_z] of `core`'s VAE at every column of the layout rows (ξ taken per real column)."""
+        vae = core.model.vae
+        column = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+        xi = take(latent_noise, column, attention_mask.bool())
+        with torch.set_grad_enabled(grad):
+            mean = vae.encoder(input_ids, attention_mask)
+            return vae.sample_latents(mean, xi.to(mean))
 
     def position_errors(self, core, layout: BlockLayout, times, noise, draws) -> torch.Tensor:
-        vae = core.model.vae
         ids, mask = layout.input_ids, layout.attention_mask
-        width = ids.shape[1]
-        column = torch.arange(width, device=ids.device)[None].expand(ids.shape[0], -1)
-        xi = take(draws["latent_noise"], column, mask.bool())
-        # z0 as in the joint objective: the posterior sample, with gradient only when the VAE trains.
-        with torch.set_grad_enabled(torch.is_grad_enabled() and core.config.trains_vae):
-            mean = vae.encoder(ids, mask)
-            z0 = vae.sample_latents(mean, xi.to(mean))
+        if self.latents == "reference":
+            column = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
+            z0 = take(draws["latents"], column, mask.bool()).to(ids.device, torch.float32)
+        else:  # z0 as in the joint objective: the posterior sample, with gradient only when the VAE trains
+            z0 = self._posterior_latents(core, ids, mask, draws["latent_noise"],
+                                         grad=torch.is_grad_enabled() and core.config.trains_vae)
         return core.flow_matching_error(z0, times.to(z0.device), noise.to(z0), None, mask)
 
 

@@ -652,18 +652,22 @@ def test_two_process_ddp_sft_then_lora_dpo(tmp_path, plm_folder):
 
 @pytest.mark.parametrize("family", ["calm", "cola", "aurora"])
 def test_latent_families_train_with_the_same_sft_and_dpo_trainers(tmp_path, tokenizer, tiny_rows, family):
-    """The other families plug their scorer (`scorers.py`) into the same DPO trainer. Their draws are seeded by
-    the pair key alone, so they are not stored (no `*_draw_*` columns) but made again at every step: δ = 0 at
-    initialisation shows the policy's redraws are the ones the reference was scored with. A step trains; SFT trains
-    their own loss."""
+    """The other families plug their scorer (`scorers.py`) into the same DPO trainer. Their seeded draws depend on
+    the pair key alone, so they are not stored but made again at every step; only what the reference model made is
+    stored (Cola's latents: `*_draw_latents` columns). δ = 0 at initialisation shows the policy's redraws are the ones
+    the reference was scored with. A step trains; SFT trains their own loss."""
     model = build_tiny(family, tokenizer)
     if hasattr(model, "prepare_training"):  # AURORA's latent statistics, as the training loop sets them
         model.prepare_training(tiny_rows[8:24, :32])
     trainer = dpo_trainer(tmp_path, tokenizer, model=model, pairs=2, args=dpo_args(tmp_path, max_steps=1))
     assert type(trainer.scorer).__name__ == type(scorer_for(model)).__name__ != "PLMResponseScorer"
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
-    assert trainer._draw_keys == [] and not any("_draw_" in c for c in trainer.train_dataset.column_names)
-    assert not any(k.startswith("draw_") for k in batch) and len(batch["pair_key"]) == 2
+    stored = ["latents"] if family == "cola" else []
+    assert trainer._draw_keys == stored
+    assert [c for c in trainer.train_dataset.column_names if "_draw_" in c] == [f"{c}_draw_{k}" for k in stored
+                                                                              for c in ("chosen", "rejected")]
+    assert [k for k in batch if k.startswith("draw_")] == [f"draw_{k}" for k in stored]
+    assert len(batch["pair_key"]) == 2
     assert trainer.compute_loss(trainer.model, batch).item() == pytest.approx(math.log(2), abs=1e-4)
     before = snapshot(model)
     trainer.train()
@@ -1058,3 +1062,60 @@ def test_a_rejection_that_cannot_be_made_is_a_value_error(tokenizer, monkeypatch
     monkeypatch.setattr(tasks, "_wrong_response", lambda example, kind, rng: example.response)  # never wrong
     with pytest.raises(ValueError, match="rejection of .* found in 50 attempts"):
         tasks.load_preference_task(split_sizes={"train": 1}, tokenizer=tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (issue 31) Cola: DPO trains the prior on the reference's latents, never the VAE
+# ---------------------------------------------------------------------------------------------------------------------
+
+def perturbed(model, prefixes: tuple[str, ...], scale: float, seed: int, inside: bool = True):
+    """`model` with its trainable parameters whose names start (inside=True) / do not start with `prefixes` moved by
+    scale·N(0, 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad and name.startswith(prefixes) == inside:
+                param.add_(scale * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def test_cola_dpo_trains_the_prior_only_and_scores_policy_and_reference_on_the_reference_latents(tmp_path, tokenizer):
+    """A Cola model whose VAE trains (`trains_vae`, so only the score keeps DPO off it), its prior perturbed away from
+    an explicit reference (δ ≠ 0): a DPO backward gives the VAE no gradient and the prior (DiT, velocity head) one;
+    perturbing the policy's VAE then leaves δ exactly unchanged (both are scored on the reference VAE's stored
+    latents), while the documented `latents="policy"` ablation does see the perturbation and does train the VAE."""
+    from hf_latentlm.training.scorers import ColaResponseScorer
+
+    vae = ("model.vae.",)
+    reference = build_tiny("cola", tokenizer).eval()
+    assert reference.config.trains_vae and all(p.requires_grad for p in reference.model.vae.parameters())
+    policy = perturbed(copy.deepcopy(reference), vae + ("reference_encoder.",), 0.05, seed=0, inside=False)
+    trainer = dpo_trainer(tmp_path, tokenizer, model=policy, ref_model=reference, pairs=2,
+                          args=dpo_args(tmp_path, beta=3.0))
+    assert trainer._draw_keys == ["latents"]
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    stored_ref = torch.cat([batch[REF_CHOSEN], batch[REF_REJECTED]])
+
+    policy.train()
+    trainer.compute_loss(policy, batch).backward()
+    grads = {n: p.grad for n, p in policy.named_parameters() if p.requires_grad}
+    assert all(g is None or not g.any() for n, g in grads.items() if n.startswith(vae))
+    assert any(g is not None and g.any() for n, g in grads.items() if n.startswith("model.layers."))
+    assert any(g is not None and g.any() for n, g in grads.items() if n.startswith("velocity_head."))
+    policy.zero_grad(set_to_none=True)
+
+    with torch.no_grad():
+        delta = trainer.policy_scores(policy, batch) - stored_ref
+        ablation = ColaResponseScorer(latents="policy")
+        ids, mask, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+        keys = list(batch["pair_key"]) * 2
+        ablation_draws = ablation.draws(reference, ids, mask, completion, keys)
+        own = ablation.score(policy, ids, mask, completion, ablation_draws).normalised()
+    assert delta.abs().min() > 1e-4  # the prior's perturbation moves every row's score
+    perturbed(policy, vae, 0.5, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.policy_scores(policy, batch) - stored_ref, delta, rtol=0, atol=0)
+        own_after = ablation.score(policy, ids, mask, completion, ablation_draws).normalised()
+    assert (own_after - own).abs().min() > 1e-3  # the policy's own latents did move
+    ablation.score(policy, ids, mask, completion, ablation_draws).loss_sum.sum().backward()
+    assert any(p.grad is not None and p.grad.any() for p in policy.model.vae.encoder.parameters())

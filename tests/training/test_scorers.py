@@ -137,9 +137,8 @@ def flow_hand(family, model, prompt, response, draws, alignment="repaint") -> li
     ids, start = flow_row(model, prompt, response, alignment)
     length = ids.numel()
     with torch.no_grad():
-        if family == "cola":
-            vae = model.model.vae
-            z = vae.encoder(ids[None])[0] + vae.encoder.posterior_std() * draws["latent_noise"][0, :length]
+        if family == "cola":  # the reference's latents, drawn with `draws` (checked by hand in the test below)
+            z = draws["latents"][0, :length].float()
         else:
             ae = model.model.autoencoder
             z = ae.standardize(ae.encode(ids[None]))[0]
@@ -175,6 +174,12 @@ def hand_terms(family, model, prompt, response, draws, alignment="repaint"):
 
 def scorer_of(family, alignment="repaint"):
     return SCORERS[family]() if family == "calm" else SCORERS[family](alignment=alignment)
+
+
+def seeded(scorer, draws: dict) -> dict:
+    """The draws seeded by the pair keys: all but those the reference model makes (`reference_draws`: Cola's
+    latents)."""
+    return {k: v for k, v in draws.items() if k not in getattr(scorer, "reference_draws", ())}
 
 
 CASES = [("calm", "repaint"), ("cola", "repaint"), ("cola", "eos_fill"), ("aurora", "repaint"),
@@ -224,7 +229,7 @@ def test_draws_are_frozen_per_pair_and_independent_of_batch_and_model(models, fa
 
     def draws_of(order, side="right", ref=model):
         ids, mask, completion = batch_of([rows[n] for n in order], side=side)
-        return scorer.draws(ref, ids, mask, completion, [keys[n] for n in order])
+        return seeded(scorer, scorer.draws(ref, ids, mask, completion, [keys[n] for n in order]))
 
     def row_draw(draws, index, name, count):
         return draws[name][index, :count]
@@ -257,6 +262,30 @@ def test_draws_are_frozen_per_pair_and_independent_of_batch_and_model(models, fa
         assert all(not torch.equal(other_draws[k], first[k]) for k in first)
 
 
+def test_cola_latents_are_the_reference_vaes_posterior_sample_under_the_documented_draw(models):
+    """Cola's `latents` draw is z0 = μ_ref + σ_ref·ξ of the model `draws` is given (the reference), ξ of row position
+    p being row p % PAGE of page p // PAGE of the "cola-posterior" stream: by hand, row by row; it differs for
+    another reference; a padded batch holds each row's own latents. The seeded draws hold no ξ (nothing but t, ε)."""
+    model, other = models["cola"]
+    scorer = ColaResponseScorer()
+    assert scorer.reference_draws == ("latents",) and scorer.draws_from_keys
+    rows = [pair_rows(model, 5, 20, 21), pair_rows(model, 3, 6, 22)]  # 25 positions: two pages of ξ
+    ids, mask, completion = batch_of(rows)
+    draws = scorer.draws(model, ids, mask, completion, ["ka", "kb"])
+    assert set(draws) == {"times", "noise", "latents"}
+    assert set(scorer.keyed_draws(model.config, ids, mask, completion, ["ka", "kb"])) == {"times", "noise"}
+    vae = model.model.vae
+    for b, (key, (prompt, response)) in enumerate(zip(["ka", "kb"], rows)):
+        row = torch.cat([prompt, response])
+        xi = torch.cat([torch.randn(PAGE, model.config.latent_size,
+                                    generator=row_generator(DRAW_SEED, key, "cola-posterior", page))
+                        for page in range(2)])[: row.numel()]
+        with torch.no_grad():
+            hand = vae.encoder(row[None])[0] + vae.encoder.posterior_std() * xi
+        torch.testing.assert_close(draws["latents"][b, : row.numel()], hand, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(scorer.draws(other, ids, mask, completion, ["ka", "kb"])["latents"], draws["latents"])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chosen_and_rejected_of_a_pair_share_their_draws_term_by_term(models, family):
     """Same pair key: the candidates' draws agree at every term index both have (common random numbers; the flow
@@ -266,7 +295,7 @@ def test_chosen_and_rejected_of_a_pair_share_their_draws_term_by_term(models, fa
     prompt, chosen = pair_rows(model, 6, 13, 5)
     rejected = pair_rows(model, 6, 6, 6)[1]
     ids, mask, completion = batch_of([(prompt, chosen), (prompt, rejected)])
-    draws = scorer.draws(model, ids, mask, completion, ["pair", "pair"])
+    draws = seeded(scorer, scorer.draws(model, ids, mask, completion, ["pair", "pair"]))
     for key, value in draws.items():
         shorter = int((value[1].flatten(1) != 0).any(1).sum()) if value.dim() > 2 else int((value[1] != 0).sum())
         assert shorter > 0
@@ -309,7 +338,7 @@ def test_prompt_tokens_never_change_which_terms_are_scored(models, family):
     for new_prompt, new_response in ((changed_prompt, response), (prompt, changed_response)):
         ids, mask, completion = batch_of([(new_prompt, new_response)])
         new_draws = scorer.draws(model, ids, mask, completion, ["k"])
-        assert all(torch.equal(new_draws[k], draws[k]) for k in draws)
+        assert all(torch.equal(new_draws[k], draws[k]) for k in seeded(scorer, draws))
         with torch.no_grad():
             new = scorer.score(model, ids, mask, completion, new_draws)
         assert torch.equal(new.num_terms, base.num_terms)
@@ -353,7 +382,11 @@ def test_gradients_reach_the_trainable_prior_only_and_lora_through_peft(models, 
     draws = scorer.draws(model, ids, mask, completion, ["g"])
     base = scorer.score(model, ids, mask, completion, draws)
     base.loss_sum.sum().backward()
-    frozen = {"calm": "autoencoder.", "cola": "reference_encoder.", "aurora": "model.autoencoder."}[family]
+    # Cola: the VAE trains (`trains_vae`) but the score reads the reference's latents, so it gets no gradient.
+    frozen = {"calm": ("autoencoder.",), "cola": ("reference_encoder.", "model.vae."),
+              "aurora": ("model.autoencoder.",)}[family]
+    if family == "cola":
+        assert model.config.trains_vae and all(p.requires_grad for p in model.model.vae.parameters())
     moved = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.any()}
     assert moved and not any(n.startswith(frozen) for n in moved)
     model.zero_grad(set_to_none=True)
