@@ -319,10 +319,24 @@ def scorer_for(model) -> ResponseScorer:
 
 
 #: TRL `DPOConfig` options the latent loss does not implement, with the default that is allowed (refused otherwise;
-#: an option a TRL version lacks, e.g. `rpo_alpha` in TRL 1.16, is skipped; `loss_weights=[1.0]` is the default's
-#: equivalent and accepted).
+#: an option a TRL version lacks, e.g. `rpo_alpha` in TRL 1.16, is skipped). `DPO_OPTION_EQUIVALENTS`: other values
+#: that mean the default (`loss_weights=[1.0]`, `router_aux_loss_coef=0.0`), accepted.
+#:
+#: TRL 1.16's `DPOConfig` fields, one by one:
+#: * honoured as TRL does (TRL's own `__init__`, dataset preparation, collator or `Trainer`): learning_rate,
+#:   model_init_kwargs, trust_remote_code, disable_dropout, dataset_num_proc, max_length, pad_to_multiple_of,
+#:   precompute_ref_batch_size (the batch size of the draws/reference pass), beta, activation_offloading (TRL wraps
+#:   `training_step`), pad_token (deprecated); padding_free: TRL itself warns and falls back to padding.
+#: * checked by `LatentDPOTrainer.__init__`: loss_type (["sigmoid_norm"] or ["sigmoid"]), precompute_ref_log_probs
+#:   (forced True, with a warning), sync_ref_model (refused), truncation_mode (only "keep_start").
+#: * refused unless at their default: the entries below. f_divergence_type: the latent loss is the reverse-KL
+#:   (standard) DPO loss; router_aux_loss_coef: `compute_loss` adds no Mixture-of-Experts auxiliary loss.
+#: * inert, as in stock TRL, because the option that reads them is refused: f_alpha_divergence_coef (only with
+#:   f_divergence_type="alpha_divergence"), discopop_tau (only with loss_type "discopop"), ref_model_mixup_alpha and
+#:   ref_model_sync_steps (only with sync_ref_model).
 UNSUPPORTED_DPO_OPTIONS = {"label_smoothing": 0.0, "ld_alpha": None, "rpo_alpha": None, "loss_weights": None,
-                           "use_weighting": False}
+                           "use_weighting": False, "f_divergence_type": "reverse_kl", "router_aux_loss_coef": None}
+DPO_OPTION_EQUIVALENTS = {"loss_weights": ([1.0],), "router_aux_loss_coef": (0.0,)}
 
 
 class LatentDPOTrainer(DPOTrainer):
@@ -347,7 +361,8 @@ class LatentDPOTrainer(DPOTrainer):
     Both the precomputation and the policy scores run under `accelerator.autocast()` (as TRL's own
     `compute_ref_log_probs`), so mixed precision treats policy and reference alike and δ = 0 at initialisation.
     TRL options this loss does not implement (`label_smoothing`, `ld_alpha`, `rpo_alpha`, `loss_weights`,
-    `use_weighting`, `truncation_mode="keep_end"`) are refused rather than ignored.
+    `use_weighting`, `f_divergence_type`, `router_aux_loss_coef`, `truncation_mode="keep_end"`, `sync_ref_model`) are
+    refused by name rather than ignored (`UNSUPPORTED_DPO_OPTIONS` lists how each DPOConfig field is treated).
 
     Resume (`train(resume_from_checkpoint=...)`): the draws and reference scores are computed here, in `__init__`,
     from the model as passed (the frozen start, `run_dpo` loads it from `model_dir`) at global step 0; the
@@ -372,7 +387,8 @@ class LatentDPOTrainer(DPOTrainer):
                              "sync_ref_model is not supported")
         for option, default in UNSUPPORTED_DPO_OPTIONS.items():
             value = getattr(args, option, default)
-            if value != default and not (option == "loss_weights" and list(value) == [1.0]):
+            plain = list(value) if isinstance(value, tuple) else value
+            if value != default and plain not in DPO_OPTION_EQUIVALENTS.get(option, ()):
                 raise ValueError(f"LatentDPOTrainer does not support {option}={value!r} (its loss is "
                                  f"−log σ(β·(δ+ − δ−)) over the family's response score; TRL's {option} would be "
                                  f"silently ignored): leave it at {default!r}")

@@ -944,7 +944,9 @@ def test_reference_and_policy_scores_run_under_the_same_autocast(tmp_path, token
 
 @pytest.mark.parametrize(("option", "value"), [("label_smoothing", 0.1), ("ld_alpha", 0.5), ("loss_weights", [2.0]),
                                                ("use_weighting", True), ("truncation_mode", "keep_end"),
-                                               ("rpo_alpha", 1.0)])
+                                               ("rpo_alpha", 1.0), ("f_divergence_type", "forward_kl"),
+                                               ("f_divergence_type", "alpha_divergence"),
+                                               ("router_aux_loss_coef", 0.01)])
 def test_latent_dpo_refuses_trl_options_it_would_ignore(tmp_path, tokenizer, option, value):
     args = dpo_args(tmp_path)
     setattr(args, option, value)  # rpo_alpha is gone from TRL 1.16's DPOConfig; still refused where it is set
@@ -954,8 +956,29 @@ def test_latent_dpo_refuses_trl_options_it_would_ignore(tmp_path, tokenizer, opt
 
 def test_latent_dpo_accepts_the_defaults_of_those_options(tmp_path, tokenizer):
     args = dpo_args(tmp_path, loss_weights=[1.0], label_smoothing=0.0, use_weighting=False, ld_alpha=None,
-                    truncation_mode="keep_start")
-    assert dpo_trainer(tmp_path, tokenizer, args=args, pairs=2).args.loss_weights == [1.0]
+                    truncation_mode="keep_start", f_divergence_type="reverse_kl", router_aux_loss_coef=0.0)
+    trainer = dpo_trainer(tmp_path, tokenizer, args=args, pairs=2)
+    assert trainer.args.loss_weights == [1.0] and trainer.args.f_divergence_type == "reverse_kl"
+
+
+def test_every_dpo_config_field_is_either_honoured_refused_or_inert():
+    """`UNSUPPORTED_DPO_OPTIONS`'s comment sorts TRL's `DPOConfig` fields (those beyond `TrainingArguments`) into
+    honoured / checked / refused / inert: a field a new TRL adds (which the latent loss may silently ignore) fails
+    here until it is sorted."""
+    import inspect
+    import re
+
+    from transformers import TrainingArguments
+    from trl import DPOConfig
+
+    from hf_latentlm.training import post_training
+
+    own = {f.name for f in dataclasses.fields(DPOConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
+    source = inspect.getsource(post_training)
+    comment = source[source.index("#: TRL 1.16's `DPOConfig` fields"):source.index("UNSUPPORTED_DPO_OPTIONS = {")]
+    sorted_names = set(re.findall(r"[a-z_]+", comment)) | set(post_training.UNSUPPORTED_DPO_OPTIONS)
+    assert "f_divergence_type" in post_training.UNSUPPORTED_DPO_OPTIONS
+    assert len(own) > 20 and not (own - sorted_names), sorted(own - sorted_names)
 
 
 @pytest.mark.parametrize("option", ["packing", "padding_free"])
