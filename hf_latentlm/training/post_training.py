@@ -31,6 +31,7 @@ each rank computes the draws and reference scores of every N-th pair and the ran
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -339,6 +340,25 @@ UNSUPPORTED_DPO_OPTIONS = {"label_smoothing": 0.0, "ld_alpha": None, "rpo_alpha"
 DPO_OPTION_EQUIVALENTS = {"loss_weights": ([1.0],), "router_aux_loss_coef": (0.0,)}
 
 
+def trl_dpo_default(name: str):
+    """The default of `DPOConfig` field `name` in the installed TRL (1.16: loss_type ["sigmoid"], beta 0.1)."""
+    field = next(f for f in dataclasses.fields(DPOConfig) if f.name == name)
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
+
+def warn_on_trl_dpo_defaults(args: DPOConfig) -> None:
+    """Logs a warning when `args` keeps TRL's default loss_type or beta (a plain `DPOConfig`): the run then trains
+    TRL's unnormalised sigmoid loss and/or β = 0.1, not the paper's length-normalised loss with β = γ = 5, which
+    `dpo_config()` sets."""
+    defaults = [name for name in ("loss_type", "beta") if getattr(args, name) == trl_dpo_default(name)]
+    if defaults:
+        logger.warning(f"LatentDPOTrainer trains with loss_type={list(args.loss_type)} and beta={args.beta}; "
+                       f"{' and '.join(defaults)} {'is' if len(defaults) == 1 else 'are'} TRL's DPOConfig default, "
+                       f"not the paper's loss (loss_type=['sigmoid_norm'], the length-normalised score, with "
+                       f"beta={DPO_BETA}). hf_latentlm.training.post_training.dpo_config(output_dir, ...) builds the "
+                       f"paper's config (its keyword overrides win)")
+
+
 class LatentDPOTrainer(DPOTrainer):
     """TRL's `DPOTrainer` with a family's response score (`ResponseScorer`) in place of summed log-probabilities.
 
@@ -364,6 +384,11 @@ class LatentDPOTrainer(DPOTrainer):
     `use_weighting`, `f_divergence_type`, `router_aux_loss_coef`, `truncation_mode="keep_end"`, `sync_ref_model`) are
     refused by name rather than ignored (`UNSUPPORTED_DPO_OPTIONS` lists how each DPOConfig field is treated).
 
+    Config: `dpo_config()` gives the paper's loss (`sigmoid_norm`, β = 5); a plain `trl.DPOConfig` keeps TRL's
+    defaults (`sigmoid`, the summed score, with β = 0.1), which train another loss 50 times softer, so the trainer
+    logs a warning naming the loss type and β it trains with whenever loss_type or beta is at TRL's default
+    (`warn_on_trl_dpo_defaults`). Without `args` it uses `dpo_config("latent-dpo")`.
+
     Resume (`train(resume_from_checkpoint=...)`): the draws and reference scores are computed here, in `__init__`,
     from the model as passed (the frozen start, `run_dpo` loads it from `model_dir`) at global step 0; the
     checkpoint's weights, optimizer and step are loaded later, inside `train()`, so a resumed run keeps the
@@ -382,6 +407,7 @@ class LatentDPOTrainer(DPOTrainer):
         if list(args.loss_type) not in (["sigmoid_norm"], ["sigmoid"]):
             raise ValueError(f"LatentDPOTrainer supports loss_type ['sigmoid_norm'] (the length-normalised score) or "
                              f"['sigmoid'] (the summed score), got {args.loss_type}")
+        warn_on_trl_dpo_defaults(args)
         if args.sync_ref_model:
             raise ValueError("LatentDPOTrainer keeps a frozen reference (its scores are precomputed): "
                              "sync_ref_model is not supported")

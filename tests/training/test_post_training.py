@@ -1142,3 +1142,33 @@ def test_cola_dpo_trains_the_prior_only_and_scores_policy_and_reference_on_the_r
     assert (own_after - own).abs().min() > 1e-3  # the policy's own latents did move
     ablation.score(policy, ids, mask, completion, ablation_draws).loss_sum.sum().backward()
     assert any(p.grad is not None and p.grad.any() for p in policy.model.vae.encoder.parameters())
+
+
+@pytest.mark.parametrize(("overrides", "named"), [({}, "loss_type and beta are"), ({"beta": 5.0}, "loss_type is"),
+                                                  ({"loss_type": ["sigmoid_norm"]}, "beta is")])
+def test_a_plain_dpo_config_warns_that_it_trains_trls_defaults_not_the_papers_loss(tmp_path, tokenizer, caplog,
+                                                                                   overrides, named):
+    """A user's own `trl.DPOConfig` (CPU-safe, else as TRL makes it) keeps TRL's loss_type ["sigmoid"] and/or
+    β = 0.1: the trainer names what it trains with and points at `dpo_config()`; `dpo_config()` (the paper's
+    sigmoid_norm, β = 5) and its documented ablations that leave TRL's defaults (β = 3 with sigmoid_norm) do not warn.
+    """
+    import logging
+
+    from trl import DPOConfig
+
+    plain = DPOConfig(output_dir=str(tmp_path / "plain"), bf16=False, use_cpu=True, activation_checkpointing=False,
+                      per_device_train_batch_size=2, max_steps=1, report_to=[], **overrides)
+    assert (list(plain.loss_type), plain.beta) == (overrides.get("loss_type", ["sigmoid"]), overrides.get("beta", 0.1))
+    name = "hf_latentlm.training.post_training"
+    with caplog.at_level(logging.WARNING, logger=name):
+        dpo_trainer(tmp_path, tokenizer, args=plain, pairs=2)
+    warnings = [r.getMessage() for r in caplog.records
+                if r.name == name and "TRL's DPOConfig default" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    assert f"loss_type={list(plain.loss_type)} and beta={plain.beta};" in warnings[0]
+    assert f"{named} TRL's DPOConfig default" in warnings[0] and "dpo_config(" in warnings[0]
+    for args in (dpo_args(tmp_path), dpo_args(tmp_path, beta=3.0)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=name):
+            dpo_trainer(tmp_path, tokenizer, args=args, pairs=2)
+        assert not [r for r in caplog.records if "TRL's DPOConfig default" in r.getMessage()]
