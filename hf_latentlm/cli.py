@@ -1,4 +1,4 @@
-"""`hf-latentlm` command line: train, generate, eval, bench, sft, dpo, report, push.
+"""`hf-latentlm` command line: train, generate, eval, bench, sft, dpo, grpo, report, push.
 
 Every user mistake (bad argument, missing folder, empty prompt, unknown preset or family)
 ends with ONE line on stderr and exit status 2.
@@ -117,15 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--profile", action="store_true", help="cProfile of one batch-1 generate() of each model")
 
     for name, help_text in (("sft", "supervised fine-tuning of a trained model on an instruction task"),
-                            ("dpo", "preference optimisation (DPO) of a fine-tuned model on an instruction task")):
+                            ("dpo", "preference optimisation (DPO) of a fine-tuned model on an instruction task"),
+                            ("grpo", "reinforcement learning (GRPO) of a fine-tuned model on an instruction task, "
+                                     "rewarded by exact match plus partial credit")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--model", required=True, help="model folder written by train (dpo: by sft)")
+        p.add_argument("--model", required=True, help="model folder written by train (dpo, grpo: by sft)")
         p.add_argument("--output-dir", required=True)
         p.add_argument("--task", default=None, help="task of hf_latentlm.training.tasks (default: its DEFAULT_TASK)")
         p.add_argument("--max-steps", type=int, help="optimizer steps (default: one epoch)")
         p.add_argument("--lora", action="store_true", help="train a LoRA adapter, then save the merged model")
-        p.add_argument("--learning-rate", type=float, help="default: 1e-4 (sft) / 5e-6 (dpo), 10x with --lora")
-        p.add_argument("--batch-size", type=int, default=8, help="pairs (dpo) or examples (sft) per device")
+        p.add_argument("--learning-rate", type=float,
+                       help="default: 1e-4 (sft) / 5e-6 (dpo) / 1e-5 (grpo), 10x with --lora")
+        p.add_argument("--batch-size", type=int, default=16 if name == "grpo" else 8,
+                       help="pairs (dpo), examples (sft) or completions (grpo) per device")
         p.add_argument("--train-size", type=int, help="training examples drawn from the task (default: the task's)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--save-every", type=int, default=100,
@@ -137,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--policy-rejections", action="store_true",
                            help="reject the model's own wrong answers (sampled once, before training) instead of "
                                 "the task's made-up ones, wherever the model answers wrong")
+        if name == "grpo":
+            p.add_argument("--num-generations", type=int, default=8,
+                           help="completions per prompt (a group); --batch-size must be a multiple of it")
+            p.add_argument("--beta", type=float, default=0.0,
+                           help="weight of the KL to the reference (TRL's default 0: no reference model)")
+            p.add_argument("--num-score-draws", type=int, default=2,
+                           help="CALM, Cola, AURORA: draw sets per response in the likelihood surrogate")
 
     r = sub.add_parser("report", help="every model and decoding setting against the AR baseline in one run: "
                                       "Markdown table, JSON and a speed-versus-quality plot")
@@ -406,29 +417,39 @@ def cmd_report(args) -> int:
 
 
 def cmd_post_train(args) -> int:
-    """`sft` and `dpo`: TRL's stock trainers for the AR baseline, the hf_latentlm subclasses for the other families."""
+    """`sft`, `dpo` and `grpo`: TRL's stock trainers for the AR baseline, the hf_latentlm subclasses for the other
+    families."""
     from .folders import POST_TRAINING_RECORD, check_model_folder
     from .training.tasks import TASKS
 
-    for option in ("max_steps", "batch_size", "train_size", "save_every"):
-        value = getattr(args, option)
+    for option in ("max_steps", "batch_size", "train_size", "save_every", "num_generations", "num_score_draws"):
+        value = getattr(args, option, None)
         if value is not None and value < 1:
             raise ValueError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
     if args.learning_rate is not None and args.learning_rate <= 0:
         raise ValueError(f"--learning-rate must be positive, got {args.learning_rate}")
     if args.task is not None and args.task not in TASKS:
         raise ValueError(f"unknown task {args.task!r}; known tasks: {', '.join(TASKS)}")
+    if args.command == "grpo":
+        if args.num_generations < 2 or args.batch_size % args.num_generations:
+            raise ValueError(f"--num-generations must be at least 2 (advantages compare completions of one prompt) "
+                             f"and divide --batch-size; got {args.num_generations} and {args.batch_size}")
+        if args.beta < 0:
+            raise ValueError(f"--beta must be >= 0, got {args.beta}")
     check_model_folder(args.model, f"model folder {args.model!r}")
-    if args.command == "dpo" and not (Path(args.model) / POST_TRAINING_RECORD).is_file():
+    if args.command in ("dpo", "grpo") and not (Path(args.model) / POST_TRAINING_RECORD).is_file():
         # `sft` writes that record; DPO's reference is the model itself, so a model that never learnt the task's
         # answer format gives the preference loss little to work with. Allowed (a model may be tuned elsewhere).
-        print(f"hf-latentlm dpo: warning: {args.model} was not fine-tuned by `hf-latentlm sft` (no "
-              f"{POST_TRAINING_RECORD}); DPO is meant to start from an SFT model", file=sys.stderr)
-    from .recipes import run_dpo, run_sft  # torch: after every argument check
+        print(f"hf-latentlm {args.command}: warning: {args.model} was not fine-tuned by `hf-latentlm sft` (no "
+              f"{POST_TRAINING_RECORD}); {args.command.upper()} is meant to start from an SFT model", file=sys.stderr)
+    from .recipes import run_dpo, run_grpo, run_sft  # torch: after every argument check
 
     run, options = run_sft, {}
     if args.command == "dpo":
         run, options = run_dpo, {"policy_rejections": args.policy_rejections}
+    elif args.command == "grpo":
+        run, options = run_grpo, {"num_generations": args.num_generations, "beta": args.beta,
+                                  "num_score_draws": args.num_score_draws}
     summary = run(args.model, args.output_dir, task=args.task, max_steps=args.max_steps, lora=args.lora,
                   learning_rate=args.learning_rate, batch_size=args.batch_size, train_size=args.train_size,
                   seed=args.seed, save_every=args.save_every, resume=args.resume, **options)
@@ -449,7 +470,7 @@ def cmd_push(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench,
-            "sft": cmd_post_train, "dpo": cmd_post_train, "push": cmd_push, "report": cmd_report}
+            "sft": cmd_post_train, "dpo": cmd_post_train, "grpo": cmd_post_train, "push": cmd_push, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def resume_hint(args) -> str:
     """For a command that writes resumable checkpoints: where the last complete one is and the flag that resumes."""
-    if args.command not in ("train", "sft", "dpo"):
+    if args.command not in ("train", "sft", "dpo", "grpo"):
         return ""
     from .training.checkpoint import latest_checkpoint
 

@@ -83,6 +83,8 @@ class FamilySpec:
         next to the default decoding.
     bench_measurements: `measure(model, baseline, stream) -> dict`, the family's own numbers in `bench --extras`
         (`hf_latentlm.eval.family_bench`); None: none.
+    rollout_options: `generate()` options of reinforcement-learning rollouts (`LatentGRPOTrainer`), so that the
+        rollout policy is the one the trainer's log-likelihood describes (PLM: lossless exact acceptance).
     """
 
     name: str
@@ -99,6 +101,7 @@ class FamilySpec:
     speed_variants: Mapping[str, Mapping] = field(default_factory=dict)
     bench_decodings: Mapping[str, Mapping] = field(default_factory=dict)
     bench_measurements: Callable | str | None = ImportedOnRead()
+    rollout_options: Mapping[str, object] = field(default_factory=dict)
 
     @property
     def model_type(self) -> str | None:
@@ -297,6 +300,7 @@ register_family(FamilySpec(name="ar", build=build_ar_baseline, model_card=f"{CAR
 register_family(FamilySpec(
     name="plm", build=build_plm, config_class=f"{MODELING}:PLMConfig", model_class=f"{MODELING}:PLMForCausalLM",
     lora_target_modules=BACKBONE_LORA_TARGETS, speed_variants={"nucleus acceptance": {"acceptance": "nucleus"}},
+    rollout_options={"acceptance": "exact"},
     response_scorer=f"{SCORERS}:PLMResponseScorer", model_card=f"{CARDS}:PLM_CARD",
     bench_decodings={"epsilon acceptance": {"acceptance": "epsilon"}, "nucleus acceptance": {"acceptance": "nucleus"}},
     bench_measurements=f"{BENCH}:plm_measurements",

@@ -1,9 +1,11 @@
-"""Post-training recipes, the CLI's `sft` and `dpo`: load a model folder, train it on a task with the trainers of
-`training/post_training.py`, and save a normal checkpoint (a LoRA run merged first) that `hf-latentlm
+"""Post-training recipes, the CLI's `sft`, `dpo` and `grpo`: load a model folder, train it on a task with the trainers
+of `training/post_training.py` and `training/grpo.py`, and save a normal checkpoint (a LoRA run merged first) that `hf-latentlm
 generate/eval`, the Auto classes and `push` load.
 
 * The family is resolved once (`PostTrainingRun`): the AR baseline (any model outside the registry) trains with
-  TRL's stock `SFTTrainer` / `DPOTrainer`, every registered family with `LatentSFTTrainer` / `LatentDPOTrainer`;
+  TRL's stock `SFTTrainer` / `DPOTrainer` / `GRPOTrainer`, every registered family with `LatentSFTTrainer` /
+  `LatentDPOTrainer` / `LatentGRPOTrainer`; GRPO's rewards are the task's exact match plus its partial credit
+  (`tasks.exact_match_reward`, `tasks.partial_credit_reward`, weighted 1:1 as TRL's default weights);
   LoRA targets come from the registry's `lora_target_modules`.
 * Checkpoints: the Trainer saves `output_dir/checkpoint-<step>/` (weights — the adapter under LoRA —, optimizer,
   scheduler, RNG states, `trainer_state.json`) every `save_every` steps and at the last step, keeping the newest
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from trl import DPOTrainer, SFTTrainer
+from trl import DPOTrainer, GRPOTrainer, SFTTrainer
 
 from .eval.task import generate_answers
 from .families import BACKBONE_LORA_TARGETS, BASELINE_FAMILY, FamilySpec, family_of_model_type
@@ -38,6 +40,7 @@ from .folders import POST_TRAINING_RECORD
 from .loading import load_model_and_tokenizer
 from .training import tasks
 from .training.checkpoint import latest_checkpoint, save_tokenizer
+from .training.grpo import GRPO_LEARNING_RATE, NUM_GENERATIONS, NUM_SCORE_DRAWS, LatentGRPOTrainer, grpo_config
 from .training.post_training import (DPO_BETA, DPO_LEARNING_RATE, LORA_LEARNING_RATE_FACTOR, SAVE_EVERY,
                                      SFT_LEARNING_RATE, LatentDPOTrainer, LatentSFTTrainer, dpo_config, sft_config)
 from .training.scorers import core_model
@@ -66,9 +69,9 @@ class PostTrainingRun:
         return self.spec is None
 
     def trainer_class(self, stage: str):
-        if stage == "sft":
-            return SFTTrainer if self.autoregressive else LatentSFTTrainer
-        return DPOTrainer if self.autoregressive else LatentDPOTrainer
+        stock, latent = {"sft": (SFTTrainer, LatentSFTTrainer), "dpo": (DPOTrainer, LatentDPOTrainer),
+                         "grpo": (GRPOTrainer, LatentGRPOTrainer)}[stage]
+        return stock if self.autoregressive else latent
 
     def lora_config(self, r: int = 16, alpha: int = 32):
         """PEFT LoRA on the family's recommended backbone projections (the registry's `lora_target_modules`; the
@@ -145,18 +148,24 @@ def with_policy_rejections(pairs: Dataset, model, tokenizer, batch_size: int = 8
     return pairs.remove_columns(columns).add_column("rejected", rejected).add_column("rejected_kind", kinds)
 
 
+#: Learning rates per stage (LoRA runs: `LORA_LEARNING_RATE_FACTOR` times these).
+LEARNING_RATES = {"sft": SFT_LEARNING_RATE, "dpo": DPO_LEARNING_RATE, "grpo": GRPO_LEARNING_RATE}
+
+
 def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: int | None, lora: bool, *,
                 learning_rate: float | None, batch_size: int, seed: int, train_size: int | None,
                 dataset: Dataset | None, callbacks: Sequence | None, save_every: int, resume: bool,
-                policy_rejections: bool = False, beta: float = DPO_BETA, **config_overrides) -> dict:
-    """The body of `run_sft` and `run_dpo` (`stage`): load, build the data, train, save, summarise."""
+                policy_rejections: bool = False, beta: float | None = None, num_generations: int = NUM_GENERATIONS,
+                num_score_draws: int = NUM_SCORE_DRAWS, reward_funcs: Sequence | None = None,
+                **config_overrides) -> dict:
+    """The body of `run_sft`, `run_dpo` and `run_grpo` (`stage`): load, build the data, train, save, summarise."""
     checkpoint = resume_checkpoint(output_dir, resume)
     origin = {"stage": stage, "base_model": str(model_dir), "lora": lora,  # the card's base_model (hub.py)
               "task": None if dataset is not None else task or tasks.DEFAULT_TASK}
     model, tokenizer = load_model_and_tokenizer(str(model_dir))
     run = PostTrainingRun.of(model)
     if dataset is None:
-        load = tasks.load_task if stage == "sft" else tasks.load_preference_task
+        load = tasks.load_preference_task if stage == "dpo" else tasks.load_task
         dataset = load(task or tasks.DEFAULT_TASK, tokenizer=tokenizer, seed=seed,
                        split_sizes={"train": train_size or tasks.DEFAULT_SPLIT_SIZES["train"]})["train"]
     if policy_rejections:
@@ -164,18 +173,30 @@ def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: 
         origin["policy_rejections"] = True
         origin["sampled_rejections"] = sum(kind == SAMPLED_REJECTION for kind in dataset["rejected_kind"])
     if learning_rate is None:
-        base_rate = SFT_LEARNING_RATE if stage == "sft" else DPO_LEARNING_RATE
-        learning_rate = base_rate * (LORA_LEARNING_RATE_FACTOR if lora else 1.0)
+        learning_rate = LEARNING_RATES[stage] * (LORA_LEARNING_RATE_FACTOR if lora else 1.0)
     options = dict(learning_rate=learning_rate, batch_size=batch_size, max_steps=max_steps, seed=seed,
-                   max_length=getattr(core_model(model).config, "max_position_embeddings", None),
                    save_steps=save_every)
-    if stage == "sft":
-        args = sft_config(output_dir, **{**options, **config_overrides})
+    trainer_options = {}
+    if stage == "grpo":
+        # Room for the longest reference answer and its end-of-text token, plus a margin (as `eval.task`).
+        column = "completion" if "completion" in dataset.column_names else "response"
+        longest = max(tasks.response_lengths(dataset, tokenizer, column)) + 1
+        if beta is not None:  # else TRL's default β
+            options["beta"] = beta
+        args = grpo_config(output_dir, num_generations=num_generations, max_completion_length=longest + 8,
+                           **{**options, **config_overrides})
+        trainer_options["reward_funcs"] = list(reward_funcs or [tasks.exact_match_reward, tasks.partial_credit_reward])
+        if not run.autoregressive:
+            trainer_options["num_score_draws"] = num_score_draws
     else:
-        args = dpo_config(output_dir, beta=beta, **{**options, **config_overrides})
+        options["max_length"] = getattr(core_model(model).config, "max_position_embeddings", None)
+        if stage == "sft":
+            args = sft_config(output_dir, **{**options, **config_overrides})
+        else:
+            args = dpo_config(output_dir, beta=DPO_BETA if beta is None else beta, **{**options, **config_overrides})
     trainer = run.trainer_class(stage)(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                                        peft_config=run.lora_config() if lora else None,
-                                       callbacks=list(callbacks or []))
+                                       callbacks=list(callbacks or []), **trainer_options)
     result = trainer.train(resume_from_checkpoint=checkpoint)
     save_post_trained(trainer, output_dir, tokenizer, origin=origin)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -216,3 +237,22 @@ def run_dpo(model_dir, output_dir, task: str | None = None, max_steps: int | Non
                        batch_size=batch_size, seed=seed, train_size=train_size, dataset=dataset, callbacks=callbacks,
                        save_every=save_every, resume=resume, policy_rejections=policy_rejections, beta=beta,
                        **config_overrides)
+
+
+def run_grpo(model_dir, output_dir, task: str | None = None, max_steps: int | None = None, lora: bool = False, *,
+             learning_rate: float | None = None, batch_size: int = 16, num_generations: int = NUM_GENERATIONS,
+             seed: int = 0, train_size: int | None = None, dataset: Dataset | None = None,
+             callbacks: Sequence | None = None, save_every: int = SAVE_EVERY, resume: bool = False,
+             beta: float | None = None, num_score_draws: int = NUM_SCORE_DRAWS, reward_funcs: Sequence | None = None,
+             **config_overrides) -> dict:
+    """GRPO of the (SFT) model in `model_dir` on `task`'s prompts (`tasks.load_task`; or `dataset`, rows with
+    `prompt` and the reference `response`), rewarded by exact match plus partial credit (or by TRL reward functions
+    `reward_funcs`), and a normal checkpoint in
+    `output_dir`. AR: stock `GRPOTrainer`; other families: `LatentGRPOTrainer` (`num_score_draws`: the latent
+    families' draws per response). `batch_size` completions per device per step, `num_generations` per prompt;
+    completions up to the longest reference answer + 9 tokens. `beta`: the KL weight (None: TRL's default, 0, and no
+    reference model). LoRA, callbacks, checkpoints and `resume` as `run_sft`. Returns a summary."""
+    return _post_train("grpo", model_dir, output_dir, task, max_steps, lora, learning_rate=learning_rate,
+                       batch_size=batch_size, seed=seed, train_size=train_size, dataset=dataset, callbacks=callbacks,
+                       save_every=save_every, resume=resume, num_generations=num_generations, beta=beta,
+                       num_score_draws=num_score_draws, reward_funcs=reward_funcs, **config_overrides)

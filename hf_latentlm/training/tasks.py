@@ -180,6 +180,32 @@ def task_accuracy(predictions: Sequence[str], references: Sequence[str]) -> floa
     return sum(exact_match(p, r) for p, r in zip(predictions, references)) / len(references)
 
 
+def partial_credit(prediction: str, reference: str) -> float:
+    """The fraction of the reference's words (whitespace-separated: the numbers of a count, the words of a verse
+    passage) that the prediction has at the same index, over the longer of the two word counts, after the
+    normalisation of :func:`exact_match`. 1.0 exactly when the words match; a missing, extra or shifted word
+    costs its share, so a count that stops early or runs on scores below 1."""
+    predicted, wanted = _normalise_answer(prediction).split(), _normalise_answer(reference).split()
+    if not predicted and not wanted:
+        return 1.0
+    return sum(p == w for p, w in zip(predicted, wanted)) / max(len(predicted), len(wanted))
+
+
+def _completion_text(completion) -> str:
+    # TRL hands a reward function plain strings, or [{"role": "assistant", "content": ...}] for conversational data.
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def exact_match_reward(completions, response, **kwargs) -> list[float]:
+    """TRL reward function (GRPO): 1.0 where the completion is exactly the row's ``response`` column, else 0.0."""
+    return [float(exact_match(_completion_text(c), r)) for c, r in zip(completions, response)]
+
+
+def partial_credit_reward(completions, response, **kwargs) -> list[float]:
+    """TRL reward function (GRPO): :func:`partial_credit` of each completion against the row's ``response``."""
+    return [partial_credit(_completion_text(c), r) for c, r in zip(completions, response)]
+
+
 def response_lengths(dataset: Dataset, tokenizer, column: str = "completion") -> list[int]:
     """Token count of each row's ``column`` text with its trailing ``<|endoftext|>`` left out.
 

@@ -1,0 +1,250 @@
+"""GRPO (reinforcement learning with verifiable rewards) on TRL's `GRPOTrainer`, for every family.
+
+* The AR baseline (any model outside the family registry) trains with TRL's STOCK `GRPOTrainer`.
+* A registered family trains with `LatentGRPOTrainer`, which overrides only what a family changes:
+  - `_generate_single_turn`: rollouts come from the family's own `generate()`, batched with left padding, one RNG
+    seed per row (the family's `row_seeds_option`) derived from (run seed, mode, step, process, row), plus the
+    registry's `rollout_options` (PLM: lossless `acceptance="exact"`) and the user's `GRPOConfig.generation_kwargs`.
+  - `_get_per_token_logps_and_entropies`: the policy log-likelihood the family can honestly give (below).
+  Everything else (group-normalised advantages, clipping, the KL term, loss types, logging, checkpoints,
+  `accelerate launch`) is TRL's.
+
+The log-likelihood of a completion y given a prompt x:
+
+* PLM (a family with token likelihoods, `config.has_token_likelihood`): the encoder's next-token log-probabilities
+  log q_θ(y_t | x, y_<t), as for an AR model. How the rollouts relate to it: PLM's `generate()` with exact
+  acceptance commits exactly the tokens of one-token-per-call Voronoi sampling (tests/modeling/test_plm_decoding.py),
+  which draws y_t with probability |cell(y_t)| / N: the top-M of q renormalised and rounded to integer cell sizes
+  n_v (largest remainder, Σ n_v = N auxiliaries), up to the offset fit's error. So the rollout policy is q
+  truncated to its top M tokens and quantised to multiples of 1/N; q itself is its differentiable, unquantised
+  form. On-policy (TRL's default `num_iterations=1`), the importance ratio is exactly 1 and the gradient is
+  A·∇log q_θ(y_t), the policy gradient of q. With stale samples (`num_iterations > 1`) the ratio is q_θ / q_old,
+  which matches the sampler's ratio only to the quantisation's resolution.
+* CALM, Cola DLM, AURORA-LM (no token likelihood): a SURROGATE built on the family's DPO response score
+  (`hf_latentlm.training.scorers`): s_θ(x, y) = −(1/M) Σ_m L_θ(x, y; u_m) / n_terms, the family's own training
+  loss restricted to the response (an ELBO-like fit term: the energy loss per chunk for CALM, the flow-matching
+  error per latent position for Cola, the denoising error for AURORA), averaged over M = `num_score_draws` draw
+  sets u_m. Every completion token carries its row's s_θ, so TRL's token-level and sequence-level importance
+  ratios coincide: exp(s_θ − s_old), and the KL estimate is TRL's k3 of s_ref − s_θ. Variance reductions, both free:
+  - common random numbers: u_m is a function of (x, y, m) alone (seeded from the token ids, never the global RNG),
+    so the policy, the old policy and the reference score a completion under the SAME draws; identical weights give
+    a ratio of exactly 1 and a KL of exactly 0, and a row's score does not depend on its batch;
+  - several draws per response: the M draw sets are independent, so the estimate's variance is 1/M of one draw's
+    and its mean is unchanged (tests/training/test_grpo.py checks both against a closed form).
+  The surrogate is not a log-probability: it ranks responses by how well the family's objective fits them, and its
+  gradient with a positive advantage is the family's SFT gradient on that response (negative: away from it), as
+  ELBO-based RL for diffusion LMs uses. Families without token distributions log `entropy` as NaN and refuse the
+  options that need one (`top_entropy_quantile`, the entropy bonus).
+
+Rewards: `hf_latentlm.training.tasks.exact_match_reward` and `partial_credit_reward` (TRL reward functions).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl.models import unwrap_model_for_generation
+from trl.trainer.utils import pad
+
+from ..families import family_of_model_type
+from .post_training import _common_args, scorer_for
+from .scorers import ResponseScorer, core_model, pair_key, stable_int
+
+logger = logging.getLogger(__name__)
+
+GRPO_LEARNING_RATE = 1e-5
+NUM_GENERATIONS = 8
+#: M, independent draw sets per response in the latent families' surrogate.
+NUM_SCORE_DRAWS = 2
+
+#: GRPOConfig options a family's rollouts cannot honour, with the value that is allowed: rollouts sample at
+#: temperature 1 from the family's own `generate()` (no token filters, no external engine).
+UNSUPPORTED_ROLLOUT_OPTIONS = {"use_vllm": False, "use_transformers_continuous_batching": False, "temperature": 1.0,
+                               "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
+#: Options that need a token distribution; refused for the surrogate families (CALM, Cola, AURORA).
+TOKEN_DISTRIBUTION_OPTIONS = {"top_entropy_quantile": 1.0, "entropy_coef": 0.0, "use_adaptive_entropy": False}
+
+
+def grpo_config(output_dir, *, learning_rate: float = GRPO_LEARNING_RATE, batch_size: int = 8,
+                num_generations: int = NUM_GENERATIONS, max_completion_length: int = 64, max_steps: int | None = None,
+                seed: int = 0, **overrides) -> GRPOConfig:
+    """TRL's `GRPOConfig` with the package's optimisation (Adam (0.9, 0.95), clipping at 1, no warmup, linear decay)
+    and CPU-safe defaults; everything else (loss type, β, ε, reward scaling) is TRL's default; `overrides` win.
+    `batch_size` counts completions per device per step, so it must be a multiple of `num_generations`."""
+    return GRPOConfig(**{**_common_args(output_dir, learning_rate, batch_size, max_steps, seed, 0.0),
+                         "num_generations": num_generations, "max_completion_length": max_completion_length,
+                         "disable_dropout": True, **overrides})
+
+
+def _refuse(args, options: dict, reason: str) -> None:
+    for option, allowed in options.items():
+        value = getattr(args, option, allowed)
+        if value != allowed and not (option == "top_k" and value is None):
+            raise ValueError(f"LatentGRPOTrainer does not support {option}={value!r}: {reason}; leave it at "
+                             f"{allowed!r}")
+
+
+def right_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int):
+    """TRL's rows [left padding][prompt][completion][right padding] moved so each row's real tokens come first:
+    (input_ids, attention_mask, completion_mask [B, T], columns [B, logits_to_keep]: where completion token j of
+    each row now sits). Positions then count from the row's first real token, as the families' `generate()` does."""
+    order = torch.sort((attention_mask == 0).long(), dim=1, stable=True).indices
+    ids, mask = input_ids.gather(1, order), attention_mask.gather(1, order)
+    in_completion = torch.zeros_like(attention_mask)
+    in_completion[:, -logits_to_keep:] = attention_mask[:, -logits_to_keep:]
+    columns = torch.argsort(order, dim=1)[:, -logits_to_keep:]
+    return ids, mask, in_completion.gather(1, order), columns
+
+
+class LatentGRPOTrainer(GRPOTrainer):
+    """TRL's `GRPOTrainer` for a registered family: rollouts from the family's `generate()`, and the family's
+    log-likelihood (PLM: encoder log-probabilities) or likelihood surrogate (CALM, Cola, AURORA: the response score
+    averaged over `num_score_draws` draw sets); see the module docstring. Takes TRL's arguments plus `scorer` (a
+    `ResponseScorer`, default the registry's) and `num_score_draws` (M, default `NUM_SCORE_DRAWS`).
+
+    The reference (β ≠ 0) is the model as passed, frozen (a copy; under PEFT the adapter-disabled model, as TRL),
+    rather than TRL's reload from `config.name_or_path`, so an in-memory model works too. Options a family cannot
+    honour are refused by name (`UNSUPPORTED_ROLLOUT_OPTIONS`; `TOKEN_DISTRIBUTION_OPTIONS` for the surrogate
+    families; `tools`, `environment_factory` and `rollout_func`, whose rollouts would not be the family's)."""
+
+    _tag_names = ["trl", "grpo", "hf-latentlm"]
+
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 scorer: ResponseScorer | None = None, num_score_draws: int = NUM_SCORE_DRAWS, **kwargs):
+        if isinstance(model, str):
+            raise ValueError("LatentGRPOTrainer takes a loaded model (hf_latentlm.loading.load_model_and_tokenizer)")
+        config = core_model(model).config
+        spec = family_of_model_type(config.model_type)
+        if spec is None:
+            raise ValueError(f"model type {config.model_type!r} is not a registered family: an autoregressive model "
+                             f"trains with TRL's own GRPOTrainer")
+        if args is None:
+            args = grpo_config(f"{spec.name}-grpo")
+        for name in ("tools", "environment_factory", "rollout_func"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"LatentGRPOTrainer does not support {name}: its rollouts come from the family's "
+                                 f"own generate()")
+        _refuse(args, UNSUPPORTED_ROLLOUT_OPTIONS, f"{spec.name} rollouts are plain samples (temperature 1) of its "
+                                                   f"own generate()")
+        self.token_likelihood = bool(getattr(config, "has_token_likelihood", True))
+        if not self.token_likelihood:
+            _refuse(args, TOKEN_DISTRIBUTION_OPTIONS, f"{spec.name} has no token distribution (its log-likelihood "
+                                                      f"is a surrogate, and its entropy is unknown)")
+        if isinstance(num_score_draws, bool) or not isinstance(num_score_draws, int) or num_score_draws < 1:
+            raise ValueError(f"num_score_draws must be a positive int, got {num_score_draws!r}")
+        self.spec, self.num_score_draws = spec, num_score_draws
+        self.scorer = None if self.token_likelihood else (scorer or scorer_for(model))
+        self.rollout_options = {**spec.rollout_options, **(args.generation_kwargs or {})}
+        self._rollouts_this_step = (None, 0)  # ((mode, optimizer step), rollouts made at it so far - 1)
+        # TRL would reload the reference from config.name_or_path; build it from the model as passed instead.
+        beta, frozen = args.beta, None
+        if beta != 0.0 and kwargs.get("peft_config") is None and not hasattr(model, "peft_config"):
+            frozen = copy.deepcopy(model).eval().requires_grad_(False)
+            args.beta = 0.0
+        try:
+            super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                             eval_dataset=eval_dataset, **kwargs)
+        finally:
+            args.beta = beta
+        self.beta = beta
+        if frozen is not None:
+            self.ref_model = self.accelerator.prepare_model(frozen, evaluation_mode=True)
+
+    # -- rollouts -------------------------------------------------------------------------------------------------
+
+    def rollout_seeds(self, count: int) -> list[int]:
+        """One generate() seed per row: a function of the run's seed, mode, optimizer step, the rollout's index
+        within that step, process and row. So the `num_generations` copies of a prompt differ, every step differs,
+        and a rerun, or a run resumed from a checkpoint, repeats them."""
+        mode = "train" if self.model.training else "eval"
+        step = self.state.global_step
+        index = self._rollouts_this_step[1] + 1 if self._rollouts_this_step[0] == (mode, step) else 0
+        self._rollouts_this_step = ((mode, step), index)
+        return [stable_int(self.args.seed, "rollout", mode, step, index, self.accelerator.process_index, row) % 2**31
+                for row in range(count)]
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if images is not None or multimodal_fields:
+            raise ValueError(f"the {self.spec.name} family generates text only (images were given)")
+        device = self.accelerator.device
+        rows = [torch.tensor(ids) for ids in prompt_ids]
+        input_ids = pad(rows, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
+        attention_mask = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="left").to(device)
+        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped, torch.no_grad():
+            seeds_option = core_model(unwrapped).row_seeds_option
+            out = unwrapped.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
+                                     max_new_tokens=self.max_completion_length, eos_token_id=self.eos_token_ids,
+                                     pad_token_id=self._tokenizer.pad_token_id,
+                                     **{seeds_option: self.rollout_seeds(len(rows))}, **self.rollout_options)
+        sequences = out.sequences if hasattr(out, "sequences") else out
+        completions = []
+        for row in sequences[:, input_ids.shape[1]:].tolist():
+            stop = next((i for i, token in enumerate(row) if token in self.eos_token_ids), None)
+            completions.append(row if stop is None else row[:stop + 1])  # the first EOS kept, as TRL does
+        return completions, None
+
+    # -- log-likelihoods ------------------------------------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """[B, logits_to_keep] log-likelihood of each completion token (surrogate families: the row's s_θ on every
+        token), entropies (NaN for the surrogate families) and no aux loss."""
+        if compute_aux_loss:
+            raise ValueError("LatentGRPOTrainer has no router aux loss (no family is a mixture of experts)")
+        ids, mask, completion, columns = right_aligned(input_ids, attention_mask, logits_to_keep)
+        batch_size = batch_size or ids.shape[0]
+        logps, entropies = [], []
+        for start in range(0, ids.shape[0], batch_size):
+            part = slice(start, start + batch_size)
+            with self.accelerator.autocast():
+                if self.token_likelihood:
+                    part_logps, part_entropy = self.token_log_probs(model, ids[part], mask[part], columns[part])
+                else:
+                    row_scores = self.surrogate_scores(model, ids[part], mask[part], completion[part])
+                    part_logps = row_scores[:, None].expand(-1, logits_to_keep)
+                    part_entropy = torch.full_like(part_logps, float("nan"))
+            logps.append(part_logps)
+            entropies.append(part_entropy)
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+    @staticmethod
+    def token_log_probs(model, input_ids, attention_mask, columns) -> tuple[torch.Tensor, torch.Tensor]:
+        """log q(token) and the entropy of q at each completion column ([B, J]), from the forward's next-token
+        logits (the encoder's, for PLM)."""
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        before = (columns - 1).clamp(min=0)
+        picked = logits.gather(1, before[..., None].expand(-1, -1, logits.shape[-1])).float()
+        log_q = picked.log_softmax(-1)
+        target = input_ids.gather(1, columns)
+        return log_q.gather(-1, target[..., None]).squeeze(-1), -(log_q.exp() * log_q).sum(-1)
+
+    def surrogate_scores(self, model, input_ids, attention_mask, completion_mask) -> torch.Tensor:
+        """[B] s_θ: the mean over `num_score_draws` draw sets of the family's normalised response score, the draws
+        seeded by each row's (prompt, completion) ids and the draw index (0 for a row without completion tokens,
+        which TRL masks out, e.g. under `mask_truncated_completions`)."""
+        scores = torch.zeros(input_ids.shape[0], device=input_ids.device)
+        rows = completion_mask.bool().any(1).nonzero().flatten().tolist()
+        if not rows:
+            return scores
+        ids, mask, completion = input_ids[rows], attention_mask[rows], completion_mask[rows]
+        keys = [rollout_key(i, m, c) for i, m, c in zip(ids.tolist(), mask.tolist(), completion.tolist())]
+        M = self.num_score_draws
+        stacked = [t.repeat(M, 1) for t in (ids, mask, completion)]
+        draw_keys = [f"{key}/{m}" for m in range(M) for key in keys]
+        draws = self.scorer.draws(model, *stacked, draw_keys)
+        per_draw = self.scorer.score(model, *stacked, draws).normalised().view(M, len(rows))
+        return scores.index_put((torch.tensor(rows, device=scores.device),), per_draw.mean(0).to(scores))
+
+
+def rollout_key(ids: list[int], mask: list[int], completion: list[int]) -> str:
+    """The draw key of one rollout: its real prompt ids and completion ids."""
+    prompt = [t for t, m, c in zip(ids, mask, completion) if m and not c]
+    response = [t for t, m, c in zip(ids, mask, completion) if m and c]
+    return pair_key(prompt, response, ())
+
+
+__all__ = ["GRPO_LEARNING_RATE", "LatentGRPOTrainer", "NUM_GENERATIONS", "NUM_SCORE_DRAWS", "grpo_config",
+           "right_aligned", "rollout_key"]
