@@ -213,6 +213,11 @@ class LatentSFTTrainer(SFTTrainer):
     as `generate()` puts it, the last chunk EOS-filled), so every response token and the terminal EOS is trained.
     The loss is a per-micro-batch mean (`loss_is_scaled_for_ga = False`: the Trainer divides it by the accumulation
     steps). Every other scalar of the model's output (PLM: encoder_nll, decoder_nll, alignment_loss, ...) is logged.
+
+    Conversational data (`messages`, or prompt/completion as message lists) goes through the tokenizer's chat
+    template; the packaged tokenizer's (`hf_latentlm/data/tokenizer/chat_template.jinja`) renders the task format
+    (`tasks.format_prompt` + `tasks.format_completion`) with `{% generation %}` markers around the answer, so
+    `assistant_only_loss=True` trains the answers only (a warning says so when a `messages` dataset lacks it).
     """
 
     loss_is_scaled_for_ga = False
@@ -227,6 +232,10 @@ class LatentSFTTrainer(SFTTrainer):
         check_sft_dataset(train_dataset, getattr(args, "dataset_text_field", "text"))
         if eval_dataset is not None and not isinstance(eval_dataset, dict):
             check_sft_dataset(eval_dataset, getattr(args, "dataset_text_field", "text"), "eval")
+        if "messages" in _columns(train_dataset) and not getattr(args, "assistant_only_loss", False):
+            logger.warning("LatentSFTTrainer: a 'messages' dataset without assistant_only_loss=True trains every token "
+                           "of every turn, the user's included (TRL's default); set assistant_only_loss=True (the "
+                           "packaged chat template marks the assistant's answers) for the response-only loss")
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset, **kwargs)
         config = core_model(self.model).config
         #: K of a family that trains whole chunks (CALM), else None; its rows are chunk-aligned in `model_inputs`.

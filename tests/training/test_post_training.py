@@ -1172,3 +1172,103 @@ def test_a_plain_dpo_config_warns_that_it_trains_trls_defaults_not_the_papers_lo
         with caplog.at_level(logging.WARNING, logger=name):
             dpo_trainer(tmp_path, tokenizer, args=args, pairs=2)
         assert not [r for r in caplog.records if "TRL's DPOConfig default" in r.getMessage()]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (issue 31) conversational datasets through the packaged chat template
+# ---------------------------------------------------------------------------------------------------------------------
+
+def instruction_for(line: str) -> str:
+    return f"Repeat this line exactly:\n{line}"
+
+
+def test_a_messages_dataset_trains_in_latent_sft_with_the_prompt_unlabelled(tmp_path, tokenizer):
+    """`messages` rows (user instruction, assistant answer) with `assistant_only_loss=True`: each row is tokenized
+    as the task's text format_prompt(instruction) + format_completion(response), the prompt's labels are -100 and
+    exactly the completion's tokens (the terminal EOS included) are targets, in the batch and in what the family's
+    objective receives; two steps train."""
+    from hf_latentlm.training.tasks import format_completion, format_prompt
+
+    lines = verse_lines(2)
+    rows = [{"messages": [{"role": "user", "content": instruction_for(line)},
+                          {"role": "assistant", "content": line}]} for line in lines]
+    model = build_tiny("plm", tokenizer)
+    before = snapshot(model)
+    args = sft_config(str(tmp_path / "sft"), batch_size=2, max_steps=2, logging_steps=1, learning_rate=1e-3,
+                      assistant_only_loss=True)
+    trainer = LatentSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                               processing_class=tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    labels = trainer.model_inputs(batch)["labels"]
+    for b, line in enumerate(lines):
+        prompt = tokenizer(format_prompt(instruction_for(line)))["input_ids"]
+        whole = tokenizer(format_prompt(instruction_for(line)) + format_completion(line))["input_ids"]
+        assert whole[:len(prompt)] == prompt and whole[-1] == tokenizer.eos_token_id
+        real = int(batch["attention_mask"][b].sum())
+        assert batch["input_ids"][b, :real].tolist() == whole
+        assert (labels[b, :len(prompt)] == -100).all() and (labels[b, real:] == -100).all()
+        assert labels[b, len(prompt):real].tolist() == whole[len(prompt):]
+    recorded = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        recorded.append(kwargs["labels"].clone())
+        return forward(*args, **kwargs)
+
+    model.forward = spy
+    trainer.train()
+    model.forward = forward
+    assert len(recorded) == 2 and all(torch.equal(r != -100, labels != -100) for r in recorded[:1])
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logged) == 2 and all(math.isfinite(e["loss"]) for e in logged)
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # The trained folder keeps the template: reloaded, it renders the task format.
+    from transformers import AutoTokenizer
+
+    trainer.save_model(str(tmp_path / "saved"))
+    reloaded = AutoTokenizer.from_pretrained(str(tmp_path / "saved"))
+    assert reloaded.apply_chat_template(rows[0]["messages"], tokenize=False) == \
+        format_prompt(instruction_for(lines[0])) + format_completion(lines[0])
+
+
+def test_a_messages_dataset_without_assistant_only_loss_warns_that_every_turn_is_trained(tmp_path, tokenizer,
+                                                                                         caplog):
+    import logging
+
+    rows = [{"messages": [{"role": "user", "content": instruction_for(line)},
+                          {"role": "assistant", "content": line}]} for line in verse_lines(2)]
+    name = "hf_latentlm.training.post_training"
+    for only, expected in ((False, 1), (True, 0)):
+        caplog.clear()
+        args = sft_config(str(tmp_path / "sft"), batch_size=2, max_steps=1, assistant_only_loss=only)
+        with caplog.at_level(logging.WARNING, logger=name):
+            trainer = LatentSFTTrainer(model=build_tiny("plm", tokenizer), args=args,
+                                       train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+        warned = [r for r in caplog.records if r.name == name and "assistant_only_loss=True" in r.getMessage()]
+        assert len(warned) == expected
+        labels = trainer.train_dataset[0]["labels"] if "labels" in trainer.train_dataset.column_names else None
+        assert labels is not None and ((-100 in labels) == only)  # without it the user's turn is a target too
+
+
+def test_a_conversational_preference_dataset_trains_in_latent_dpo_as_its_text_form_does(tmp_path, tokenizer):
+    """prompt / chosen / rejected as message lists go through the chat template into exactly the token ids, and so
+    the same reference scores, as the task's text form (format_prompt / format_completion); a step trains."""
+    from hf_latentlm.training.tasks import format_completion, format_prompt
+
+    lines = verse_lines(3)
+    pairs = list(zip(lines[:-1], lines[1:]))
+    chat = [{"prompt": [{"role": "user", "content": instruction_for(a)}],
+             "chosen": [{"role": "assistant", "content": a}], "rejected": [{"role": "assistant", "content": b}]}
+            for a, b in pairs]
+    text = [{"prompt": format_prompt(instruction_for(a)), "chosen": format_completion(a),
+             "rejected": format_completion(b)} for a, b in pairs]
+    model = build_tiny("plm", tokenizer)
+    before = snapshot(model)
+    trainers = [LatentDPOTrainer(model=model, args=dpo_args(tmp_path, max_steps=1), processing_class=tokenizer,
+                                 train_dataset=Dataset.from_list(rows)) for rows in (text, chat)]
+    for column in ("prompt_ids", "chosen_ids", "rejected_ids", REF_CHOSEN, REF_REJECTED):
+        assert trainers[1].train_dataset[column] == trainers[0].train_dataset[column], column
+    assert trainers[1].train_dataset["chosen_ids"][0][-1] == tokenizer.eos_token_id
+    trainers[1].train()
+    assert math.isfinite(trainers[1].state.log_history[0]["loss"])
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -157,3 +157,65 @@ def test_cli_refuses_a_tokenizer_that_needs_remote_code_without_prompt_or_output
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "--tokenizer" in err and "trust_remote_code" in err
     assert not out.exists() and not out.parent.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The packaged chat template (issue 31): the post-training format of hf_latentlm.training.tasks
+# ---------------------------------------------------------------------------------------------------------------------
+
+CONVERSATIONS = [("Repeat this line exactly:\nTo be, or not to be, that is the question:", "To be, or not to be."),
+                 ("Count from 7 to 12.", "7 8 9 10 11 12"),
+                 ("Reverse the words: \u2014Zo\u00eb, \u65e5\u672c\tend", "end \u65e5\u672c \u2014Zo\u00eb,")]
+
+
+def check_chat_template_renders_the_task_format(tokenizer) -> None:
+    from hf_latentlm.training.tasks import format_completion, format_prompt
+
+    for instruction, response in CONVERSATIONS:
+        user = [{"role": "user", "content": instruction}]
+        turns = user + [{"role": "assistant", "content": response}]
+        text = format_prompt(instruction) + format_completion(response)
+        assert tokenizer.apply_chat_template(turns, tokenize=False) == text
+        assert tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == \
+            format_prompt(instruction)
+        out = tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids = tokenizer(text)["input_ids"]
+        assert out["input_ids"] == ids
+        # TRL's assistant_only_loss trains exactly the completion's tokens, the terminal EOS included.
+        completion = tokenizer(format_completion(response))["input_ids"]
+        assert out["assistant_masks"] == [0] * (len(ids) - len(completion)) + [1] * len(completion)
+        assert ids[-len(completion):] == completion and completion[-1] == tokenizer.eos_token_id
+
+
+def test_packaged_chat_template_renders_the_post_training_format(tokenizer):
+    """apply_chat_template of a (user, assistant) conversation is format_prompt(instruction) +
+    format_completion(response) and its ids are the tokenizer's ids of that text; a user turn with
+    add_generation_prompt=True is format_prompt(instruction); the {% generation %} markers cover the completion;
+    TRL's check that the end-of-turn token is trained passes; a system turn is refused by name."""
+    from trl.chat_template_utils import has_generation_markers, is_chat_template_stop_token_trained
+
+    assert (Path(default_tokenizer_path()) / "chat_template.jinja").is_file()
+    check_chat_template_renders_the_task_format(tokenizer)
+    assert has_generation_markers(tokenizer.chat_template) and is_chat_template_stop_token_trained(tokenizer)
+    with pytest.raises(Exception, match="user and assistant turns only, not system"):
+        tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "Hi"}], tokenize=False)
+
+
+def test_chat_template_survives_a_trained_model_folder_and_a_class_rewrite(tmp_path, tokenizer, tiny_rows,
+                                                                             custom_tokenizers):
+    """The template is saved (chat_template.jinja) by training in the final folder and its checkpoint, and the
+    reloaded tokenizer renders the same; so does `save_tokenizer`'s rewrite of a custom class's config."""
+    from transformers import AutoTokenizer
+
+    template = (Path(default_tokenizer_path()) / "chat_template.jinja").read_text()
+    cls = custom_tokenizers.ShakespeareTokenizer
+    cls.register_for_auto_class()
+    save_tokenizer(cls.from_pretrained(default_tokenizer_path()), tmp_path / "rewritten")
+    assert json.loads((tmp_path / "rewritten" / "tokenizer_config.json").read_text())["tokenizer_class"] == \
+        "TokenizersBackend"
+    for folder in train_tiny_plm(tmp_path / "run", tokenizer, tiny_rows) + [tmp_path / "rewritten"]:
+        assert (folder / "chat_template.jinja").read_text() == template
+        reloaded = AutoTokenizer.from_pretrained(folder)
+        assert reloaded.chat_template == tokenizer.chat_template
+        check_chat_template_renders_the_task_format(reloaded)
