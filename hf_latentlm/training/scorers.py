@@ -27,10 +27,12 @@ and `completion_mask` (1 = response token, the terminal end-of-text token includ
 
 The latent families (CALM, Cola DLM, AURORA-LM).
 
-None of the three has a token likelihood, so, as PLM does (paper 002, App. 16.2) and as Diffusion-DPO does for
-image diffusion, a response is scored by the family's OWN training loss restricted to the response, under random
-draws that are made once per preference pair and then held fixed (the same for the policy and the reference, every
-epoch, in any batch), normalised by the number of terms:
+None of the three has a token likelihood, so, as PLM does (paper 002, App. 16.2), a response is scored by the
+family's OWN training loss restricted to the response, under random draws that are made once per preference pair
+and then held fixed (the same for the policy and the reference, every epoch, in any batch), normalised by the
+number of terms. Diffusion-DPO (image diffusion) also scores a sample by its own denoising loss and also gives the
+two samples of a pair the same t and ε, but draws fresh ones at every step; here the draws are frozen for the whole
+run, as PLM's auxiliaries are (so the reference scores can be computed once):
 
     ResponseScore.loss_sum = Σ over the response's terms of the per-term training loss,  num_terms = #terms,
     score = −loss_sum / num_terms,  δ = score(policy) − score(reference),  DPO: −log σ(γ·(δ⁺ − δ⁻)).
@@ -76,8 +78,9 @@ from the row's first real token). So the draws depend only on (seed, pair key, i
 the epoch or the model, and they are the same for policy and reference. The one exception is Cola's `latents` (z0
 of every row position, [B, L, d_z]): made from ξ by the REFERENCE's VAE, so they are a `reference_draws` entry, stored
 (not redrawn) by the trainer. The two candidates of a pair share one pair
-key, hence the same draws at the same index (common random numbers: Diffusion-DPO shares t AND ε between the winning
-and losing sample; here also CALM's head noise and posterior draws); each candidate's draws are frozen for good.
+key, hence the same draws at the same index (common random numbers: Diffusion-DPO, too, shares t AND ε between the
+winning and losing sample of a step; here also CALM's head noise and posterior draws); unlike Diffusion-DPO's, which
+are drawn afresh every step, each candidate's draws are frozen for the whole run.
 Draw tensors are [B, n, ...] with n the term index (padding along dim 1 with 0, `draw_pad_values`, is harmless).
 
 Rows: `input_ids` [B, T] = prompt + response (+ terminal EOS), `attention_mask` 1 = real token (right padding, as

@@ -288,8 +288,10 @@ def test_cola_latents_are_the_reference_vaes_posterior_sample_under_the_document
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chosen_and_rejected_of_a_pair_share_their_draws_term_by_term(models, family):
-    """Same pair key: the candidates' draws agree at every term index both have (common random numbers; the flow
-    families' t per response block and ε per response position, as Diffusion-DPO shares them)."""
+    """Same pair key: the candidates' draws agree at every term index both have (common random numbers: the flow
+    families' t per response block and ε per response position are shared between the two candidates, as
+    Diffusion-DPO shares t and ε between the winning and losing sample; unlike Diffusion-DPO, which draws them afresh
+    at every step, these are frozen for the whole run, `test_draws_are_frozen_per_pair_...` above)."""
     model = models[family][0]
     scorer = scorer_of(family)
     prompt, chosen = pair_rows(model, 6, 13, 5)
