@@ -17,7 +17,11 @@ What is checked, against independent computations where there is a number to com
 import copy
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +36,7 @@ from hf_latentlm.training.grpo import LatentGRPOTrainer, grpo_config, right_alig
 from hf_latentlm.training.scorers import ColaResponseScorer
 from hf_latentlm.training.tasks import exact_match_reward, partial_credit, partial_credit_reward
 
+DDP_WORKER = Path(__file__).with_name("ddp_grpo_worker.py")
 FAMILIES = ["plm", "calm", "cola", "aurora"]
 LATENT = ["calm", "cola", "aurora"]
 
@@ -57,12 +62,13 @@ def low_token_reward(completions, completion_ids, **kwargs):
     return [sum(t < 2048 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def trainer_for(model, tokenizer, tmp_path, rewards=None, rows: int = 4, **overrides):
+def trainer_for(model, tokenizer, tmp_path, rewards=None, rows: int = 4, peft_config=None, **overrides):
     options = dict(batch_size=4, num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1,
                    learning_rate=1e-3, save_strategy="no")
     args = grpo_config(str(tmp_path / "grpo"), **{**options, **overrides})
     return LatentGRPOTrainer(model=model, reward_funcs=rewards or [low_token_reward], args=args,
-                             train_dataset=Dataset.from_list(prompts(rows)), processing_class=tokenizer)
+                             train_dataset=Dataset.from_list(prompts(rows)), processing_class=tokenizer,
+                             peft_config=peft_config)
 
 
 def trl_layout(tokenizer, rows: list[tuple[list[int], list[int]]]):
@@ -354,3 +360,23 @@ def test_cli_grpo_refuses_a_group_that_does_not_divide_the_batch(run_cli, cola_f
     code, _, err = run_cli("grpo", "--model", str(cola_folder), "--output-dir", str(tmp_path / "x"),
                            "--batch-size", "6", "--num-generations", "4")
     assert code == 2 and "--num-generations" in err and "Traceback" not in err
+
+
+def test_two_process_ddp_lora_grpo_keeps_ranks_in_sync_with_the_adapter_disabled_reference(tmp_path, cola_folder):
+    """torchrun, 2 CPU processes, LoRA on Cola with β > 0: both ranks end with the same adapter weights, which moved;
+    the ranks drew different completions (the process index is in the rollout seeds); the first step's KL is 0
+    (the reference is the adapter-disabled model, equal to the policy before any step)."""
+    out = tmp_path / "ddp"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(DDP_WORKER),
+           str(cola_folder), str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    views = [json.loads((out / f"grpo-rank{r}.json").read_text()) for r in range(2)]
+    assert all(v["world_size"] == 2 and len(v["losses"]) == 3 for v in views)
+    assert views[0]["completions"] != views[1]["completions"]
+    assert views[0]["kl"][0] == 0.0 and all(k >= 0 for k in views[0]["kl"])
+    ranks = [load_file(out / f"grpo-rank{r}.safetensors") for r in range(2)]
+    assert ranks[0] and all("lora_" in n for n in ranks[0])
+    assert all(torch.equal(ranks[0][n], ranks[1][n]) for n in ranks[0]), "DDP kept the ranks in sync"
+    assert any(ranks[0][n].abs().sum() > 0 for n in ranks[0] if "lora_B" in n), "the adapter trained"
