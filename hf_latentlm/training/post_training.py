@@ -42,7 +42,8 @@ from datasets import Dataset, IterableDataset, concatenate_datasets
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 from ..families import family_of_model_type
-from .scorers import ResponseScorer, TokenLikelihoodScorer, core_model, fill_token_id, pair_key, split_rows
+from .scorers import (ResponseScore, ResponseScorer, TokenLikelihoodScorer, TokenStats, core_model, fill_token_id,
+                      pair_key, split_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -263,11 +264,34 @@ class LatentSFTTrainer(SFTTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
-        out = model(**self.model_inputs(inputs))
+        batch = self.model_inputs(inputs)
+        out = model(**batch)
         for name, value in out.items():
             if name != "loss" and isinstance(value, torch.Tensor) and value.dim() == 0:
                 self._metrics[mode][name].append(self.accelerator.gather_for_metrics(value.detach()).mean().item())
+        self.log_token_metrics(mode, out, batch["labels"], inputs)
         return (out.loss, out) if return_outputs else out.loss
+
+    def log_token_metrics(self, mode: str, out, labels: torch.Tensor, inputs) -> None:
+        """TRL's SFTTrainer metrics that have a meaning here: `num_tokens` (the attended tokens of TRL's batches
+        seen in training, as TRL counts them) for every family; `mean_token_accuracy` and `entropy` (of the
+        next-token distribution, over the trained targets) for a family whose output has next-token `logits` [B, T, V]
+        (PLM: its encoder's; CALM, Cola and AURORA predict latents, not tokens, so these two are not logged)."""
+        metrics = self._metrics[mode]
+        if mode == "train":
+            attended = inputs["attention_mask"].sum() if inputs.get("attention_mask") is not None else \
+                torch.tensor(inputs["input_ids"].numel(), device=inputs["input_ids"].device)
+            self._total_train_tokens += self.accelerator.gather_for_metrics(attended).sum().item() // self._tp_size
+        metrics["num_tokens"] = [self._total_train_tokens]
+        logits = out.get("logits")
+        if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[:2] == labels.shape
+                and getattr(core_model(self.model).config, "has_token_likelihood", True)):
+            return
+        targets = labels[:, 1:]
+        (count,), (correct,), (entropy,), _ = token_totals(self.accelerator,
+                                                           TokenStats.of(logits[:, :-1], targets, targets != -100))
+        metrics["mean_token_accuracy"].append(correct / max(count, 1))
+        metrics["entropy"].append(entropy / max(count, 1))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -305,6 +329,15 @@ class ScoredPreferenceCollator:
         batch[REF_CHOSEN] = torch.tensor([e[REF_CHOSEN] for e in examples], dtype=torch.float32)
         batch[REF_REJECTED] = torch.tensor([e[REF_REJECTED] for e in examples], dtype=torch.float32)
         return batch
+
+
+def token_totals(accelerator, tokens: TokenStats, halves: int = 1) -> list[list[float]]:
+    """[field][half]: each `TokenStats` field (count, correct, entropy_sum, logit_sum) summed over the rows of each of
+    `halves` equal row blocks (DPO: chosen, rejected) and over every process (one all-gather)."""
+    fields = dataclasses.astuple(tokens)
+    local = torch.stack([part.sum() for value in fields for part in value.float().chunk(halves)])
+    total = accelerator.gather(local).view(-1, local.numel()).sum(0)
+    return total.view(len(fields), halves).tolist()
 
 
 def scorer_for(model) -> ResponseScorer:
@@ -383,9 +416,23 @@ class LatentDPOTrainer(DPOTrainer):
     the reference model made (`reference_draws`: Cola's latents z0, the reference VAE's, stored as
     `chosen_draw_latents` / `rejected_draw_latents`, so the policy is scored on the reference's latents and DPO trains
     Cola's prior, never its VAE). The collator hands them to `compute_loss`, which scores the policy on the stacked
-    [chosen; rejected] batch under the same draws. Logged as
-    in TRL: rewards/chosen, rewards/rejected (β·δ), rewards/margins, rewards/accuracies; plus scores/chosen,
-    scores/rejected (the policy's s_θ).
+    [chosen; rejected] batch under the same draws.
+
+    Logged, under TRL's DPOTrainer names where the value has the same meaning:
+    * rewards/chosen, rewards/rejected (β·δ), rewards/margins, rewards/accuracies. Scale: δ is on the loss's scale,
+      so with `sigmoid_norm` (the default) these are per-term (PLM: per response term; β·δ of mean log-probabilities
+      for `TokenLikelihoodScorer`), with `sigmoid` summed. The AR baseline's stock DPOTrainer logs β·(summed
+      log-ratio) whatever the loss type (its `sigmoid_norm` normalises inside the loss only), so AR's margins are on
+      the summed scale: a normalised margin is about a summed one divided by the number of response terms.
+    * logps/chosen, logps/rejected: the policy's summed response score −loss_sum (TRL: the summed log-probability
+      of the response; the same quantity for `TokenLikelihoodScorer`, PLM's is −(L_enc^r + L_dec^r), a latent
+      family's the negated summed training loss of its response terms); scores/chosen, scores/rejected: the s_θ the
+      loss uses (normalised or summed), no TRL counterpart.
+    * num_tokens: the attended tokens (prompt and both candidates) of the training batches so far, as TRL counts.
+    * entropy, mean_token_accuracy (chosen responses, as TRL), logits/chosen, logits/rejected (mean logit over the
+      vocabulary): over the response targets, for a score with next-token predictions (`ResponseScore.tokens`: PLM's
+      encoder, `TokenLikelihoodScorer`). Absent for CALM, Cola and AURORA, which predict latents, not tokens.
+    * not logged: aux_loss (no Mixture-of-Experts family; `router_aux_loss_coef` is refused).
 
     Both the precomputation and the policy scores run under `accelerator.autocast()` (as TRL's own
     `compute_ref_log_probs`), so mixed precision treats policy and reference alike and δ = 0 at initialisation.
@@ -540,8 +587,12 @@ class LatentDPOTrainer(DPOTrainer):
         return {k: v for k, v in draws.items() if k in getattr(self.scorer, "reference_draws", ())}
 
     def policy_scores(self, model, inputs) -> torch.Tensor:
-        """[2B] s_θ of the stacked [chosen; rejected] rows of `inputs` under their stored draws (and, for a scorer
-        whose draws come from the pair keys, those draws made again: `keyed_draws`, else `draws`)."""
+        """[2B] s_θ (`sequence_score`) of the stacked [chosen; rejected] rows of `inputs` (`policy_score`)."""
+        return self.sequence_score(self.policy_score(model, inputs))
+
+    def policy_score(self, model, inputs) -> ResponseScore:
+        """The `ResponseScore` of the stacked [chosen; rejected] rows of `inputs` under their stored draws (and, for
+        a scorer whose draws come from the pair keys, those draws made again: `keyed_draws`, else `draws`)."""
         draws = {k.removeprefix("draw_"): v for k, v in inputs.items() if k.startswith("draw_")}
         keys = inputs.get(PAIR_KEY)
         keyed = getattr(self.scorer, "draws_from_keys", False)
@@ -554,13 +605,32 @@ class LatentDPOTrainer(DPOTrainer):
         if REF_CHOSEN not in inputs or (needs_draws and not draws):
             raise ValueError("the batch lacks the precomputed draws / reference scores (use the trainer's collator)")
         with self.accelerator.autocast():  # as the reference scores were computed
-            score = self.scorer.score(model, inputs["input_ids"], inputs["attention_mask"],
-                                      inputs["completion_mask"], draws)
-        return self.sequence_score(score)
+            return self.scorer.score(model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"],
+                                     draws)
+
+    def log_score_metrics(self, mode: str, score: ResponseScore, inputs) -> None:
+        """TRL's DPOTrainer metrics that have a meaning here (see the class docstring): logps/chosen,
+        logps/rejected, num_tokens and, for a score with next-token predictions, entropy, mean_token_accuracy,
+        logits/chosen, logits/rejected."""
+        gather, metrics = self.accelerator.gather_for_metrics, self._metrics[mode]
+        logps_chosen, logps_rejected = (-score.loss_sum.detach()).chunk(2)
+        metrics["logps/chosen"].append(gather(logps_chosen).mean().item())
+        metrics["logps/rejected"].append(gather(logps_rejected).mean().item())
+        if mode == "train":
+            self._total_train_tokens += gather(inputs["attention_mask"].sum()).sum().item() // self._tp_size
+        metrics["num_tokens"] = [self._total_train_tokens]
+        if score.tokens is not None:  # sums over every rank's tokens, then the ratios (as TRL)
+            (count, count_rejected), (correct, _), (entropy, entropy_rejected), (logits, logits_rejected) = \
+                token_totals(self.accelerator, score.tokens, halves=2)
+            metrics["entropy"].append((entropy + entropy_rejected) / max(count + count_rejected, 1))
+            metrics["mean_token_accuracy"].append(correct / max(count, 1))  # TRL: the chosen responses'
+            metrics["logits/chosen"].append(logits / max(count, 1))
+            metrics["logits/rejected"].append(logits_rejected / max(count_rejected, 1))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
-        scores = self.policy_scores(model, inputs)
+        score = self.policy_score(model, inputs)
+        scores = self.sequence_score(score)
         chosen, rejected = scores.chunk(2)
         delta_chosen = chosen - inputs[REF_CHOSEN].to(chosen.dtype)
         delta_rejected = rejected - inputs[REF_REJECTED].to(rejected.dtype)
@@ -576,6 +646,7 @@ class LatentDPOTrainer(DPOTrainer):
         metrics["rewards/accuracies"].append(gather((reward_chosen > reward_rejected).float()).mean().item())
         metrics["scores/chosen"].append(gather(chosen.detach()).mean().item())
         metrics["scores/rejected"].append(gather(rejected.detach()).mean().item())
+        self.log_score_metrics(mode, score, inputs)
         return (loss, {"scores": scores.detach(), "losses": losses.detach()}) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -91,6 +91,7 @@ forward (`call_as_forward`), so DDP's and PEFT's hooks fire.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -113,12 +114,43 @@ ALIGNMENTS = ("repaint", "eos_fill")
 
 
 @dataclass
+class TokenStats:
+    """Per-row statistics [B] of a model's next-token predictions over the response targets, detached: `count`
+    targets predicted, `correct` of them the most likely token, `entropy_sum` Σ entropy (nats) of the predictive
+    distributions, `logit_sum` Σ mean-over-vocabulary logit. What TRL's trainers log as `mean_token_accuracy`,
+    `entropy` and `logits/*`."""
+
+    count: torch.Tensor
+    correct: torch.Tensor
+    entropy_sum: torch.Tensor
+    logit_sum: torch.Tensor
+
+    @staticmethod
+    @torch.no_grad()
+    def of(logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> "TokenStats":
+        """From next-token logits [B, T, V] whose position t predicts targets[:, t] [B, T], over `scored` [B, T]."""
+        logits = logits.detach().float()
+        log_probs = torch.log_softmax(logits, -1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        weight = scored.to(logits.dtype)
+        return TokenStats(count=weight.sum(1), correct=((logits.argmax(-1) == targets) * weight).sum(1),
+                          entropy_sum=(entropy * weight).sum(1), logit_sum=(logits.mean(-1) * weight).sum(1))
+
+    def put(self, rows: torch.Tensor, part: "TokenStats") -> "TokenStats":
+        """These statistics with rows `rows` replaced by `part`'s (out of place)."""
+        return TokenStats(*(mine.index_put((rows,), theirs) for mine, theirs in
+                            zip(dataclasses.astuple(self), dataclasses.astuple(part))))
+
+
+@dataclass
 class ResponseScore:
     """Per-row response score parts. loss_sum [B]: summed per-term losses (negative log-likelihoods) over the
-    response; num_terms [B]: how many terms were summed."""
+    response; num_terms [B]: how many terms were summed. tokens: the next-token prediction statistics of the response
+    targets, for a score that has next-token logits (PLM's encoder, `TokenLikelihoodScorer`), else None."""
 
     loss_sum: torch.Tensor
     num_terms: torch.Tensor
+    tokens: TokenStats | None = None
 
     def normalised(self) -> torch.Tensor:
         """[B] the per-term score -loss_sum / num_terms (0 for a row with no term)."""
@@ -334,10 +366,10 @@ class PLMResponseScorer:
         for key in ("aux", "phase"):
             if key not in draws:
                 raise ValueError(f"PLM response scores need the draw {key!r} (from PLMResponseScorer.draws)")
-        loss_sum, num_terms = call_as_forward(
+        loss_sum, num_terms, tokens = call_as_forward(
             model, self._score_rows, input_ids=input_ids, attention_mask=attention_mask,
             completion_mask=completion_mask, aux_grid=draws["aux"], phase=draws["phase"])
-        return ResponseScore(loss_sum=loss_sum, num_terms=num_terms)
+        return ResponseScore(loss_sum=loss_sum, num_terms=num_terms, tokens=tokens)
 
     def response_labels(self, core, input_ids, attention_mask, completion_mask) -> tuple[torch.Tensor, torch.Tensor]:
         """(encoder labels, decoder labels) [B, T]: the response tokens, -100 elsewhere; the decoder's also -100 at
@@ -351,12 +383,14 @@ class PLMResponseScorer:
 
     def _score_rows(self, core, input_ids=None, attention_mask=None, completion_mask=None, aux_grid=None, phase=None,
                     **_wrapper_kwargs):
-        """The forward run by `score`: rows grouped by phase, one `decoder_objective` per group."""
+        """The forward run by `score`: rows grouped by phase, one `decoder_objective` per group. Also the encoder's
+        next-token statistics over the response targets (`TokenStats`)."""
         config = core.config
         batch, length = input_ids.shape
         enc_labels, dec_labels = self.response_labels(core, input_ids, attention_mask, completion_mask)
         loss_sum = torch.zeros(batch, device=input_ids.device)
         num_terms = torch.zeros(batch, device=input_ids.device)
+        tokens = TokenStats(*(torch.zeros(batch, device=input_ids.device) for _ in range(4)))
         parts = []
         for value in phase.unique().tolist():
             rows = (phase == value).nonzero().flatten()
@@ -382,11 +416,12 @@ class PLMResponseScorer:
             group_sum = (enc_nll * enc_valid).sum(1) + (dec_nll * dec_valid).sum(1)
             group_terms = (enc_valid.sum(1) + dec_valid.sum(1)).to(num_terms.dtype)
             parts.append((rows, group_sum, group_terms))
+            tokens = tokens.put(rows, TokenStats.of(out.logits[:, :-1], enc_target, enc_valid))
         # Assembled out of place, so that autograd sees each group's sums once.
         for rows, group_sum, group_terms in parts:
             loss_sum = loss_sum.index_put((rows,), group_sum)
             num_terms = num_terms.index_put((rows,), group_terms)
-        return loss_sum, num_terms
+        return loss_sum, num_terms, tokens
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -412,7 +447,8 @@ class TokenLikelihoodScorer:
         target = input_ids[:, 1:]
         scored = (completion_mask[:, 1:].bool() & attention_mask[:, 1:].bool())
         nll = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
-        return ResponseScore(loss_sum=(nll * scored).sum(1), num_terms=scored.sum(1).to(nll.dtype))
+        return ResponseScore(loss_sum=(nll * scored).sum(1), num_terms=scored.sum(1).to(nll.dtype),
+                             tokens=TokenStats.of(logits, target, scored))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -807,4 +843,4 @@ class AuroraResponseScorer(BlockFlowResponseScorer):
 
 
 __all__ = ["ALIGNMENTS", "AuroraResponseScorer", "BlockFlowResponseScorer", "BlockLayout", "CALMLayout",
-           "CALMResponseScorer", "ColaResponseScorer", "PAGE", "paged_draws", "split_rows"]
+           "CALMResponseScorer", "ColaResponseScorer", "PAGE", "TokenStats", "paged_draws", "split_rows"]

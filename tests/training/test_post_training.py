@@ -277,16 +277,20 @@ def test_dpo_loss_at_nonzero_delta_is_the_hand_computed_sigmoid_loss_and_gradien
     mean −log σ(β·((s⁺ − s⁺_ref) − (s⁻ − s⁻_ref))) written out with math, its gradient with respect to each score
     ∓β·σ(−β·m)/B, and the logged rewards are β·δ."""
     from collections import defaultdict
-    from types import SimpleNamespace
+    from types import MethodType, SimpleNamespace
 
     beta = 2.5
     chosen, rejected = [-1.0, -2.0, -0.5], [-1.5, -1.0, -3.0]
     ref_chosen, ref_rejected = [-1.25, -1.5, -1.0], [-1.0, -1.75, -2.0]
     scores = torch.tensor(chosen + rejected, dtype=torch.float64, requires_grad=True)
-    fake = SimpleNamespace(model=SimpleNamespace(training=True), beta=beta, policy_scores=lambda model, inputs: scores,
-                           accelerator=SimpleNamespace(gather_for_metrics=lambda x: x),
-                           _metrics={"train": defaultdict(list)})
-    inputs = {REF_CHOSEN: torch.tensor(ref_chosen), REF_REJECTED: torch.tensor(ref_rejected)}
+    fake = SimpleNamespace(model=SimpleNamespace(training=True), beta=beta,
+                           policy_score=lambda model, inputs: ResponseScore(-scores, torch.ones(6)),
+                           sequence_score=lambda score: -score.loss_sum,
+                           accelerator=SimpleNamespace(gather_for_metrics=lambda x: x, gather=lambda x: x),
+                           _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
+    fake.log_score_metrics = MethodType(LatentDPOTrainer.log_score_metrics, fake)
+    inputs = {REF_CHOSEN: torch.tensor(ref_chosen), REF_REJECTED: torch.tensor(ref_rejected),
+              "attention_mask": torch.ones(6, 5, dtype=torch.long)}
     loss = LatentDPOTrainer.compute_loss(fake, None, inputs)
     margins = [(c - rc) - (r - rr) for c, rc, r, rr in zip(chosen, ref_chosen, rejected, ref_rejected)]
     assert margins == [0.75, -1.25, 1.5]
@@ -301,6 +305,9 @@ def test_dpo_loss_at_nonzero_delta_is_the_hand_computed_sigmoid_loss_and_gradien
         beta * sum(r - rr for r, rr in zip(rejected, ref_rejected)) / 3)
     assert logged["rewards/margins"][-1] == pytest.approx(beta * sum(margins) / 3)
     assert logged["rewards/accuracies"][-1] == pytest.approx(2 / 3)
+    assert logged["logps/chosen"][-1] == pytest.approx(sum(chosen) / 3)  # the summed score (here the scores)
+    assert logged["logps/rejected"][-1] == pytest.approx(sum(rejected) / 3)
+    assert logged["num_tokens"] == [30] and "entropy" not in logged  # no token statistics in this score
 
 
 def test_reference_scores_and_draws_come_from_the_ref_model_and_the_loss_uses_them(tmp_path, tokenizer):
@@ -1272,3 +1279,122 @@ def test_a_conversational_preference_dataset_trains_in_latent_dpo_as_its_text_fo
     trainers[1].train()
     assert math.isfinite(trainers[1].state.log_history[0]["loss"])
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (issue 31) TRL's metrics in the latent trainers
+# ---------------------------------------------------------------------------------------------------------------------
+
+def hand_token_metrics(model, ids, mask, scored) -> tuple[list[float], list[float], list[float], list[int]]:
+    """Per row, from ONE plain forward of `model` (next-token logits): Σ entropy, Σ mean logit, #argmax hits and
+    #targets over the positions t with scored[b, t] (predicted from t − 1), written out position by position."""
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.double()
+    entropy, mean_logit, hits, count = [], [], [], []
+    for b in range(ids.shape[0]):
+        h = m = 0.0
+        c = n = 0
+        for t in range(1, ids.shape[1]):
+            if scored[b, t]:
+                log_p = torch.log_softmax(logits[b, t - 1], -1)
+                h -= float((log_p.exp() * log_p).sum())
+                m += float(logits[b, t - 1].mean())
+                c += int(int(logits[b, t - 1].argmax()) == int(ids[b, t]))
+                n += 1
+        entropy.append(h), mean_logit.append(m), hits.append(c), count.append(n)
+    return entropy, mean_logit, hits, count
+
+
+def greedy_pair_batch(trainer, model, tokenizer):
+    """A hand-made [chosen; rejected] batch of 2 pairs with its draws and reference scores (the model is its own
+    reference): chosen = 7 of the encoder's greedy tokens + EOS (so the token accuracy is neither 0 nor 1 in
+    general), rejected = other verse tokens + EOS."""
+    eos = tokenizer.eos_token_id
+    lines = verse_lines(4)
+    rows, prompts = [], []
+    for line, other in ((lines[0], lines[2]), (lines[1], lines[3])):
+        prompt = tokenizer(prompt_for(line))["input_ids"]
+        prompts.append(prompt)
+        rows.append((prompt + greedy_response(model, prompt, 7, eos) + [eos],
+                     prompt + tokenizer(" " + other)["input_ids"][:9] + [eos]))
+    stacked = [r[0] for r in rows] + [r[1] for r in rows]
+    ids, mask = right_padded(stacked, tokenizer.pad_token_id)
+    completion = mask.clone()
+    for b, prompt in enumerate(prompts + prompts):
+        completion[b, :len(prompt)] = 0
+    keys = ["p0", "p1"]
+    scorer = PLMResponseScorer()
+    model.eval()
+    draws = scorer.draws(model, ids, mask, completion, keys + keys)
+    with torch.no_grad():
+        reference = scorer.score(model, ids, mask, completion, draws).normalised().float()
+    batch = {"input_ids": ids, "attention_mask": mask, "completion_mask": completion, "pair_key": keys,
+             "draw_aux": draws["aux"], "draw_phase": draws["phase"], REF_CHOSEN: reference[:2],
+             REF_REJECTED: reference[2:]}
+    return batch, draws
+
+
+def test_latent_dpo_logs_trls_logps_token_metrics_and_num_tokens_with_their_values(tmp_path, tokenizer):
+    """PLM DPO on a hand-made batch: logps/chosen and logps/rejected are the policy's summed scores −loss_sum (the
+    scorer's, called directly); entropy (both candidates), mean_token_accuracy (chosen, as TRL), logits/chosen and
+    logits/rejected are those of the encoder's next-token distributions over the response targets, from a plain
+    forward written out position by position; num_tokens counts the attended tokens of the training batches."""
+    model = build_tiny("plm", tokenizer)
+    trainer = dpo_trainer(tmp_path, tokenizer, model=model, pairs=2)
+    batch, draws = greedy_pair_batch(trainer, model, tokenizer)
+    ids, mask, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    model.train()  # "train" metrics; dropout is off (TRL's disable_dropout)
+    start = trainer._total_train_tokens
+    with torch.no_grad():
+        trainer.compute_loss(model, batch)
+        trainer.compute_loss(model, batch)
+        summed = -PLMResponseScorer().score(model, ids, mask, completion, draws).loss_sum.double()
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    assert logged["logps/chosen"] == pytest.approx(summed[:2].mean().item(), rel=1e-5)
+    assert logged["logps/rejected"] == pytest.approx(summed[2:].mean().item(), rel=1e-5)
+    assert logged["logps/chosen"] != pytest.approx(logged["scores/chosen"], rel=1e-3)  # summed, not normalised
+    assert logged["num_tokens"] == start + 2 * int(mask.sum())
+    scored = completion.bool() & mask.bool()
+    entropy, mean_logit, hits, count = hand_token_metrics(model, ids, mask, scored)
+    assert 0 < sum(hits[:2]) < sum(count[:2])  # the greedy tokens are hits, the terminal EOS in general not
+    assert logged["mean_token_accuracy"] == pytest.approx(sum(hits[:2]) / sum(count[:2]))
+    assert logged["entropy"] == pytest.approx(sum(entropy) / sum(count), rel=1e-4)
+    assert logged["logits/chosen"] == pytest.approx(sum(mean_logit[:2]) / sum(count[:2]), rel=1e-4, abs=1e-6)
+    assert logged["logits/rejected"] == pytest.approx(sum(mean_logit[2:]) / sum(count[2:]), rel=1e-4, abs=1e-6)
+
+
+def test_latent_sft_logs_num_tokens_and_plms_token_accuracy_and_entropy(tmp_path, tokenizer):
+    """PLM SFT: mean_token_accuracy and entropy are the encoder's over the trained (labelled) targets, by hand from a
+    plain forward; num_tokens counts the attended tokens of TRL's batches. Cola (no token predictions) logs
+    num_tokens and neither of the other two."""
+    eos = tokenizer.eos_token_id
+    model = build_tiny("plm", tokenizer)
+    args = sft_config(str(tmp_path / "sft"), batch_size=2, max_steps=1, learning_rate=1e-3, logging_steps=1)
+    trainer = LatentSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(toy_sft_rows(2)),
+                               processing_class=tokenizer)
+    prompts = [tokenizer(prompt_for(line))["input_ids"] for line in verse_lines(2)]
+    model.eval()
+    rows = [prompts[0] + greedy_response(model, prompts[0], 6, eos) + [eos],
+            prompts[1] + tokenizer(" " + verse_lines(3)[2])["input_ids"][:5] + [eos]]
+    ids, mask = right_padded(rows, tokenizer.pad_token_id)
+    labels = ids.clone()
+    for b, prompt in enumerate(prompts):
+        labels[b, :len(prompt)] = -100
+    labels[mask == 0] = -100
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    model.train()
+    start = trainer._total_train_tokens
+    with torch.no_grad():
+        trainer.compute_loss(model, batch)
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    entropy, _, hits, count = hand_token_metrics(model, ids, mask, labels != -100)
+    assert sum(count) == int((labels != -100).sum()) and 0 < sum(hits) < sum(count)
+    assert logged["mean_token_accuracy"] == pytest.approx(sum(hits) / sum(count))
+    assert logged["entropy"] == pytest.approx(sum(entropy) / sum(count), rel=1e-4)
+    assert logged["num_tokens"] == start + int(mask.sum())
+
+    cola = LatentSFTTrainer(model=build_tiny("cola", tokenizer), args=args,
+                            train_dataset=Dataset.from_list(toy_sft_rows(2)), processing_class=tokenizer)
+    cola.train()
+    logged = [e for e in cola.state.log_history if "loss" in e][-1]
+    assert logged["num_tokens"] > 0 and "mean_token_accuracy" not in logged and "entropy" not in logged

@@ -457,4 +457,9 @@ def test_token_likelihood_score_is_the_mean_log_probability_of_the_response_toke
         expected = -sum(log_probs[t - 1, ids[b, t]] for t in range(prompt, length))
         assert score.loss_sum[b].item() == pytest.approx(expected.item(), rel=1e-4)
         assert score.num_terms[b].item() == length - prompt
+        # Its next-token statistics (TRL's entropy / mean_token_accuracy / logits metrics), position by position.
+        entropy = -sum(float((log_probs[t - 1].exp() * log_probs[t - 1]).sum()) for t in range(prompt, length))
+        hits = sum(int(log_probs[t - 1].argmax()) == int(ids[b, t]) for t in range(prompt, length))
+        assert score.tokens.count[b].item() == length - prompt and score.tokens.correct[b].item() == hits
+        assert score.tokens.entropy_sum[b].item() == pytest.approx(entropy, rel=1e-4)
     assert torch.allclose(score.normalised(), -score.loss_sum / torch.tensor([8.0, 3.0, 5.0]))
