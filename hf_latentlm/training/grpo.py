@@ -47,6 +47,7 @@ import logging
 import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.models import unwrap_model_for_generation
+from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import pad
 
 from ..families import family_of_model_type
@@ -60,10 +61,16 @@ NUM_GENERATIONS = 8
 #: M, independent draw sets per response in the latent families' surrogate.
 NUM_SCORE_DRAWS = 2
 
-#: GRPOConfig options a family's rollouts cannot honour, with the value that is allowed: rollouts sample at
-#: temperature 1 from the family's own `generate()` (no token filters, no external engine).
-UNSUPPORTED_ROLLOUT_OPTIONS = {"use_vllm": False, "use_transformers_continuous_batching": False, "temperature": 1.0,
-                               "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
+#: GRPOConfig options a family's rollouts or log-likelihoods cannot honour, with the value that is allowed: rollouts
+#: sample at temperature 1 from the family's own `generate()` (no token filters, no external engine, its own
+#: cache), and the log-likelihoods are computed from float32 logits already (no LM-head cast). Every other option
+#: (loss types, ε, δ, β, reward weights and scaling, importance-sampling level, iterations, masks, logging) acts
+#: on TRL's side of the computation and is honoured; `generation_kwargs` go to the family's `generate()`, which
+#: refuses by name what it does not know.
+UNSUPPORTED_ROLLOUT_OPTIONS = {"use_vllm": False, "use_transformers_continuous_batching": False,
+                               "use_transformers_paged": False, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                               "min_p": None, "repetition_penalty": 1.0, "cache_implementation": None,
+                               "cast_lm_head_to_fp32": False}
 #: Options that need a token distribution; refused for the surrogate families (CALM, Cola, AURORA).
 TOKEN_DISTRIBUTION_OPTIONS = {"top_entropy_quantile": 1.0, "entropy_coef": 0.0, "use_adaptive_entropy": False}
 
@@ -139,19 +146,22 @@ class LatentGRPOTrainer(GRPOTrainer):
         self.scorer = None if self.token_likelihood else (scorer or scorer_for(model))
         self.rollout_options = {**spec.rollout_options, **(args.generation_kwargs or {})}
         self._rollouts_this_step = (None, 0)  # ((mode, optimizer step), rollouts made at it so far - 1)
-        # TRL would reload the reference from config.name_or_path; build it from the model as passed instead.
-        beta, frozen = args.beta, None
+        # TRL would reload the reference from config.name_or_path; build it from the model as passed instead (TRL
+        # builds none while β = 0, and then refuses sync_ref_model, so both are restored after its __init__).
+        beta, sync, frozen = args.beta, args.sync_ref_model, None
         if beta != 0.0 and kwargs.get("peft_config") is None and not hasattr(model, "peft_config"):
             frozen = copy.deepcopy(model).eval().requires_grad_(False)
-            args.beta = 0.0
+            args.beta, args.sync_ref_model = 0.0, False
         try:
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, **kwargs)
         finally:
-            args.beta = beta
+            args.beta, args.sync_ref_model = beta, sync
         self.beta = beta
         if frozen is not None:
             self.ref_model = self.accelerator.prepare_model(frozen, evaluation_mode=True)
+            if sync:
+                self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
 
     # -- rollouts -------------------------------------------------------------------------------------------------
 

@@ -262,6 +262,20 @@ def test_every_family_trains_with_a_reference_and_logs_trls_metrics(tmp_path, to
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
 
 
+def test_sync_ref_model_updates_the_frozen_reference_copy(tmp_path, tokenizer):
+    """TRL's sync_ref_model (TR-DPO style mixing every `ref_model_sync_steps`) acts on the reference this trainer
+    builds: after a synced step the reference has moved towards the policy; without it, it stays the start."""
+    for sync in (False, True):
+        model = tiny_model("plm", tokenizer)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer = trainer_for(model, tokenizer, tmp_path, beta=0.04, sync_ref_model=sync, ref_model_sync_steps=1,
+                              ref_model_mixup_alpha=0.5, max_steps=1)
+        trainer.train()
+        reference = dict(trainer.ref_model.named_parameters())
+        changed = any(not torch.equal(reference[n], start[n]) for n in start)
+        assert changed == sync
+
+
 def test_rollouts_come_from_the_familys_generate_with_one_seed_per_row(tmp_path, tokenizer):
     model = tiny_model("cola", tokenizer)
     trainer = trainer_for(model, tokenizer, tmp_path)
@@ -289,7 +303,8 @@ def test_grpo_raises_a_simple_reward(tmp_path, tokenizer):
 
 def test_options_a_family_cannot_honour_are_refused_by_name(tmp_path, tokenizer):
     plm, cola = tiny_model("plm", tokenizer), tiny_model("cola", tokenizer)
-    for option, value in (("temperature", 0.7), ("top_p", 0.9), ("repetition_penalty", 1.2), ("use_vllm", True)):
+    for option, value in (("temperature", 0.7), ("top_p", 0.9), ("repetition_penalty", 1.2), ("use_vllm", True),
+                          ("cache_implementation", "static"), ("cast_lm_head_to_fp32", True)):
         with pytest.raises(ValueError, match=option):
             trainer_for(plm, tokenizer, tmp_path, **{option: value})
     with pytest.raises(ValueError, match="top_entropy_quantile"):
