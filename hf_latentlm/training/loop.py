@@ -54,6 +54,7 @@ from .data import (
     load_split_documents,
     pack_dataset,
 )
+from .scorers import core_model
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:
@@ -72,22 +73,38 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
     return 1.0 - (1 - cfg.min_lr_ratio) * min(1.0, (step - decay_start + 1) / decay_steps)
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW without decay on 1-D parameters. A model may scale the learning rate of some parameters with
-    `parameter_learning_rate_scales()` (name prefix -> multiplier; Cola DLM's VAE:DiT ratio): each (scale, decay)
-    pair becomes a group, and the schedule multiplies every group's rate alike."""
-    scales = training_hooks(model).parameter_learning_rate_scales()
+def parameter_groups(model: torch.nn.Module, learning_rate: float, weight_decay: float,
+                     decays: Callable[[str, torch.nn.Parameter], bool] | None = None) -> list[dict]:
+    """The optimizer's parameter groups of `model`'s trainable parameters, one per (learning-rate scale, decay).
+
+    A model may scale the learning rate of some parameters with `parameter_learning_rate_scales()` (name prefix ->
+    multiplier; Cola DLM's VAE:DiT ratio), read from the innermost model through DDP and PEFT wrappers and matched
+    against each parameter's name relative to that model (a PEFT model's `base_model.model.` prefix does not hide
+    it; LoRA weights inside a scaled module get its scale); unmatched parameters get 1. A group has
+    lr = learning_rate × scale and weight_decay = `weight_decay` where `decays(name, param)` (default: matrices,
+    ≥ 2 dims; names as `model.named_parameters()` gives them), else 0. Scale-0 parameters are left out. Groups come
+    scale 1 first (the one a schedule's logged rate reads), then by falling scale, decayed before not; a schedule
+    that multiplies every group's initial rate keeps the ratios."""
+    core = core_model(model)
+    scales = training_hooks(core).parameter_learning_rate_scales()
+    relative = {id(param): name for name, param in core.named_parameters()}
+    decays = decays or (lambda name, param: param.dim() >= 2)
     groups: dict[tuple[float, bool], list] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            scale = next((s for prefix, s in scales.items() if name.startswith(prefix)), 1.0)
-            groups.setdefault((scale, param.dim() >= 2), []).append(param)
-    param_groups = [{"params": params, "lr": cfg.learning_rate * scale,
-                     "weight_decay": cfg.weight_decay if decays else 0.0}
-                    for (scale, decays), params in sorted(groups.items(), key=lambda item: (item[0][0] != 1.0, -item[0][0], not item[0][1]))
-                    if scale > 0]
-    return torch.optim.AdamW(param_groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_eps)
+            own = relative.get(id(param), name)
+            scale = next((s for prefix, s in scales.items() if own.startswith(prefix)), 1.0)
+            groups.setdefault((scale, bool(decays(name, param))), []).append(param)
+    order = sorted(groups, key=lambda key: (key[0] != 1.0, -key[0], not key[1]))
+    return [{"params": groups[key], "lr": learning_rate * key[0], "weight_decay": weight_decay if key[1] else 0.0}
+            for key in order if key[0] > 0]
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over `parameter_groups` (no decay on 1-D parameters; a family's learning-rate scales as groups, which
+    the schedule multiplies alike)."""
+    return torch.optim.AdamW(parameter_groups(model, cfg.learning_rate, cfg.weight_decay), lr=cfg.learning_rate,
+                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
 
 
 def sample_indices(step: int, micro: int, rank: int, world: int, cfg: TrainConfig, num_rows: int) -> torch.Tensor:

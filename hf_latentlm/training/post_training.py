@@ -42,6 +42,8 @@ from datasets import Dataset, IterableDataset, concatenate_datasets
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 from ..families import family_of_model_type
+from ..modeling.modeling_backbone import training_hooks
+from .loop import parameter_groups
 from .scorers import (ResponseScore, ResponseScorer, TokenLikelihoodScorer, TokenStats, core_model, fill_token_id,
                       pair_key, split_rows)
 
@@ -144,6 +146,43 @@ def check_preference_dataset(dataset, label: str = "train") -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# A family's learning-rate scales in a Trainer's optimizer
+# ---------------------------------------------------------------------------------------------------------------------
+
+class FamilyLearningRates:
+    """Mixin for a transformers `Trainer` (TRL's included), listed before it in the bases: `create_optimizer` gives
+    the optimizer one parameter group per (learning-rate scale, decay) pair of the model's
+    `parameter_learning_rate_scales()` (Cola DLM: the VAE at `vae_learning_rate_ratio` × the rate; read through DDP and
+    PEFT wrappers, `loop.parameter_groups`), with lr = `args.learning_rate` × scale. The optimizer class and its
+    arguments are the Trainer's own (`args.optim`, `optim_args`, betas, eps, ...; `get_optimizer_cls_and_kwargs`) and
+    weight decay goes where the Trainer puts it (`get_decay_parameter_names`). The Trainer's scheduler multiplies each
+    group's initial lr by the same factor, so the ratio holds at every step. Only `create_optimizer` is overridden; an
+    `optimizers=(optimizer, ...)` passed to the Trainer is used as given. An optimizer that builds its own groups (a
+    factory such as Muon, GaLore, LOMO, layer-wise ones) takes the Trainer's path when every scale is 1 and is refused
+    (ValueError) otherwise, rather than dropping the scales."""
+
+    def create_optimizer(self, model=None):
+        from transformers.trainer_optimizer import is_optimizer_factory
+
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        optimizer_cls, optimizer_kwargs = (self.optimizer_cls_and_kwargs if self.optimizer_cls_and_kwargs is not None
+                                           else self.get_optimizer_cls_and_kwargs(self.args, opt_model))
+        if is_optimizer_factory(optimizer_cls) or {"params", "model", "optimizer_dict"} & set(optimizer_kwargs):
+            scales = training_hooks(core_model(opt_model)).parameter_learning_rate_scales()
+            if any(scale != 1.0 for scale in scales.values()):
+                raise ValueError(f"the optimizer {self.args.optim!r} builds its own parameter groups, so the model's "
+                                 f"learning-rate scales {scales} would be lost: use an optimizer such as adamw_torch")
+            return super().create_optimizer(model)
+        decay = set(self.get_decay_parameter_names(opt_model))
+        groups = parameter_groups(opt_model, self.args.learning_rate, self.args.weight_decay,
+                                  decays=lambda name, param: name in decay)
+        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        return self.optimizer
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # SFT
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -204,7 +243,7 @@ def chunk_aligned_sft_batch(input_ids: torch.Tensor, attention_mask: torch.Tenso
     return out
 
 
-class LatentSFTTrainer(SFTTrainer):
+class LatentSFTTrainer(FamilyLearningRates, SFTTrainer):
     """TRL's `SFTTrainer` whose loss is the family's own objective, `model(input_ids, attention_mask, labels)`.
 
     Labels are TRL's (the prompt, and padding, at -100 for prompt/completion data), so the objective covers the
@@ -401,7 +440,7 @@ def warn_on_trl_dpo_defaults(args: DPOConfig) -> None:
                        f"paper's config (its keyword overrides win)")
 
 
-class LatentDPOTrainer(DPOTrainer):
+class LatentDPOTrainer(FamilyLearningRates, DPOTrainer):
     """TRL's `DPOTrainer` with a family's response score (`ResponseScorer`) in place of summed log-probabilities.
 
     loss = mean over pairs of −log σ(β·(δ+ − δ−)), δ = s_θ(x, u) − s_ref(x, u), s = `ResponseScore.normalised()`

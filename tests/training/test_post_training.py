@@ -1398,3 +1398,125 @@ def test_latent_sft_logs_num_tokens_and_plms_token_accuracy_and_entropy(tmp_path
     cola.train()
     logged = [e for e in cola.state.log_history if "loss" in e][-1]
     assert logged["num_tokens"] > 0 and "mean_token_accuracy" not in logged and "entropy" not in logged
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# (issue 31) a family's learning-rate scales (Cola's VAE:DiT ratio) in the TRL trainers' optimizers
+# ---------------------------------------------------------------------------------------------------------------------
+
+RATIO = 0.25
+
+
+def cola_with_ratio(tokenizer, ratio: float = RATIO):
+    model = build_tiny("cola", tokenizer)
+    model.config.vae_learning_rate_ratio = ratio  # read by parameter_learning_rate_scales(); the VAE still trains
+    assert model.parameter_learning_rate_scales() == {"model.vae.": ratio}
+    return model
+
+
+def group_of(optimizer, model) -> dict[str, dict]:
+    """parameter name -> its optimizer group (each trainable parameter in exactly one)."""
+    ids = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            assert id(param) not in ids, "a parameter in two groups"
+            ids[id(param)] = group
+    named = {n: ids.get(id(p)) for n, p in model.named_parameters() if p.requires_grad}
+    assert all(g is not None for g in named.values()), [n for n, g in named.items() if g is None]
+    return named
+
+
+def max_step(before: dict, model, names) -> float:
+    return max(float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters() if n in names)
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_trainers_give_colas_vae_its_learning_rate_ratio_through_the_schedule(tmp_path, tokenizer, stage):
+    """Cola with VAE:DiT ratio 0.25 and weight decay 0.1: the optimizer (the Trainer's own AdamW class and betas) has
+    the VAE's parameters in groups at 0.25 × lr and every other one at lr, decay where the Trainer puts it; after one
+    step the scheduler's rates are still in that ratio (and have moved: the schedule scales every group), and in
+    SFT, where the VAE has a gradient, Adam's first step moved VAE weights by at most 0.25 × what it moved the DiT's."""
+    lr = 1e-2
+    model = cola_with_ratio(tokenizer)
+    common = dict(batch_size=2, max_steps=2, learning_rate=lr, weight_decay=0.1, warmup_steps=0, logging_steps=1)
+    if stage == "sft":
+        trainer = LatentSFTTrainer(model=model, args=sft_config(str(tmp_path / "sft"), **common),
+                                   train_dataset=Dataset.from_list(toy_sft_rows(4)), processing_class=tokenizer)
+    else:
+        trainer = dpo_trainer(tmp_path, tokenizer, model=model, pairs=4, args=dpo_args(tmp_path, **common))
+    optimizer = trainer.create_optimizer()
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["betas"] == (0.9, 0.95)
+    groups = group_of(optimizer, trainer.model)
+    decay = set(trainer.get_decay_parameter_names(trainer.model))
+    for name, group in groups.items():
+        assert group["lr"] == pytest.approx(lr * (RATIO if name.startswith("model.vae.") else 1.0)), name
+        assert group["weight_decay"] == (0.1 if name in decay else 0.0), name
+    assert optimizer.param_groups[0]["lr"] == lr  # the group a Trainer logs the rate of
+    vae = {n for n in groups if n.startswith("model.vae.")}
+    dit = {n for n in groups if n.startswith("model.layers.")}
+    assert vae and dit and decay & vae and vae - decay
+
+    before = snapshot(model)
+    recorder = step_recorder(stop_at=1)
+    trainer.add_callback(recorder)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    rates = trainer.lr_scheduler.get_last_lr()
+    group_index = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    params = dict(model.named_parameters())
+    factor = trainer.lr_scheduler.lr_lambdas[0](1)
+    assert 0 < factor < 1  # the linear decay has moved every rate
+    for name in groups:
+        expected = lr * factor * (RATIO if name in vae else 1.0)
+        assert rates[group_index[id(params[name])]] == pytest.approx(expected), name
+    if stage == "sft":  # Adam's first step moves each weight by about its group's lr
+        dit_step, vae_step = max_step(before, model, dit), max_step(before, model, vae)
+        assert dit_step == pytest.approx(lr, rel=0.05) and vae_step == pytest.approx(RATIO * lr, rel=0.05)
+    else:  # DPO trains the prior only (Cola's score reads the reference's latents)
+        assert max_step(before, model, vae) == 0 and max_step(before, model, dit) > 0.5 * lr
+
+
+def test_under_lora_the_adapters_inside_colas_vae_get_its_learning_rate_ratio(tmp_path, tokenizer):
+    """LoRA on q_proj of both the DiT and the VAE encoder: the PEFT model's names carry `base_model.model.`, yet the
+    adapters inside the VAE are grouped at 0.25 × lr and the DiT's at lr (the scales are matched against names
+    relative to the wrapped model), the frozen base weights are in no group, and Adam's first step moves the VAE's
+    lora_B weights by 0.25 × what it moves the DiT's."""
+    from peft import LoraConfig
+
+    lr = 1e-2
+    model = cola_with_ratio(tokenizer)
+    args = sft_config(str(tmp_path / "sft"), batch_size=2, max_steps=1, learning_rate=lr, warmup_steps=0,
+                      logging_steps=1)
+    target = r"model\.(vae\.encoder\.)?layers\.\d+\.self_attn\.q_proj"
+    trainer = LatentSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(toy_sft_rows(4)),
+                               processing_class=tokenizer, peft_config=LoraConfig(r=4, target_modules=target))
+    peft_model = trainer.model
+    groups = group_of(trainer.create_optimizer(), peft_model)
+    assert groups and all("lora_" in n and n.startswith("base_model.model.") for n in groups)
+    vae = {n for n in groups if n.startswith("base_model.model.model.vae.encoder.")}
+    dit = {n for n in groups if n.startswith("base_model.model.model.layers.")}
+    assert vae and dit and vae | dit == set(groups)
+    assert all(groups[n]["lr"] == pytest.approx(RATIO * lr) for n in vae) and all(groups[n]["lr"] == lr for n in dit)
+    before = snapshot(peft_model)
+    trainer.train()
+    lora_b = {n for n in groups if "lora_B" in n}
+    dit_step, vae_step = max_step(before, peft_model, lora_b & dit), max_step(before, peft_model, lora_b & vae)
+    assert dit_step == pytest.approx(lr, rel=0.05) and vae_step == pytest.approx(RATIO * lr, rel=0.05)
+
+
+def test_an_optimizer_that_builds_its_own_groups_is_refused_when_it_would_drop_the_scales(tmp_path, tokenizer):
+    """An optimizer whose kwargs bring their own `params` (as GaLore's do): refused by name for Cola with a VAE ratio
+    ≠ 1 (the scales would be lost), built the Trainer's way, with those params, for a family without scales."""
+    args = sft_config(str(tmp_path / "sft"), batch_size=2, max_steps=1)
+    for family, refused in (("cola", True), ("plm", False)):
+        model = cola_with_ratio(tokenizer) if family == "cola" else build_tiny(family, tokenizer)
+        trainer = LatentSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(toy_sft_rows(2)),
+                                   processing_class=tokenizer)
+        own = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": 3e-3}]
+        trainer.optimizer_cls_and_kwargs = (torch.optim.SGD, {"params": own, "lr": 1e-3})
+        if refused:
+            with pytest.raises(ValueError, match="builds its own parameter groups"):
+                trainer.create_optimizer()
+        else:
+            optimizer = trainer.create_optimizer()
+            assert type(optimizer) is torch.optim.SGD and [g["lr"] for g in optimizer.param_groups] == [3e-3]
