@@ -14,6 +14,7 @@ What is checked, against independent computations where there is a number to com
   `sft` / `dpo` write checkpoints that load and generate.
 """
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -106,6 +107,22 @@ def right_padded(rows: list[list[int]], pad: int):
 
 def snapshot(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def recorded_labels(model):
+    """The `labels` (cloned) of every call of `model.forward` made inside the block, in a list."""
+    recorded, forward = [], model.forward
+
+    def spy(*args, **kwargs):
+        recorded.append(kwargs["labels"].clone())
+        return forward(*args, **kwargs)
+
+    model.forward = spy
+    try:
+        yield recorded
+    finally:
+        model.forward = forward
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -462,19 +479,11 @@ def test_sft_scores_response_tokens_only(tmp_path, tokenizer):
         assert torch.equal(batch["labels"][b, length:real], batch["input_ids"][b, length:real])
         assert batch["labels"][b, real - 1] == tokenizer.eos_token_id, "the terminal end-of-text is a target"
 
-    recorded = []
-    forward = model.forward
-
-    def spy(*args, **kwargs):
-        recorded.append(kwargs["labels"].clone())
-        return forward(*args, **kwargs)
-
-    model.forward = spy
-    losses = [trainer.compute_loss(model, batch).item()]
-    changed = {k: v.clone() for k, v in batch.items()}
-    changed["input_ids"][:, 3] = (changed["input_ids"][:, 3] + 1) % tokenizer.vocab_size  # a prompt token
-    losses.append(trainer.compute_loss(model, changed).item())
-    model.forward = forward
+    with recorded_labels(model) as recorded:
+        losses = [trainer.compute_loss(model, batch).item()]
+        changed = {k: v.clone() for k, v in batch.items()}
+        changed["input_ids"][:, 3] = (changed["input_ids"][:, 3] + 1) % tokenizer.vocab_size  # a prompt token
+        losses.append(trainer.compute_loss(model, changed).item())
     assert all(math.isfinite(x) for x in losses)
     assert torch.equal(recorded[0] != -100, recorded[1] != -100), "the same terms are scored"
     assert torch.equal(recorded[0], recorded[1])
@@ -1215,17 +1224,10 @@ def test_a_messages_dataset_trains_in_latent_sft_with_the_prompt_unlabelled(tmp_
         assert batch["input_ids"][b, :real].tolist() == whole
         assert (labels[b, :len(prompt)] == -100).all() and (labels[b, real:] == -100).all()
         assert labels[b, len(prompt):real].tolist() == whole[len(prompt):]
-    recorded = []
-    forward = model.forward
-
-    def spy(*args, **kwargs):
-        recorded.append(kwargs["labels"].clone())
-        return forward(*args, **kwargs)
-
-    model.forward = spy
-    trainer.train()
-    model.forward = forward
-    assert len(recorded) == 2 and all(torch.equal(r != -100, labels != -100) for r in recorded[:1])
+    with recorded_labels(model) as recorded:
+        trainer.train()
+    label_rows = sorted(row.tolist() for row in labels)  # each step's batch holds both rows, in the sampler's order
+    assert len(recorded) == 2 and all(sorted(row.tolist() for row in r) == label_rows for r in recorded)
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logged) == 2 and all(math.isfinite(e["loss"]) for e in logged)
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
