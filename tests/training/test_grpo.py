@@ -291,6 +291,41 @@ def test_rollouts_come_from_the_familys_generate_with_one_seed_per_row(tmp_path,
     assert all(len(c) <= 8 and (eos not in c or c.index(eos) == len(c) - 1) for c in first)
 
 
+@pytest.mark.parametrize("family", ["plm", "cola"])
+def test_conversational_prompts_render_through_the_chat_template_and_are_rewarded(tmp_path, tokenizer, family):
+    """A `prompt` column of messages: TRL renders it with the packaged chat template (add_generation_prompt), so
+    the rollouts see exactly the plain-text prompt of the task format, and the reward functions get the completions
+    as assistant messages."""
+    from hf_latentlm.training.tasks import format_prompt
+
+    instruction = "Count from 11 to 20:"
+    seen = {}
+
+    def record(prompts, completions, completion_ids, **kwargs):
+        seen.update(prompts=prompts, completions=completions)
+        return low_token_reward(completions, completion_ids)
+
+    model = tiny_model(family, tokenizer)
+    args = grpo_config(str(tmp_path / "chat"), batch_size=4, num_generations=4, max_completion_length=6, max_steps=1,
+                       save_strategy="no")
+    rows = [{"prompt": [{"role": "user", "content": instruction}], "response": "11 12 13"}] * 4
+    trainer = LatentGRPOTrainer(model=model, reward_funcs=[record, exact_match_reward], args=args,
+                                train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    generated = {}
+    original = trainer._generate_single_turn
+
+    def spy(prompt_ids, *rest):
+        generated["prompt_ids"] = prompt_ids
+        return original(prompt_ids, *rest)
+
+    trainer._generate_single_turn = spy
+    trainer.train()
+    expected = tokenizer(format_prompt(instruction), add_special_tokens=False)["input_ids"]
+    assert [list(ids) for ids in generated["prompt_ids"]] == [expected] * 4
+    assert seen["prompts"][0] == rows[0]["prompt"]
+    assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in seen["completions"])
+
+
 def test_grpo_raises_a_simple_reward(tmp_path, tokenizer):
     """A tiny PLM learns to write low token ids: the mean reward of the last steps beats the first steps'."""
     model = tiny_model("plm", tokenizer)
