@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -73,21 +74,28 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
     return 1.0 - (1 - cfg.min_lr_ratio) * min(1.0, (step - decay_start + 1) / decay_steps)
 
 
+#: Name segments that module wrappers insert before the wrapped model's own parameter names.
+WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
 def parameter_groups(model: torch.nn.Module, learning_rate: float, weight_decay: float,
                      decays: Callable[[str, torch.nn.Parameter], bool] | None = None) -> list[dict]:
     """The optimizer's parameter groups of `model`'s trainable parameters, one per (learning-rate scale, decay).
 
     A model may scale the learning rate of some parameters with `parameter_learning_rate_scales()` (name prefix ->
     multiplier; Cola DLM's VAE:DiT ratio), read from the innermost model through DDP and PEFT wrappers and matched
-    against each parameter's name relative to that model (a PEFT model's `base_model.model.` prefix does not hide
-    it; LoRA weights inside a scaled module get its scale); unmatched parameters get 1. A group has
+    against each parameter's name relative to that model, without the segments FSDP, activation checkpointing or
+    torch.compile wrappers insert (`WRAPPER_SEGMENTS`), so a PEFT model's `base_model.model.` prefix does not hide
+    it and LoRA weights inside a scaled module get its scale; unmatched parameters get 1. A group has
     lr = learning_rate × scale and weight_decay = `weight_decay` where `decays(name, param)` (default: matrices,
     ≥ 2 dims; names as `model.named_parameters()` gives them), else 0. Scale-0 parameters are left out. Groups come
     scale 1 first (the one a schedule's logged rate reads), then by falling scale, decayed before not; a schedule
     that multiplies every group's initial rate keeps the ratios."""
     core = core_model(model)
     scales = training_hooks(core).parameter_learning_rate_scales()
-    relative = {id(param): name for name, param in core.named_parameters()}
+    # Names without the segments a wrapper inserts (FSDP1, activation checkpointing, torch.compile).
+    relative = {id(param): "".join(part for part in re.split(r"(?<=\.)", name) if part not in WRAPPER_SEGMENTS)
+                for name, param in core.named_parameters()}
     decays = decays or (lambda name, param: param.dim() >= 2)
     groups: dict[tuple[float, bool], list] = {}
     for name, param in model.named_parameters():

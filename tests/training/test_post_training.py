@@ -1522,3 +1522,20 @@ def test_an_optimizer_that_builds_its_own_groups_is_refused_when_it_would_drop_t
         else:
             optimizer = trainer.create_optimizer()
             assert type(optimizer) is torch.optim.SGD and [g["lr"] for g in optimizer.param_groups] == [3e-3]
+
+
+def test_parameter_groups_see_through_wrappers_that_rename_parameters(tokenizer):
+    """`loop.parameter_groups` (the grouping of `make_optimizer` and of the trainers): the model itself and its
+    torch.compile wrapper (names under `_orig_mod.`) give the same lr per parameter: the VAE's at 0.25 × lr, the rest
+    at lr, matrices decayed."""
+    from hf_latentlm.training.loop import parameter_groups
+
+    model = cola_with_ratio(tokenizer)
+    compiled = torch.compile(model)  # nothing is compiled until a forward
+    assert all(n.startswith("_orig_mod.") for n, _ in compiled.named_parameters())
+    for wrapped in (model, compiled):
+        lrs = {id(p): (g["lr"], g["weight_decay"]) for g in parameter_groups(wrapped, 1e-3, 0.1) for p in g["params"]}
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                expected = 1e-3 * (RATIO if name.startswith("model.vae.") else 1.0)
+                assert lrs[id(param)] == (pytest.approx(expected), 0.1 if param.dim() >= 2 else 0.0), name
