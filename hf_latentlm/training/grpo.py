@@ -51,7 +51,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import pad
 
 from ..families import family_of_model_type
-from .post_training import _common_args, scorer_for
+from .post_training import FamilyLearningRates, _common_args, scorer_for
 from .scorers import ResponseScorer, core_model, pair_key, stable_int
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def right_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_
     return ids, mask, in_completion.gather(1, order), columns
 
 
-class LatentGRPOTrainer(GRPOTrainer):
+class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
     """TRL's `GRPOTrainer` for a registered family: rollouts from the family's `generate()`, and the family's
     log-likelihood (PLM: encoder log-probabilities) or likelihood surrogate (CALM, Cola, AURORA: the response score
     averaged over `num_score_draws` draw sets); see the module docstring. Takes TRL's arguments plus `scorer` (a
@@ -115,7 +115,8 @@ class LatentGRPOTrainer(GRPOTrainer):
     The reference (β ≠ 0) is the model as passed, frozen (a copy; under PEFT the adapter-disabled model, as TRL),
     rather than TRL's reload from `config.name_or_path`, so an in-memory model works too. Options a family cannot
     honour are refused by name (`UNSUPPORTED_ROLLOUT_OPTIONS`; `TOKEN_DISTRIBUTION_OPTIONS` for the surrogate
-    families; `tools`, `environment_factory` and `rollout_func`, whose rollouts would not be the family's)."""
+    families; `tools`, `environment_factory` and `rollout_func`, whose rollouts would not be the family's). The
+    optimizer honours the family's learning-rate scales (`FamilyLearningRates`: Cola's VAE:DiT ratio)."""
 
     _tag_names = ["trl", "grpo", "hf-latentlm"]
 

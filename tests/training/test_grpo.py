@@ -276,6 +276,17 @@ def test_sync_ref_model_updates_the_frozen_reference_copy(tmp_path, tokenizer):
         assert changed == sync
 
 
+def test_the_optimizer_gives_colas_vae_its_learning_rate_ratio(tmp_path, tokenizer):
+    model = tiny_model("cola", tokenizer)
+    model.config.vae_learning_rate_ratio = 0.25
+    trainer = trainer_for(model, tokenizer, tmp_path, learning_rate=1e-2)
+    optimizer = trainer.create_optimizer()
+    rate = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert rate[id(param)] == pytest.approx(1e-2 * (0.25 if name.startswith("model.vae.") else 1.0)), name
+
+
 def test_rollouts_come_from_the_familys_generate_with_one_seed_per_row(tmp_path, tokenizer):
     model = tiny_model("cola", tokenizer)
     trainer = trainer_for(model, tokenizer, tmp_path)
