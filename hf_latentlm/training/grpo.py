@@ -33,8 +33,10 @@ The log-likelihood of a completion y given a prompt x:
     and its mean is unchanged (tests/training/test_grpo.py checks both against a closed form).
   The surrogate is not a log-probability: it ranks responses by how well the family's objective fits them, and its
   gradient with a positive advantage is the family's SFT gradient on that response (negative: away from it), as
-  ELBO-based RL for diffusion LMs uses. Families without token distributions log `entropy` as NaN and refuse the
-  options that need one (`top_entropy_quantile`, the entropy bonus).
+  ELBO-based RL for diffusion LMs uses. Families without token distributions log `entropy` as NaN (None in the
+  logs) and refuse the options that need one (`top_entropy_quantile`, the entropy bonus). Cola's latents z0 are
+  part of the draws (`ColaResponseScorer`: the scored model's VAE posterior sample, computed without gradient), so
+  GRPO trains Cola's prior and never its VAE, and the policy and reference VAEs stay the same weights.
 
 Rewards: `hf_latentlm.training.tasks.exact_match_reward` and `partial_credit_reward` (TRL reward functions).
 """
@@ -42,7 +44,6 @@ Rewards: `hf_latentlm.training.tasks.exact_match_reward` and `partial_credit_rew
 from __future__ import annotations
 
 import copy
-import logging
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
@@ -51,10 +52,8 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import pad
 
 from ..families import family_of_model_type
-from .post_training import FamilyLearningRates, _common_args, scorer_for
+from .post_training import FamilyLearningRates, trainer_arguments, scorer_for
 from .scorers import ResponseScorer, core_model, pair_key, stable_int
-
-logger = logging.getLogger(__name__)
 
 GRPO_LEARNING_RATE = 1e-5
 NUM_GENERATIONS = 8
@@ -81,7 +80,7 @@ def grpo_config(output_dir, *, learning_rate: float = GRPO_LEARNING_RATE, batch_
     """TRL's `GRPOConfig` with the package's optimisation (Adam (0.9, 0.95), clipping at 1, no warmup, linear decay)
     and CPU-safe defaults; everything else (loss type, β, ε, reward scaling) is TRL's default; `overrides` win.
     `batch_size` counts completions per device per step, so it must be a multiple of `num_generations`."""
-    return GRPOConfig(**{**_common_args(output_dir, learning_rate, batch_size, max_steps, seed, 0.0),
+    return GRPOConfig(**{**trainer_arguments(output_dir, learning_rate, batch_size, max_steps, seed, 0.0),
                          "num_generations": num_generations, "max_completion_length": max_completion_length,
                          "disable_dropout": True, **overrides})
 

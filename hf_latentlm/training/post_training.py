@@ -73,8 +73,10 @@ CANDIDATES = ("chosen", "rejected")
 # Configs
 # ---------------------------------------------------------------------------------------------------------------------
 
-def _common_args(output_dir, learning_rate: float, batch_size: int, max_steps: int | None, seed: int,
-                 warmup: float) -> dict:
+def trainer_arguments(output_dir, learning_rate: float, batch_size: int, max_steps: int | None, seed: int,
+                      warmup: float) -> dict:
+    """The `TrainingArguments` fields every post-training config shares (SFT, DPO, GRPO): the paper's optimisation,
+    CPU-safe precision, resumable checkpoints."""
     return dict(
         output_dir=str(output_dir), learning_rate=learning_rate, per_device_train_batch_size=batch_size,
         per_device_eval_batch_size=batch_size, max_steps=max_steps if max_steps else -1, num_train_epochs=1,
@@ -91,7 +93,7 @@ def sft_config(output_dir, *, learning_rate: float = SFT_LEARNING_RATE, batch_si
                max_steps: int | None = None, seed: int = 0, **overrides) -> SFTConfig:
     """TRL's `SFTConfig` with the paper's SFT optimisation (3% warmup) and CPU-safe defaults; `overrides` win.
     `max_steps=None` trains one epoch. Checkpoints every `SAVE_EVERY` steps (`save_steps=` to change)."""
-    return SFTConfig(**{**_common_args(output_dir, learning_rate, batch_size, max_steps, seed, SFT_WARMUP),
+    return SFTConfig(**{**trainer_arguments(output_dir, learning_rate, batch_size, max_steps, seed, SFT_WARMUP),
                         **overrides})
 
 
@@ -104,7 +106,7 @@ def dpo_config(output_dir, *, autoregressive: bool = False, beta: float = DPO_BE
     `DPOTrainer` computes it for AR, `LatentDPOTrainer` with the family's score); `loss_type=["sigmoid"]` is the
     unnormalised ablation (summed log-ratios / summed response terms). `autoregressive` is kept for callers that
     name the family kind; both kinds get the same loss type."""
-    return DPOConfig(**{**_common_args(output_dir, learning_rate, batch_size, max_steps, seed, DPO_WARMUP),
+    return DPOConfig(**{**trainer_arguments(output_dir, learning_rate, batch_size, max_steps, seed, DPO_WARMUP),
                         "beta": beta, "loss_type": ["sigmoid_norm"],
                         "precompute_ref_log_probs": True, **overrides})
 
