@@ -179,8 +179,13 @@ def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: 
     trainer_options = {}
     if stage == "grpo":
         # Room for the longest reference answer and its end-of-text token, plus a margin (as `eval.task`).
-        column = "completion" if "completion" in dataset.column_names else "response"
-        longest = max(tasks.response_lengths(dataset, tokenizer, column)) + 1
+        if "response" not in dataset.column_names:
+            if reward_funcs is None:
+                raise ValueError(f"the GRPO dataset needs a 'response' column (the reference answer the default "
+                                 f"rewards compare with), or reward_funcs of your own; it has {dataset.column_names}")
+            longest = 56
+        else:  # the reference answer, its separating space and end-of-text token
+            longest = max(tasks.response_lengths(dataset, tokenizer, "response")) + 2
         if beta is not None:  # else TRL's default β
             options["beta"] = beta
         args = grpo_config(output_dir, num_generations=num_generations, max_completion_length=longest + 8,

@@ -14,12 +14,15 @@ The log-likelihood of a completion y given a prompt x:
 * PLM (a family with token likelihoods, `config.has_token_likelihood`): the encoder's next-token log-probabilities
   log q_θ(y_t | x, y_<t), as for an AR model. How the rollouts relate to it: PLM's `generate()` with exact
   acceptance commits exactly the tokens of one-token-per-call Voronoi sampling (tests/modeling/test_plm_decoding.py),
-  which draws y_t with probability |cell(y_t)| / N: the top-M of q renormalised and rounded to integer cell sizes
-  n_v (largest remainder, Σ n_v = N auxiliaries), up to the offset fit's error. So the rollout policy is q
-  truncated to its top M tokens and quantised to multiples of 1/N; q itself is its differentiable, unquantised
-  form. On-policy (TRL's default `num_iterations=1`), the importance ratio is exactly 1 and the gradient is
-  A·∇log q_θ(y_t), the policy gradient of q. With stale samples (`num_iterations > 1`) the ratio is q_θ / q_old,
-  which matches the sampler's ratio only to the quantisation's resolution.
+  which draws y_t with probability |cell(y_t)| / N: q̃, the top M = `auxiliary_top_m` tokens of q renormalised,
+  rounded to whole cells of 1/N (largest remainder, N = `num_auxiliaries`), up to the offset fit's error
+  (tests/training/test_grpo.py measures it). So the rollout policy is not q itself: q is its smooth, full-support
+  form (log q̃ would be −inf outside a model's top M, which makes the reference KL and stale ratios infinite once
+  the top-M sets of two models differ). What that costs: log q = log q̃ + log Z_M (Z_M the top-M mass of q at that
+  prefix, up to the rounding), so the on-policy gradient A·∇log q adds A·∇log Z_M to the policy gradient of q̃,
+  which moves mass into the top M on prefixes with high advantage; with stale samples (`num_iterations > 1`) the
+  ratio q_θ / q_old differs from the sampler's by Z_M(θ) / Z_M(old) as well as the rounding. A trained model puts
+  most of its mass in its top M (then Z_M ≈ 1 and both vanish).
 * CALM, Cola DLM, AURORA-LM (no token likelihood): a SURROGATE built on the family's DPO response score
   (`hf_latentlm.training.scorers`): s_θ(x, y) = −(1/M) Σ_m L_θ(x, y; u_m) / n_terms, the family's own training
   loss restricted to the response (an ELBO-like fit term: the energy loss per chunk for CALM, the flow-matching
@@ -47,7 +50,7 @@ import copy
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
-from trl.models import unwrap_model_for_generation
+from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import pad
 
@@ -111,8 +114,9 @@ class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
     averaged over `num_score_draws` draw sets); see the module docstring. Takes TRL's arguments plus `scorer` (a
     `ResponseScorer`, default the registry's) and `num_score_draws` (M, default `NUM_SCORE_DRAWS`).
 
-    The reference (β ≠ 0) is the model as passed, frozen (a copy; under PEFT the adapter-disabled model, as TRL),
-    rather than TRL's reload from `config.name_or_path`, so an in-memory model works too. Options a family cannot
+    The reference (β ≠ 0) is the model as passed, frozen (a copy), rather than TRL's reload from
+    `config.name_or_path`, so an in-memory model works too; with PEFT it is TRL's (a new `peft_config`: the
+    adapter-disabled model; a model already wrapped in PEFT: a "ref" copy of its adapter). Options a family cannot
     honour are refused by name (`UNSUPPORTED_ROLLOUT_OPTIONS`; `TOKEN_DISTRIBUTION_OPTIONS` for the surrogate
     families; `tools`, `environment_factory` and `rollout_func`, whose rollouts would not be the family's). The
     optimizer honours the family's learning-rate scales (`FamilyLearningRates`: Cola's VAE:DiT ratio)."""
@@ -144,8 +148,13 @@ class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
             raise ValueError(f"num_score_draws must be a positive int, got {num_score_draws!r}")
         self.spec, self.num_score_draws = spec, num_score_draws
         self.scorer = None if self.token_likelihood else (scorer or scorer_for(model))
-        self.rollout_options = {**spec.rollout_options, **(args.generation_kwargs or {})}
-        self._rollouts_this_step = (None, 0)  # ((mode, optimizer step), rollouts made at it so far - 1)
+        self.rollout_options = rollout_options(spec, args.generation_kwargs)
+        if core_model(model).row_seeds_option in self.rollout_options:
+            raise ValueError(f"generation_kwargs may not set {core_model(model).row_seeds_option!r}: the trainer "
+                             f"seeds every rollout row itself")
+        self._last_rollout = (None, -1)  # ((mode, optimizer step), index of the last rollout made at it)
+        #: [B] draw nonce of the rows being scored (one per generation round; see `surrogate_scores`).
+        self._draw_nonces: torch.Tensor | None = None
         # TRL would reload the reference from config.name_or_path; build it from the model as passed instead (TRL
         # builds none while β = 0, and then refuses sync_ref_model, so both are restored after its __init__).
         beta, sync, frozen = args.beta, args.sync_ref_model, None
@@ -158,8 +167,13 @@ class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
         finally:
             args.beta, args.sync_ref_model = beta, sync
         self.beta = beta
-        if frozen is not None:
-            self.ref_model = self.accelerator.prepare_model(frozen, evaluation_mode=True)
+        if frozen is not None:  # prepared as TRL prepares its own reference
+            if self.is_deepspeed_enabled:
+                self.ref_model = prepare_deepspeed(frozen, self.accelerator)
+            elif self.is_fsdp_enabled:
+                self.ref_model = prepare_fsdp(frozen, self.accelerator)
+            else:
+                self.ref_model = self.accelerator.prepare_model(frozen, evaluation_mode=True)
             if sync:
                 self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
 
@@ -168,11 +182,15 @@ class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
     def rollout_seeds(self, count: int) -> list[int]:
         """One generate() seed per row: a function of the run's seed, mode, optimizer step, the rollout's index
         within that step, process and row. So the `num_generations` copies of a prompt differ, every step differs,
-        and a rerun, or a run resumed from a checkpoint, repeats them."""
+        and a rerun, or a run resumed from a checkpoint at a generation boundary, repeats them (TRL does not
+        checkpoint its rollout buffer, so with `steps_per_generation > 1` a run resumed mid-window draws anew).
+        Also sets the round's draw nonce of the surrogate families (`_generate_and_score_completions`)."""
         mode = "train" if self.model.training else "eval"
         step = self.state.global_step
-        index = self._rollouts_this_step[1] + 1 if self._rollouts_this_step[0] == (mode, step) else 0
-        self._rollouts_this_step = ((mode, step), index)
+        index = self._last_rollout[1] + 1 if self._last_rollout[0] == (mode, step) else 0
+        self._last_rollout = ((mode, step), index)
+        nonce = stable_int(self.args.seed, "draws", mode, step, index, self.accelerator.process_index) % 2**62
+        self._draw_nonces = torch.full((count,), nonce, dtype=torch.long)
         return [stable_int(self.args.seed, "rollout", mode, step, index, self.accelerator.process_index, row) % 2**31
                 for row in range(count)]
 
@@ -183,7 +201,10 @@ class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
         rows = [torch.tensor(ids) for ids in prompt_ids]
         input_ids = pad(rows, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
         attention_mask = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="left").to(device)
-        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped, torch.no_grad():
+        with (unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                          gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                                          gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+              as unwrapped, torch.no_grad(), self._dist.summon_full_params(self.model_wrapped, recurse=False)):
             seeds_option = core_model(unwrapped).row_seeds_option
             out = unwrapped.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
                                      max_new_tokens=self.max_completion_length, eos_token_id=self.eos_token_ids,
@@ -197,6 +218,25 @@ class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
         return completions, None
 
     # -- log-likelihoods ------------------------------------------------------------------------------------------
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's, plus the rows' draw nonce (`draw_nonce`, split and shuffled with them) for the surrogate families:
+        one per generation round, so their draws are fresh every round and shared by that round's policy,
+        old-policy and reference scores. `rollout_seeds` sets it while TRL scores the old policy and reference."""
+        try:
+            output = super()._generate_and_score_completions(inputs)
+            if not self.token_likelihood:
+                output["draw_nonce"] = self._draw_nonces.to(output["completion_ids"].device)
+        finally:
+            self._draw_nonces = None
+        return output
+
+    def _compute_loss(self, model, inputs):
+        self._draw_nonces = inputs.get("draw_nonce")
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._draw_nonces = None
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
@@ -213,7 +253,8 @@ class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
                 if self.token_likelihood:
                     part_logps, part_entropy = self.token_log_probs(model, ids[part], mask[part], columns[part])
                 else:
-                    row_scores = self.surrogate_scores(model, ids[part], mask[part], completion[part])
+                    nonces = None if self._draw_nonces is None else self._draw_nonces[part].tolist()
+                    row_scores = self.surrogate_scores(model, ids[part], mask[part], completion[part], nonces)
                     part_logps = row_scores[:, None].expand(-1, logits_to_keep)
                     part_entropy = torch.full_like(part_logps, float("nan"))
             logps.append(part_logps)
@@ -222,8 +263,8 @@ class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
 
     @staticmethod
     def token_log_probs(model, input_ids, attention_mask, columns) -> tuple[torch.Tensor, torch.Tensor]:
-        """log q(token) and the entropy of q at each completion column ([B, J]), from the forward's next-token
-        logits (the encoder's, for PLM)."""
+        """log q(token) and the entropy of q at each completion column ([B, J]), q the forward's next-token
+        distribution (PLM: the encoder's)."""
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         before = (columns - 1).clamp(min=0)
         picked = logits.gather(1, before[..., None].expand(-1, -1, logits.shape[-1])).float()
@@ -231,22 +272,41 @@ class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
         target = input_ids.gather(1, columns)
         return log_q.gather(-1, target[..., None]).squeeze(-1), -(log_q.exp() * log_q).sum(-1)
 
-    def surrogate_scores(self, model, input_ids, attention_mask, completion_mask) -> torch.Tensor:
+    def surrogate_scores(self, model, input_ids, attention_mask, completion_mask,
+                         nonces: list[int] | None = None) -> torch.Tensor:
         """[B] s_θ: the mean over `num_score_draws` draw sets of the family's normalised response score, the draws
-        seeded by each row's (prompt, completion) ids and the draw index (0 for a row without completion tokens,
-        which TRL masks out, e.g. under `mask_truncated_completions`)."""
-        scores = torch.zeros(input_ids.shape[0], device=input_ids.device)
-        rows = completion_mask.bool().any(1).nonzero().flatten().tolist()
-        if not rows:
-            return scores
-        ids, mask, completion = input_ids[rows], attention_mask[rows], completion_mask[rows]
-        keys = [rollout_key(i, m, c) for i, m, c in zip(ids.tolist(), mask.tolist(), completion.tolist())]
+        seeded by each row's nonce (its generation round; None: 0), (prompt, completion) ids and the draw index. A
+        row without completion tokens (TRL masks them, e.g. under `mask_truncated_completions`) is scored on its
+        last prompt token and counts 0, so every micro-batch still runs the model and keeps a gradient graph (as DDP
+        and backward need)."""
+        has_completion = completion_mask.bool().any(1)
+        last_real = attention_mask.long().cumsum(1).argmax(1)
+        stand_in = torch.zeros_like(completion_mask).scatter(1, last_real[:, None], 1)
+        completion = torch.where(has_completion[:, None], completion_mask, stand_in)
+        nonces = nonces or [0] * input_ids.shape[0]
+        keys = [f"{nonce}/{rollout_key(i, m, c)}" for nonce, i, m, c in
+                zip(nonces, input_ids.tolist(), attention_mask.tolist(), completion.tolist())]
         M = self.num_score_draws
-        stacked = [t.repeat(M, 1) for t in (ids, mask, completion)]
+        stacked = [t.repeat(M, 1) for t in (input_ids, attention_mask, completion)]
         draw_keys = [f"{key}/{m}" for m in range(M) for key in keys]
         draws = self.scorer.draws(model, *stacked, draw_keys)
-        per_draw = self.scorer.score(model, *stacked, draws).normalised().view(M, len(rows))
-        return scores.index_put((torch.tensor(rows, device=scores.device),), per_draw.mean(0).to(scores))
+        scores = self.scorer.score(model, *stacked, draws).normalised().view(M, -1).mean(0)
+        return torch.where(has_completion.to(scores.device), scores, scores * 0.0)
+
+
+def rollout_options(spec, generation_kwargs: dict | None) -> dict:
+    """The registry's rollout options plus `GRPOConfig.generation_kwargs`, which may add options but not change a
+    registry one (PLM's lossless acceptance, which its log-probabilities assume) nor set what the trainer sets."""
+    extra = dict(generation_kwargs or {})
+    fixed = {"max_new_tokens", "do_sample", "eos_token_id", "pad_token_id", "input_ids", "attention_mask"}
+    for name, value in extra.items():
+        if name in fixed:
+            raise ValueError(f"generation_kwargs may not set {name!r}: LatentGRPOTrainer sets it (max_new_tokens is "
+                             f"GRPOConfig.max_completion_length)")
+        if name in spec.rollout_options and value != spec.rollout_options[name]:
+            raise ValueError(f"generation_kwargs {name}={value!r}: {spec.name} rollouts use "
+                             f"{name}={spec.rollout_options[name]!r}, which the trainer's log-likelihood assumes")
+    return {**spec.rollout_options, **extra}
 
 
 def rollout_key(ids: list[int], mask: list[int], completion: list[int]) -> str:

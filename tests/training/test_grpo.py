@@ -29,6 +29,7 @@ from datasets import Dataset
 from family_contract import build_tiny
 from safetensors.torch import load_file
 
+from hf_latentlm.families import build_model
 from hf_latentlm.loading import load_model_and_tokenizer
 from hf_latentlm.modeling.auxiliaries import largest_remainder_capacities, top_candidates
 from hf_latentlm.recipes import run_grpo
@@ -140,33 +141,34 @@ def test_plm_log_probs_and_entropies_are_the_encoders_of_each_row_alone(tmp_path
                 assert entropies[b, j].item() == pytest.approx(entropy, abs=1e-3)
 
 
-def test_plm_rollouts_draw_tokens_with_the_capacities_of_the_encoder_top_m(tokenizer):
-    """Exact acceptance commits Voronoi sampling's tokens, which draw token v with probability n_v / N."""
-    model = tiny_model("plm", tokenizer).eval()
+def test_plm_rollouts_draw_tokens_with_the_rounded_capacities_of_the_encoder_top_m(tmp_path, tokenizer):
+    """The trainer's rollouts (exact acceptance) commit Voronoi sampling's tokens, which draw token v with probability
+    n_v / N: the top-M of q renormalised and rounded to cells of 1/N. With N = 16 auxiliaries the rounding is coarse
+    enough to tell apart from the unrounded top-M (and from q itself)."""
+    model = build_model("plm", "tiny", tokenizer, num_auxiliaries=16, auxiliary_top_m=8)
     with torch.no_grad():
-        model.lm_head.weight.mul_(12.0)  # a peaked q (top token ~ 0.5 of the top-M), far from uniform capacities
-    prompt = torch.tensor([[17, 230, 41, 990, 7]])
+        model.lm_head.weight.mul_(12.0)  # a peaked q (top token ~ 0.5 of the top-M), far from uniform cells
+    trainer = trainer_for(model, tokenizer, tmp_path, max_completion_length=1)
+    prompt = [17, 230, 41, 990, 7]
     draws = 4000
+    completions, _ = trainer._generate_single_turn([prompt] * draws, None, {}, draws)
     with torch.no_grad():
-        out = model.generate(prompt.expand(draws, -1), attention_mask=torch.ones(draws, 5, dtype=torch.long),
-                             max_new_tokens=1, acceptance="exact", auxiliary_seeds=list(range(draws)),
-                             eos_token_id=None, pad_token_id=1)
-        logits = model(input_ids=prompt).logits[:, -1]
-    candidates, probs = top_candidates(logits, model.config.auxiliary_top_m)
-    capacities = largest_remainder_capacities(probs, model.config.num_auxiliaries)[0]
-    expected = dict(zip(candidates[0].tolist(), (capacities / model.config.num_auxiliaries).tolist()))
-    assert sorted(expected.values())[-1] < 0.9 and sum(v > 0 for v in expected.values()) >= 3, "not a trivial q"
-    first = out[:, -1].tolist()
+        logits = model(input_ids=torch.tensor([prompt])).logits[:, -1]
+    candidates, probs = top_candidates(logits, 8)
+    capacities = largest_remainder_capacities(probs, 16)[0]
+    rounded = dict(zip(candidates[0].tolist(), (capacities / 16).tolist()))
+    unrounded = dict(zip(candidates[0].tolist(), (probs[0] / probs[0].sum()).tolist()))
+    first = [c[0] for c in completions]
     empirical = {v: first.count(v) / draws for v in set(first)}
-    assert set(empirical) <= {v for v, p in expected.items() if p > 0}, "only tokens with a cell are drawn"
-    tv = 0.5 * sum(abs(empirical.get(v, 0.0) - p) for v, p in expected.items())
-    assert tv < 0.04, tv  # sampling noise at 4000 draws is ~0.01-0.02
-    # The sampled distribution is q truncated to its top M, renormalised and rounded to whole cells of 1/N.
-    q = logits.softmax(-1)[0].double()
-    renormalised = q[candidates[0]] / q[candidates[0]].sum()
-    for v, r in zip(candidates[0].tolist(), renormalised.tolist()):
-        assert abs(expected[v] - r) <= 1 / model.config.num_auxiliaries
-    assert q[candidates[0]].sum() < 0.9, "the truncation matters here: the top-M hold under 90% of q"
+
+    def tv(p, q):
+        return 0.5 * sum(abs(p.get(v, 0.0) - q.get(v, 0.0)) for v in set(p) | set(q))
+
+    assert set(empirical) <= {v for v, p in rounded.items() if p > 0}, "only tokens with a cell are drawn"
+    assert tv(empirical, rounded) < 0.03  # sampling noise at 4000 draws: ~0.01
+    assert tv(rounded, unrounded) > 0.06 and tv(empirical, unrounded) > 0.05, "the rounding is visible"
+    q = logits.softmax(-1)[0]
+    assert q[candidates[0]].sum() < 0.9, "and the truncation: the top-M hold under 90% of q"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -202,7 +204,7 @@ def test_surrogate_shares_its_draws_so_identical_weights_give_ratio_one_and_rows
     with torch.no_grad():
         per_draw = []
         for m in range(trainer.num_score_draws):
-            draw_keys = [f"{k}/{m}" for k in keys]
+            draw_keys = [f"0/{k}/{m}" for k in keys]  # nonce 0: no generation round set
             draws = trainer.scorer.draws(model, right_ids, right_mask, completion, draw_keys)
             per_draw.append(trainer.scorer.score(model, right_ids, right_mask, completion, draws).normalised())
     assert not torch.allclose(per_draw[0], per_draw[1]), "the draw sets differ"
@@ -260,6 +262,61 @@ def test_every_family_trains_with_a_reference_and_logs_trls_metrics(tmp_path, to
     assert logs[0]["kl"] == 0.0, "the first step's policy is the reference"
     assert (logs[0]["entropy"] is None or math.isnan(logs[0]["entropy"])) == (family in LATENT)
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
+    if family == "cola":  # the surrogate reads the VAE's latents without gradient: GRPO trains the prior only
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n.startswith("model.vae."))
+
+
+@pytest.mark.parametrize("family", LATENT)
+def test_rows_without_completion_tokens_count_zero_and_keep_the_graph(tmp_path, tokenizer, family):
+    """`mask_truncated_completions` zeroes a truncated row's completion mask: the surrogate scores such a row on a
+    stand-in token and counts it 0, and a micro-batch of only such rows still has a gradient graph (backward and
+    DDP need one); a GRPO step where every completion is truncated runs."""
+    model = tiny_model(family, tokenizer)
+    trainer = trainer_for(model, tokenizer, tmp_path, mask_truncated_completions=True, max_completion_length=2,
+                          max_steps=1)
+    rows = random_rows(tokenizer, ROW_LENGTHS, seed=3)
+    ids, mask, keep = trl_layout(tokenizer, rows)
+    truncated = mask.clone()
+    truncated[1, -keep:] = 0
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, truncated, keep)
+    full, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep)
+    assert logps[1].eq(0).all() and torch.allclose(logps[[0, 2]], full[[0, 2]], rtol=1e-5, atol=1e-6)
+    truncated[:, -keep:] = 0
+    none, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, truncated, keep)
+    assert none.eq(0).all() and none.requires_grad
+    none.sum().backward()
+    trainer.train()  # every completion is cut at 2 tokens: all masked
+    assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
+
+
+def test_the_surrogate_draws_afresh_each_generation_round_and_shares_them_within_it(tmp_path, tokenizer):
+    model = tiny_model("cola", tokenizer)
+    trainer = trainer_for(model, tokenizer, tmp_path)
+    ids, mask, keep = trl_layout(tokenizer, random_rows(tokenizer, ROW_LENGTHS, seed=4))
+    with torch.no_grad():
+        trainer._draw_nonces = torch.tensor([11, 11, 11])
+        first, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep)
+        again, _, _ = trainer._get_per_token_logps_and_entropies(copy.deepcopy(model), ids, mask, keep)
+        trainer._draw_nonces = torch.tensor([12, 12, 12])
+        other, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep)
+    assert torch.equal(first, again) and not torch.allclose(first[:, 0], other[:, 0])
+    # Each generation round gets its own nonce, carried with its rows to the loss.
+    trainer._draw_nonces = None
+    trainer._generate_single_turn([ids[0, -8:].tolist()] * 4, None, {}, 4)
+    round_one = trainer._draw_nonces.clone()
+    trainer._generate_single_turn([ids[0, -8:].tolist()] * 4, None, {}, 4)
+    assert round_one.unique().numel() == 1 and not torch.equal(round_one, trainer._draw_nonces)
+
+
+def test_generation_kwargs_may_add_options_but_not_change_what_the_trainer_fixes(tmp_path, tokenizer):
+    plm = tiny_model("plm", tokenizer)
+    with pytest.raises(ValueError, match="acceptance"):
+        trainer_for(plm, tokenizer, tmp_path, generation_kwargs={"acceptance": "nucleus"})
+    for name in ("max_new_tokens", "do_sample", "auxiliary_seeds"):
+        with pytest.raises(ValueError, match=name):
+            trainer_for(plm, tokenizer, tmp_path, generation_kwargs={name: 3})
+    trainer = trainer_for(plm, tokenizer, tmp_path, generation_kwargs={"k_pred": 2})
+    assert trainer.rollout_options == {"acceptance": "exact", "k_pred": 2}
 
 
 def test_sync_ref_model_updates_the_frozen_reference_copy(tmp_path, tokenizer):
@@ -293,7 +350,7 @@ def test_rollouts_come_from_the_familys_generate_with_one_seed_per_row(tmp_path,
     prompt_ids = [tokenizer(prompts(1)[0]["prompt"])["input_ids"]] * 4
     first, _ = trainer._generate_single_turn(prompt_ids, None, {}, 4)
     assert len({tuple(c) for c in first}) > 1, "the 4 copies of one prompt get different completions"
-    trainer._rollouts_this_step = (None, 0)
+    trainer._last_rollout = (None, -1)
     again, _ = trainer._generate_single_turn(prompt_ids, None, {}, 4)
     assert again == first, "the seeds are a function of the step and row: a rerun repeats them"
     third, _ = trainer._generate_single_turn(prompt_ids, None, {}, 4)
@@ -415,6 +472,11 @@ def test_cli_grpo_trains_and_writes_a_loadable_model(tmp_path, run_cli, cola_fol
     assert json.loads(out.strip().splitlines()[-1])["stage"] == "grpo"
     model, _ = load_model_and_tokenizer(str(tmp_path / "cli"))
     assert type(model).__name__ == "ColaForCausalLM"
+
+
+def test_a_grpo_dataset_without_reference_answers_is_refused_by_name(tmp_path, cola_folder):
+    with pytest.raises(ValueError, match="'response' column"):
+        run_grpo(cola_folder, tmp_path / "x", dataset=Dataset.from_list([{"prompt": "User: hi\n\nAssistant:"}]))
 
 
 def test_cli_grpo_refuses_a_group_that_does_not_divide_the_batch(run_cli, cola_folder, tmp_path):
