@@ -21,8 +21,9 @@ The log-likelihood of a completion y given a prompt x:
   the top-M sets of two models differ). What that costs: log q = log q̃ + log Z_M (Z_M the top-M mass of q at that
   prefix, up to the rounding), so the on-policy gradient A·∇log q adds A·∇log Z_M to the policy gradient of q̃,
   which moves mass into the top M on prefixes with high advantage; with stale samples (`num_iterations > 1`) the
-  ratio q_θ / q_old differs from the sampler's by Z_M(θ) / Z_M(old) as well as the rounding. A trained model puts
-  most of its mass in its top M (then Z_M ≈ 1 and both vanish).
+  ratio q_θ / q_old differs from the sampler's by Z_M(θ) / Z_M(old) as well as the rounding. Both vanish as
+  Z_M → 1: the `count-tens` SFT model of docs/post_training.md has Z_32 ≥ 0.9908 at every one of 1433 reference
+  answer positions (mean 0.99969; scripts/experiments/plm_top_m_mass.py).
 * CALM, Cola DLM, AURORA-LM (no token likelihood): a SURROGATE built on the family's DPO response score
   (`hf_latentlm.training.scorers`): s_θ(x, y) = −(1/M) Σ_m L_θ(x, y; u_m) / n_terms, the family's own training
   loss restricted to the response (an ELBO-like fit term: the energy loss per chunk for CALM, the flow-matching
