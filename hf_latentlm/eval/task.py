@@ -101,5 +101,6 @@ def evaluate_task(model, tokenizer, dataset, batch_size: int = 8, max_new_tokens
         "tokens_per_s_batch_1": timed_tokens / elapsed if elapsed > 0 else float("nan"),
         "speed_prompts": min(speed_prompts, len(prompts)),
         "correct": correct,  # per prompt, in order: paired comparisons of two models on the same split
+        "answers": texts,
         "examples": [{"prompt": p, "answer": t, "correct": c} for p, t, c in list(zip(prompts, texts, correct))[:3]],
     }

@@ -20,7 +20,7 @@ import time
 
 from hf_latentlm.eval.task import evaluate_task
 from hf_latentlm.loading import load_model_and_tokenizer
-from hf_latentlm.training.tasks import load_task
+from hf_latentlm.training.tasks import load_task, partial_credit
 
 Z95 = 1.959964
 
@@ -68,12 +68,15 @@ def main() -> None:
         begin = time.perf_counter()
         result = evaluate_task(model, tokenizer, test, batch_size=8, seed=args.seed)
         correct = result.pop("correct")
+        answers = result.pop("answers")
+        result["partial_credit"] = sum(map(partial_credit, answers, test["completion"])) / len(answers)
         low, high = wilson(sum(correct), len(correct))
         results[(entry["family"], entry["stage"])] = {**entry, **result, "correct": correct,
                                                       "accuracy_interval": [low, high],
                                                       "seconds": time.perf_counter() - begin}
         print(f"{entry['family']:>6} {entry['stage']:>12}: exact match {result['accuracy']:.3f} "
-              f"[{low:.3f}, {high:.3f}], {result['tokens_per_s_batch_1']:.1f} tokens/s at batch 1", flush=True)
+              f"[{low:.3f}, {high:.3f}], partial credit {result['partial_credit']:.3f}, "
+              f"{result['tokens_per_s_batch_1']:.1f} tokens/s at batch 1", flush=True)
     rows = []
     for (family, stage), r in results.items():
         base = results.get((family, args.base))
@@ -84,15 +87,17 @@ def main() -> None:
         if ar is not None:
             row["tokens_per_s_vs_ar"] = r["tokens_per_s_batch_1"] / ar["tokens_per_s_batch_1"]
         rows.append(row)
-    print("\n| family | stage | exact match [95%] | change over " + args.base + " [95%] | tokens/s b1 | ×AR |")
-    print("|---|---|---|---|---|---|")
+    print("\n| family | stage | exact match [95%] | change over " + args.base + " [95%] | partial credit | "
+          "tokens/s b1 | ×AR |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         change = row.get("change_over_" + args.base)
         change_text = (f"{100 * change['difference']:+.1f} [{100 * change['interval'][0]:+.1f}, "
                        f"{100 * change['interval'][1]:+.1f}]") if change else "—"
         ratio = row.get("tokens_per_s_vs_ar")
         print(f"| {row['family']} | {row['stage']} | {row['accuracy']:.3f} [{row['accuracy_interval'][0]:.3f}, "
-              f"{row['accuracy_interval'][1]:.3f}] | {change_text} | {row['tokens_per_s_batch_1']:.1f} | "
+              f"{row['accuracy_interval'][1]:.3f}] | {change_text} | {row['partial_credit']:.3f} | "
+              f"{row['tokens_per_s_batch_1']:.1f} | "
               f"{'—' if ratio is None else f'{ratio:.2f}'} |")
     if args.output:
         with open(args.output, "w") as f:
