@@ -252,10 +252,10 @@ def run_grpo(model_dir, output_dir, task: str | None = None, max_steps: int | No
              **config_overrides) -> dict:
     """GRPO of the (SFT) model in `model_dir` on `task`'s prompts (`tasks.load_task`; or `dataset`, rows with
     `prompt` and the reference `response`), rewarded by exact match plus partial credit (or by TRL reward functions
-    `reward_funcs`), and a normal checkpoint in
-    `output_dir`. AR: stock `GRPOTrainer`; other families: `LatentGRPOTrainer` (`num_score_draws`: the latent
-    families' draws per response). `batch_size` completions per device per step, `num_generations` per prompt;
-    completions up to the longest reference answer + 9 tokens. `beta`: the KL weight (None: TRL's default, 0, and no
+    `reward_funcs`), and a normal checkpoint in `output_dir`. AR: stock `GRPOTrainer`; other families:
+    `LatentGRPOTrainer` (`num_score_draws`: the latent families' draws per response). `batch_size` completions per
+    device per step, `num_generations` per prompt; completions up to the longest reference answer (with its space
+    and end-of-text token) plus 8 tokens. `beta`: the KL weight (None: TRL's default, 0, and no
     reference model). LoRA, callbacks, checkpoints and `resume` as `run_sft`. Returns a summary."""
     return _post_train("grpo", model_dir, output_dir, task, max_steps, lora, learning_rate=learning_rate,
                        batch_size=batch_size, seed=seed, train_size=train_size, dataset=dataset, callbacks=callbacks,
