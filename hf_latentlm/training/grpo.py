@@ -149,10 +149,7 @@ class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
             raise ValueError(f"num_score_draws must be a positive int, got {num_score_draws!r}")
         self.spec, self.num_score_draws = spec, num_score_draws
         self.scorer = None if self.token_likelihood else (scorer or scorer_for(model))
-        self.rollout_options = rollout_options(spec, args.generation_kwargs)
-        if core_model(model).row_seeds_option in self.rollout_options:
-            raise ValueError(f"generation_kwargs may not set {core_model(model).row_seeds_option!r}: the trainer "
-                             f"seeds every rollout row itself")
+        self.rollout_options = rollout_options(spec, args.generation_kwargs, core_model(model).row_seeds_option)
         self._last_rollout = (None, -1)  # ((mode, optimizer step), index of the last rollout made at it)
         #: [B] draw nonce of the rows being scored (one per generation round; see `surrogate_scores`).
         self._draw_nonces: torch.Tensor | None = None
@@ -295,15 +292,16 @@ class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
         return torch.where(has_completion.to(scores.device), scores, scores * 0.0)
 
 
-def rollout_options(spec, generation_kwargs: dict | None) -> dict:
+def rollout_options(spec, generation_kwargs: dict | None, seeds_option: str) -> dict:
     """The registry's rollout options plus `GRPOConfig.generation_kwargs`, which may add options but not change a
-    registry one (PLM's lossless acceptance, which its log-probabilities assume) nor set what the trainer sets."""
+    registry one (PLM's lossless acceptance, which its log-probabilities assume) nor set what the trainer sets (the
+    lengths, EOS, padding, the per-row seeds `seeds_option`)."""
     extra = dict(generation_kwargs or {})
-    fixed = {"max_new_tokens", "do_sample", "eos_token_id", "pad_token_id", "input_ids", "attention_mask"}
+    fixed = {"max_new_tokens", "do_sample", "eos_token_id", "pad_token_id", "input_ids", "attention_mask", seeds_option}
     for name, value in extra.items():
         if name in fixed:
             raise ValueError(f"generation_kwargs may not set {name!r}: LatentGRPOTrainer sets it (max_new_tokens is "
-                             f"GRPOConfig.max_completion_length)")
+                             f"GRPOConfig.max_completion_length; every rollout row gets its own seed)")
         if name in spec.rollout_options and value != spec.rollout_options[name]:
             raise ValueError(f"generation_kwargs {name}={value!r}: {spec.name} rollouts use "
                              f"{name}={spec.rollout_options[name]!r}, which the trainer's log-likelihood assumes")
