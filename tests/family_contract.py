@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from hf_latentlm.families import FAMILIES, build_model, get_family
 from hf_latentlm.modeling.generation import MultiTokenGenerationMixin
@@ -86,6 +87,61 @@ def check_streamer_receives_prompt_then_every_new_token(model, rows, streamer):
     out = model.generate(prompt, max_new_tokens=10, eos_token_id=None, streamer=streamer, **seeded(model, [4]))
     assert streamer.ended and streamer.chunks[0] == prompt[0].tolist()
     assert sum(streamer.chunks[1:], []) == out[0, 6:].tolist()
+
+
+class StopRowAfter(StoppingCriteria):
+    """Flags `row` once it has at least `tokens` new tokens (every row with `row=None`), and records what it saw."""
+
+    def __init__(self, row: int | None, tokens: int):
+        self.row, self.tokens, self.seen = row, tokens, []
+
+    def __call__(self, input_ids, scores, num_new_tokens=None, **kwargs):
+        self.seen.append((input_ids.clone(), num_new_tokens.clone()))
+        reached = num_new_tokens >= self.tokens
+        return reached if self.row is None else reached & (torch.arange(len(reached)) == self.row)
+
+
+def check_stopping_criteria_finish_the_rows_they_flag(model, rows):
+    prompt = rows[1600:1602, :8]
+    options = dict(max_new_tokens=14, eos_token_id=None, return_dict_in_generate=True, **seeded(model, [3, 4]))
+    free = model.generate(prompt, **options).sequences[:, 8:]
+    stop_first = StopRowAfter(row=0, tokens=4)
+    out = model.generate(prompt, stopping_criteria=StoppingCriteriaList([stop_first]), **options)
+    # The row is flagged at the first step after which it has >= 4 tokens; that step's tokens are kept.
+    flagged_at = next(int(n[0]) for _, n in stop_first.seen if n[0] >= 4)
+    assert out.num_new_tokens.tolist() == [flagged_at, 14]
+    assert out.sequences[0, 8:8 + flagged_at].tolist() == free[0, :flagged_at].tolist()
+    assert out.sequences[1, 8:].tolist() == free[1].tolist()  # the other row is untouched
+    # What a criterion sees: the prompt, each row's tokens so far (shorter rows padded), each row's count.
+    for sequences, counts in stop_first.seen:
+        for b in range(2):
+            assert sequences[b, 8:8 + counts[b]].tolist() == free[b, :counts[b]].tolist()
+    # Flagging every row ends generate early: fewer calls than the free run.
+    stop_all = StopRowAfter(row=None, tokens=1)
+    early = model.generate(prompt, stopping_criteria=StoppingCriteriaList([stop_all]), **options)
+    assert len(stop_all.seen) == 1 and early.num_new_tokens.tolist() == stop_all.seen[0][1].tolist()
+    assert int(early.model_calls.max()) < int(model.generate(prompt, **options).model_calls.max())
+
+
+def check_generation_config_sampling_fields_are_honoured(model, rows):
+    prompt = rows[1600, :5][None]
+    with pytest.raises(ValueError, match="top_k"):  # no family filters tokens by rank: the config's top_k reaches
+        model.generate(prompt, max_new_tokens=3, generation_config=GenerationConfig(top_k=5))  # the refusal
+    # A call's own value wins over the generation config's, as in transformers.
+    out = model.generate(prompt, max_new_tokens=3, eos_token_id=None, top_k=0,
+                         generation_config=GenerationConfig(top_k=5), **seeded(model, [2]))
+    assert out.shape == (1, 8)
+
+
+def check_loaded_generation_config_carries_the_family_sampling_defaults(model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    defaults = model.generation_options_class.sampling_defaults(model.config)
+    assert defaults["do_sample"] is True
+    # Set, so that the text-generation pipeline does not fill them with its own (temperature 0.7).
+    assert {name: getattr(loaded.generation_config, name) for name in defaults} == defaults
 
 
 def check_lengths_follow_transformers_defaults(model, rows):

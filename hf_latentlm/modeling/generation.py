@@ -28,6 +28,9 @@ DEFAULT_MAX_LENGTH = 20
 HARMLESS_HF_OPTIONS = frozenset({"use_cache", "bos_token_id", "output_scores", "output_logits"})
 # Options of transformers' generate() that `resolve_generation_request` reads.
 REQUEST_OPTIONS = frozenset({"num_beams", "eos_token_id", "pad_token_id", "max_length", "min_new_tokens"})
+# Sampling fields of a GenerationConfig that a family's options honour or refuse (`GenerationOptions`); a call's own
+# values win over the generation config's, as in transformers.
+SAMPLING_OPTIONS = ("do_sample", "temperature", "top_k", "top_p")
 
 
 @dataclass
@@ -78,6 +81,13 @@ class GenerationOptions:
         """A copy with defaults filled from `config` and every value checked (ValueError naming the option)."""
         raise NotImplementedError
 
+    @classmethod
+    def sampling_defaults(cls, config) -> dict:
+        """What the family does when no sampling option is given, as GenerationConfig fields. Loaded models carry
+        them in their generation config, so that callers that fill unset fields with their own defaults (the
+        text-generation pipeline's temperature 0.7) leave the family's decoding alone."""
+        return {"do_sample": True}
+
 
 @dataclass
 class BlockLatentGenerationOptions(GenerationOptions):
@@ -109,6 +119,10 @@ class BlockLatentGenerationOptions(GenerationOptions):
         return {"num_inference_steps": steps, "timestep_shift": shift,
                 "temperature": temperature if self.do_sample else 0.0,
                 "noise_seeds": row_seeds(self.noise_seeds, batch_size, "noise_seeds")}
+
+    @classmethod
+    def sampling_defaults(cls, config) -> dict:
+        return {"do_sample": True, "temperature": float(config.decode_temperature)}
 
 
 class DecodingStep(NamedTuple):
@@ -300,6 +314,10 @@ class NewTokens:
         self.count += keep.sum(1)
         self.finished |= (is_eos & keep).any(1) | (self.count >= self.request.max_new_tokens)
 
+    def stop(self, rows: torch.Tensor) -> None:
+        """Finish the rows flagged in `rows` [B] bool (a stopping criterion's verdict): nothing more is committed."""
+        self.finished |= rows.to(self.finished.device, torch.bool)
+
     @property
     def done(self) -> bool:
         return bool(self.finished.all())
@@ -340,14 +358,22 @@ class MultiTokenGenerationMixin(GenerationMixin):
 
         Honours the transformers options `max_new_tokens` / `max_length` (default: the generation config's, else
         a total length of 20), `min_new_tokens`, `eos_token_id` (None: never stop), `pad_token_id`,
-        `attention_mask` (left padding), `streamer` (batch 1) and `return_dict_in_generate` (a `GenerateOutput`
-        with model calls per row), plus the family's own options (its `generation_options_class`). Any other
-        option is refused by name.
+        `attention_mask` (left padding), `streamer` (batch 1), `stopping_criteria` (a `StoppingCriteriaList`, asked
+        after every step as `criteria(sequences, None, num_new_tokens=counts)`: `sequences` [B, T + longest row's
+        new tokens], shorter rows padded, `counts` [B] each row's new tokens; a row it flags is finished, so a
+        step's tokens past the stop are kept, as a one-token step would have kept them) and
+        `return_dict_in_generate` (a `GenerateOutput` with model calls per row), plus the family's own options (its
+        `generation_options_class`; `do_sample`, `temperature`, `top_k`, `top_p` default to the generation
+        config's). Any other option is refused by name.
         """
         check_prompt(input_ids)
         gen = generation_config if generation_config is not None else self.generation_config
         request = resolve_generation_request(self.generation_family, self.config, gen, input_ids, attention_mask,
                                              max_new_tokens, kwargs, streamer)
+        stopping_criteria = kwargs.pop("stopping_criteria", None)
+        for name in SAMPLING_OPTIONS:
+            if name not in kwargs and getattr(gen, name, None) is not None:
+                kwargs[name] = getattr(gen, name)
         options = pop_options(self.generation_options_class, kwargs)
         reject_unknown_options({name: kwargs[name] for name in kwargs if name not in REQUEST_OPTIONS},
                                self.generation_family)
@@ -363,6 +389,8 @@ class MultiTokenGenerationMixin(GenerationMixin):
             step = self._decoding_step(state, new)
             calls.add(step.model_calls, ~new.finished)
             new.commit(step.tokens, step.counts)
+            if stopping_criteria is not None:
+                new.stop(stopping_criteria(new.sequences(input_ids), None, num_new_tokens=new.count))
         if streamer is not None:
             streamer.end()
 
@@ -371,6 +399,14 @@ class MultiTokenGenerationMixin(GenerationMixin):
             return GenerateOutput(sequences=sequences, model_calls=calls.total(), num_new_tokens=new.count,
                                   calls_by_network=calls.named())
         return sequences
+
+    def adjust_generation_fn(self, *args, **kwargs):
+        """After `from_pretrained` loads the generation config: fill the sampling fields it leaves unset with the
+        family's own defaults (`GenerationOptions.sampling_defaults`)."""
+        super().adjust_generation_fn(*args, **kwargs)
+        for name, value in self.generation_options_class.sampling_defaults(self.config).items():
+            if getattr(self.generation_config, name, None) is None:
+                setattr(self.generation_config, name, value)
 
     def _start_decoding(self, input_ids: torch.Tensor, request: GenerationRequest, options) -> tuple[Any, int]:
         raise NotImplementedError

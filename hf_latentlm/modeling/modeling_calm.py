@@ -143,6 +143,10 @@ class CALMGenerationOptions(GenerationOptions):
         return replace(self, temperature=temperature, temperature_sampler=sampler, temperature_pool_size=pool_size,
                        noise_seeds=row_seeds(self.noise_seeds, batch_size, "noise_seeds"))
 
+    @classmethod
+    def sampling_defaults(cls, config: CALMConfig) -> dict:
+        return {"do_sample": True, "temperature": float(config.generation_temperature)}
+
 
 @dataclass
 class CALMDecodingState:

@@ -180,6 +180,10 @@ class PLMGenerationOptions(GenerationOptions):
         return replace(self, k_pred=k_pred, acceptance=rule.rule, acceptance_rule=rule,
                        auxiliary_seeds=row_seeds(self.auxiliary_seeds, batch_size, "auxiliary_seeds"))
 
+    @classmethod
+    def sampling_defaults(cls, config: PLMConfig) -> dict:
+        return {"do_sample": True, "temperature": 1.0}
+
 
 @dataclass
 class DecodingCallLayout:
