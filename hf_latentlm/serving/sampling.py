@@ -1,0 +1,153 @@
+"""A request's sampling fields turned into `generate()` options, validated before the request is queued.
+
+Two kinds of model, told apart by `row_seeds_option` (never by family name):
+- a model whose `generate()` has per-row seeds (every multi-token family): the request's `temperature`, `top_p` and
+  extra fields become the family's own options, resolved exactly as its `generate()` resolves them
+  (`GenerationOptions.resolved`), so that what the family refuses comes back as a 400 with the family's own message;
+  rows whose resolved options are equal share a batch, each with its own seed;
+- a model on transformers' `generate()` (the AR baseline), which has no per-row seeds: `RowSampler` draws each row
+  from its own `torch.Generator` at the row's own temperature and top-p and makes that draw the greedy pick
+  (`do_sample=False`), so any rows can share a batch and each gets the tokens it would get alone.
+
+Defaults follow OpenAI (temperature 1, top_p 1) where the model has none: a field the request leaves out is not
+passed to a multi-token family, whose generation config carries its own defaults (Cola DLM / AURORA-LM: read-out
+temperature 0); the AR model samples at temperature 1, top_p 1 unless its generation config samples with others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessor
+
+from ..modeling.generation import GenerationOptions
+from .protocol import invalid
+
+# The sampling fields every family's options class carries (the base class's), filled from the generation config
+# when a call leaves them out, as the family's generate() does.
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationOptions))
+MAX_SEED = 2**63  # torch.Generator.manual_seed takes any int below it (and >= 0 here)
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How one row samples.
+
+    options: the `generate()` options its batch passes (a multi-token family's own options; empty for the AR path).
+    batch_key: rows with equal keys may share one `generate()` call.
+    seed: the row's RNG seed (the family's per-row seed, or `RowSampler`'s generator).
+    temperature / top_p: the row's own, applied by `RowSampler` (None for a family with per-row seeds).
+    """
+
+    options: dict
+    batch_key: tuple
+    seed: int
+    temperature: float | None = None
+    top_p: float | None = None
+
+    @property
+    def per_row_sampler(self) -> bool:
+        return self.temperature is not None
+
+
+def resolve_sampling(model, temperature: float | None, top_p: float | None, seed: int, extra: dict) -> RowSampling:
+    """The `RowSampling` of a request, or an `OpenAIError` 400 naming what is wrong: OpenAI's ranges
+    (temperature in [0, 2], top_p in (0, 1], seed in [0, 2^63)), an unknown field, or what the family refuses."""
+    if temperature is not None and not 0 <= temperature <= 2:
+        raise invalid(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise invalid(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    if not 0 <= seed < MAX_SEED:
+        raise invalid(f"seed must be in [0, 2^63), got {seed}", param="seed")
+    if getattr(model, "row_seeds_option", None) is None:
+        return resolve_per_row_sampler(model, temperature, top_p, seed, extra)
+    return resolve_family_options(model, temperature, top_p, seed, extra)
+
+
+def resolve_per_row_sampler(model, temperature, top_p, seed, extra) -> RowSampling:
+    if extra:
+        name = sorted(extra)[0]
+        raise invalid(f"Unrecognized request argument supplied: {name} (this model takes OpenAI's sampling fields "
+                      f"only: temperature, top_p, seed, stop, max_tokens)", param=name)
+    gen = model.generation_config
+    samples = bool(gen.do_sample)  # transformers' default config is greedy: then OpenAI's defaults apply
+    if temperature is None:
+        temperature = gen.temperature if samples and gen.temperature is not None else 1.0
+    if top_p is None:
+        top_p = gen.top_p if samples and gen.top_p is not None else 1.0
+    return RowSampling({}, ("per-row sampler",), seed, float(temperature), float(top_p))
+
+
+def resolve_family_options(model, temperature, top_p, seed, extra) -> RowSampling:
+    options_class = model.generation_options_class
+    fields = [f.name for f in dataclasses.fields(options_class)]
+    seeds_option = model.row_seeds_option
+    requested = {}
+    if temperature == 0:
+        requested["do_sample"] = False  # OpenAI's temperature 0 is greedy decoding, transformers' do_sample=False
+    elif temperature is not None:
+        requested["temperature"] = temperature
+    if top_p is not None:
+        requested["top_p"] = top_p
+    for name, value in extra.items():
+        if name == seeds_option:
+            raise invalid(f"{name} is set by the server from the request's seed; send seed instead", param=name)
+        if name not in fields:
+            own = ", ".join(f for f in fields if f not in SAMPLING_FIELDS and f != seeds_option)
+            raise invalid(f"Unrecognized request argument supplied: {name} (besides OpenAI's fields this model takes "
+                          f"its generate() options: {own})", param=name)
+        requested[name] = value
+    gen = model.generation_config
+    merged = {name: getattr(gen, name) for name in SAMPLING_FIELDS
+              if name in fields and getattr(gen, name, None) is not None}
+    merged.update(requested)
+    try:
+        resolved = options_class(**merged, **{seeds_option: [0]}).resolved(model.config, 1)
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        if temperature == 0 and "do_sample" in message:
+            message = f"temperature=0 asks for greedy decoding (do_sample=False): {message}"
+        param = "temperature" if temperature == 0 and "do_sample" in str(err) else \
+            next((name for name in requested if name in str(err)), None)
+        raise invalid(message, param=param) from None
+    key = tuple((f.name, repr(getattr(resolved, f.name))) for f in dataclasses.fields(resolved)
+                if f.name != seeds_option)
+    return RowSampling(requested, key, seed)
+
+
+class RowSampler(LogitsProcessor):
+    """Per-row sampling inside transformers' `generate(do_sample=False)`: row b's next token is drawn from its own
+    generator (seeded with `seeds[b]`) at `temperatures[b]` (0: argmax) and nucleus `top_ps[b]` (the most likely
+    tokens whose cumulative probability before them is below top_p), and returned as the only finite score, so the
+    greedy pick is that draw. A row thus draws one uniform per step from its own generator, in or out of a batch.
+
+    The draw inverts the row's cumulative distribution (float64) at that uniform, so a batch's rounding differences
+    in the logits move a row's token only when the uniform falls within that rounding of a boundary.
+    """
+
+    def __init__(self, temperatures: list[float], top_ps: list[float], seeds: list[int]):
+        self.temperatures, self.top_ps = temperatures, top_ps
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        picks = torch.empty(scores.shape[0], dtype=torch.long)
+        for b, (temperature, top_p, generator) in enumerate(zip(self.temperatures, self.top_ps, self.generators)):
+            picks[b] = int(scores[b].argmax()) if temperature == 0 else \
+                draw_token(scores[b], temperature, top_p, generator)
+        chosen = torch.full_like(scores, float("-inf"))
+        chosen[torch.arange(scores.shape[0]), picks.to(scores.device)] = 0.0
+        return chosen
+
+
+def draw_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """One token from softmax(logits / temperature) restricted to its top-p nucleus, by inverse CDF at one uniform."""
+    probs = torch.softmax(logits.detach().double().cpu() / temperature, dim=-1)
+    sorted_probs, order = probs.sort(descending=True)
+    before = sorted_probs.cumsum(0) - sorted_probs
+    sorted_probs = torch.where(before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
+    cdf = sorted_probs.cumsum(0)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    index = int(torch.searchsorted(cdf, u, right=True).clamp(max=cdf.numel() - 1))
+    return int(order[index])
