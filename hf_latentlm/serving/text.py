@@ -38,12 +38,13 @@ class IncrementalText:
         if hits:
             self.stopped_text = text[:min(hits)]
             return self._send(self.stopped_text, len(self.stopped_text))
-        safe = len(text.rstrip(REPLACEMENT))
-        for length in range(min(len(text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
-            if any(s.startswith(text[-length:]) for s in self.stop):
-                safe = min(safe, len(text) - length)
+        stable = text.rstrip(REPLACEMENT)  # a split character's bytes may still be completed
+        held = 0  # the longest ending of the stable text that begins a stop sequence
+        for length in range(min(len(stable), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+            if any(s.startswith(stable[-length:]) for s in self.stop):
+                held = length
                 break
-        return self._send(text, safe)
+        return self._send(text, len(stable) - held)
 
     def finish(self) -> str:
         """The rest of the final text (the stop-cut text, or the whole decoding)."""
