@@ -17,6 +17,9 @@ from .presets import PRESETS
 
 DEFAULT_SAMPLE_PROMPT = "ROMEO.\n"
 OPTIMUM_POSITIONS = 1000  # windows of the quick measurement `train` prints after a run on a generated language
+REPORT_TO_HELP = ("experiment trackers that get the logged metrics: none, tensorboard, wandb, trackio, a "
+                  "comma-separated list, or all (every installed one); pip install 'hf-latentlm[track]' (default: "
+                  "%(default)s; docs/tracking.md)")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -73,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--sample-prompt", help="prompt for the sample printed at the end (default: "
                                            f"{DEFAULT_SAMPLE_PROMPT!r}, or a generated language's first validation words)")
     t.add_argument("--no-sample", action="store_true", help="do not print a sample after training")
+    t.add_argument("--report-to", default="none", help=REPORT_TO_HELP)
 
     g = sub.add_parser("generate", help="continue a prompt with a trained model")
     g.add_argument("--model", required=True, help="model folder written by train")
@@ -137,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "2 kept; also saved at the last step)")
         p.add_argument("--resume", action="store_true",
                        help="continue from the newest checkpoint in --output-dir (give the interrupted run's options)")
+        p.add_argument("--report-to", default="none", help=REPORT_TO_HELP)
         if name == "dpo":
             p.add_argument("--policy-rejections", action="store_true",
                            help="reject the model's own wrong answers (sampled once, before training) instead of "
@@ -220,7 +225,7 @@ def cmd_train(args) -> int:
         corpus=args.corpus, train_files=args.train_file, validation_files=args.validation_file, tokenizer=args.tokenizer,
         dataset=args.dataset, text_column=args.text_column,
         components={name: getattr(args, name) for name in component_names() if getattr(args, name) is not None},
-        model_kwargs=config_overrides(args.config),
+        model_kwargs=config_overrides(args.config), report_to=args.report_to,
     )
     spec = get_family(cfg.family)
     get_preset(cfg.preset)
@@ -430,6 +435,9 @@ def cmd_post_train(args) -> int:
         raise ValueError(f"--learning-rate must be positive, got {args.learning_rate}")
     if args.task is not None and args.task not in TASKS:
         raise ValueError(f"unknown task {args.task!r}; known tasks: {', '.join(TASKS)}")
+    from .training.config import parse_report_to
+
+    report_to = parse_report_to(args.report_to)  # before the model folder is read
     if args.command == "grpo":
         if args.num_generations < 2 or args.batch_size % args.num_generations:
             raise ValueError(f"--num-generations must be at least 2 (advantages compare completions of one prompt) "
@@ -452,7 +460,7 @@ def cmd_post_train(args) -> int:
                                   "num_score_draws": args.num_score_draws}
     summary = run(args.model, args.output_dir, task=args.task, max_steps=args.max_steps, lora=args.lora,
                   learning_rate=args.learning_rate, batch_size=args.batch_size, train_size=args.train_size,
-                  seed=args.seed, save_every=args.save_every, resume=args.resume, **options)
+                  seed=args.seed, save_every=args.save_every, resume=args.resume, report_to=report_to, **options)
     if not summary.get("losses"):  # a run shorter than the Trainer's logging period logs none: no empty list
         summary.pop("losses", None)
     if int(os.environ.get("RANK", "0")) == 0:

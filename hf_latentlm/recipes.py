@@ -40,6 +40,7 @@ from .folders import POST_TRAINING_RECORD
 from .loading import load_model_and_tokenizer
 from .training import tasks
 from .training.checkpoint import latest_checkpoint, save_tokenizer
+from .training.config import parse_report_to
 from .training.grpo import GRPO_LEARNING_RATE, NUM_GENERATIONS, NUM_SCORE_DRAWS, LatentGRPOTrainer, grpo_config
 from .training.post_training import (DPO_BETA, DPO_LEARNING_RATE, LORA_LEARNING_RATE_FACTOR, SAVE_EVERY,
                                      SFT_LEARNING_RATE, LatentDPOTrainer, LatentSFTTrainer, dpo_config, sft_config)
@@ -157,8 +158,10 @@ def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: 
                 dataset: Dataset | None, callbacks: Sequence | None, save_every: int, resume: bool,
                 policy_rejections: bool = False, beta: float | None = None, num_generations: int = NUM_GENERATIONS,
                 num_score_draws: int = NUM_SCORE_DRAWS, reward_funcs: Sequence | None = None,
-                **config_overrides) -> dict:
-    """The body of `run_sft`, `run_dpo` and `run_grpo` (`stage`): load, build the data, train, save, summarise."""
+                report_to: str | Sequence[str] | None = "none", **config_overrides) -> dict:
+    """The body of `run_sft`, `run_dpo` and `run_grpo` (`stage`): load, build the data, train, save, summarise.
+    `report_to`: the trainer's `TrainingArguments.report_to` (docs/tracking.md), checked before anything loads."""
+    report_to = parse_report_to(report_to)
     checkpoint = resume_checkpoint(output_dir, resume)
     origin = {"stage": stage, "base_model": str(model_dir), "lora": lora,  # the card's base_model (hub.py)
               "task": None if dataset is not None else task or tasks.DEFAULT_TASK}
@@ -175,7 +178,7 @@ def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: 
     if learning_rate is None:
         learning_rate = LEARNING_RATES[stage] * (LORA_LEARNING_RATE_FACTOR if lora else 1.0)
     options = dict(learning_rate=learning_rate, batch_size=batch_size, max_steps=max_steps, seed=seed,
-                   save_steps=save_every)
+                   save_steps=save_every, report_to=report_to)
     trainer_options = {}
     if stage == "grpo":
         # Room for the longest reference answer and its end-of-text token, plus a margin (as `eval.task`).
@@ -219,7 +222,8 @@ def run_sft(model_dir, output_dir, task: str | None = None, max_steps: int | Non
     LoRA adapter, then save the merged model. `callbacks`: extra `TrainerCallback`s. Checkpoints every `save_every`
     steps into `output_dir/checkpoint-<step>/`; `resume` continues from the newest (ValueError if there is none; a
     fresh run refuses a folder that holds checkpoints). Call with the same arguments as the interrupted run.
-    `config_overrides` go to `sft_config`. Returns a summary (steps, losses)."""
+    `config_overrides` go to `sft_config`; `report_to` (e.g. "tensorboard", `TrainingArguments`' meaning) is checked
+    before anything loads. Returns a summary (steps, losses)."""
     return _post_train("sft", model_dir, output_dir, task, max_steps, lora, learning_rate=learning_rate,
                        batch_size=batch_size, seed=seed, train_size=train_size, dataset=dataset, callbacks=callbacks,
                        save_every=save_every, resume=resume, **config_overrides)

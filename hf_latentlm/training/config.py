@@ -3,11 +3,44 @@
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from dataclasses import asdict, dataclass, field
 
 from ..data.generated import parse_corpus
 from ..presets import get_preset
+
+#: The experiment trackers `report_to` names, each with the package it needs (the `track` extra installs them all).
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+
+
+def parse_report_to(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """The trackers `value` names, as `TrainingArguments.report_to` reads it: "none" (or None) for none, "all" for
+    every installed one of `TRACKERS`, else one name, a comma-separated list or a list of names.
+
+    Raises ValueError for an unknown name, and ImportError (naming the extra) for a named tracker whose package is
+    not installed: both before anything trains."""
+    if value is None:
+        return []
+    names = [part.strip() for part in value.split(",")] if isinstance(value, str) else [str(v).strip() for v in value]
+    names = [name for name in names if name]
+    choices = ", ".join(["none", "all", *TRACKERS])
+    unknown = [name for name in names if name not in ("none", "all", *TRACKERS)]
+    if unknown:
+        raise ValueError(f"report_to: unknown tracker(s) {', '.join(map(repr, unknown))}; choose from {choices} "
+                         f"(or a comma-separated list of trackers)")
+    if ("none" in names or "all" in names) and len(names) > 1:
+        raise ValueError(f"report_to: 'none' and 'all' stand alone, got {value!r}")
+    if names in ([], ["none"]):
+        return []
+    installed = [name for name, package in TRACKERS.items() if importlib.util.find_spec(package) is not None]
+    if names == ["all"]:
+        return installed
+    missing = [TRACKERS[name] for name in dict.fromkeys(names) if name not in installed]
+    if missing:
+        raise ImportError(f"report_to {', '.join(missing)}: the package {', '.join(missing)} is not installed; "
+                          f"pip install 'hf-latentlm[track]' (or {' '.join(missing)})")
+    return list(dict.fromkeys(names))
 
 
 @dataclass
@@ -50,6 +83,10 @@ class TrainConfig:
         `calm`; the family registry says which); each is frozen and copied into the model.
     autoencoder: deprecated spelling of `components={"autoencoder": DIR}`.
     model_kwargs: overrides for the family's config.
+    report_to: experiment trackers that get the metrics `metrics.jsonl` gets, at the same steps, through Accelerate's
+        tracker API: "none" (the default, as `TrainingArguments`'), "tensorboard", "wandb", "trackio", a
+        comma-separated list or a list of them, or "all" (every installed one). `resolved()` turns it into a list
+        (`parse_report_to`). docs/tracking.md says where each writes and how a resumed run continues.
     """
 
     family: str = "ar"
@@ -88,6 +125,7 @@ class TrainConfig:
     components: dict[str, str] = field(default_factory=dict)
     autoencoder: str | None = None
     model_kwargs: dict = field(default_factory=dict)
+    report_to: str | list[str] = "none"
 
     def resolved(self) -> "TrainConfig":
         """A copy with every `None` filled from the preset, checked for bad values."""
@@ -103,6 +141,7 @@ class TrainConfig:
         if values["warmup_steps"] is None:
             # A shortened run (--max-steps) keeps warmup to at most a tenth of its steps.
             values["warmup_steps"] = min(preset.warmup_steps, values["max_steps"] // 10)
+        values["report_to"] = parse_report_to(values["report_to"])
         cfg = TrainConfig(**values)
         for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "save_every", "log_every", "eval_batches"):
             if getattr(cfg, name) < 1:
@@ -133,4 +172,4 @@ class TrainConfig:
         return cfg
 
 
-__all__ = ["TrainConfig"]
+__all__ = ["TRACKERS", "TrainConfig", "parse_report_to"]

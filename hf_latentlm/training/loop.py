@@ -11,6 +11,9 @@ sharded again on resume.
 
 `train` runs four phases, each a function: `load_rows`, `build` (model, optimizer, schedule),
 `resume`, `train_steps` (the loop, logging, evaluation and checkpoints).
+
+Every record of `metrics.jsonl` goes, with the same values at the same step, to the trackers of `cfg.report_to`
+(Accelerate's tracker API: `start_trackers`, `log_metrics`); docs/tracking.md.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Callable
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from ..data.generated import parse_corpus
@@ -178,7 +181,10 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
     cfg = cfg.resolved()
     # Without cpu=True, Accelerate under torchrun on a CPU-only machine silently runs every
     # process as an independent single-process job (DistributedType.NO).
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available(),
+                              log_with=cfg.report_to or None,
+                              project_config=ProjectConfiguration(project_dir=cfg.output_dir,
+                                                                  logging_dir=str(Path(cfg.output_dir) / TRACKER_DIR)))
     set_seed(cfg.seed)
 
     tokenizer, train_rows, val_rows = load_rows(cfg, tokenizer, train_rows, val_rows, accelerator)
@@ -351,6 +357,13 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
     end_step = cfg.stop_at_step if cfg.stop_at_step is not None else cfg.max_steps
     metrics_path = output_dir / "metrics.jsonl"
+    if accelerator.is_main_process and metrics_path.exists():
+        # What a run stopped after its last checkpoint logged is about to be logged again (by the steps a resume
+        # repeats), and a fresh run starts its own log: keep the records up to the start step only.
+        kept = [line for line in metrics_path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= start_step]
+        metrics_path.write_text("".join(line + "\n" for line in kept))
+    start_trackers(cfg, accelerator, start_step)
     bar = tqdm(total=end_step, initial=start_step, disable=not (cfg.progress_bar and accelerator.is_main_process),
                desc=f"{cfg.family}-{cfg.preset}", dynamic_ncols=True)
     last: dict = {}
@@ -394,11 +407,11 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
                 last["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
                 last["tokens"] = done * tokens_per_step  # training tokens so far, all processes (the report's)
                 window_start, window_tokens = time.perf_counter(), 0
-                _append_jsonl(metrics_path, last, accelerator)
+                log_metrics(metrics_path, last, accelerator)
                 bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
             if val_rows is not None and cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == end_step):
                 last["val_loss"] = evaluate_loss(model, val_rows, cfg.batch_size, accelerator)
-                _append_jsonl(metrics_path, {"step": done, "val_loss": last["val_loss"]}, accelerator)
+                log_metrics(metrics_path, {"step": done, "val_loss": last["val_loss"]}, accelerator)
                 if accelerator.is_main_process:
                     bar.write(f"step {done}: val_loss {last['val_loss']:.4f}")
             if done % cfg.save_every == 0 or done == end_step:
@@ -413,6 +426,10 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
         state_dict = gathered_state_dict(accelerator, model) if is_sharded(accelerator) else None  # every rank gathers
         if accelerator.is_main_process:
             _save_final(output_dir, accelerator.unwrap_model(model), tokenizer, state_dict)
+    # Accelerate's `end_training` would also destroy the process group, which the caller may still use (the CLI
+    # ends it itself): only the trackers are closed here (they exist on the main process only).
+    for tracker in accelerator.trackers:
+        tracker.finish()
     accelerator.wait_for_everyone()
     return last
 
@@ -460,7 +477,53 @@ def _save_final(output_dir: Path, model, tokenizer, state_dict: dict | None = No
     tmp.rmdir()
 
 
-def _append_jsonl(path: Path, record: dict, accelerator: Accelerator):
+def log_metrics(path: Path, record: dict, accelerator: Accelerator):
+    """The one place metrics leave the loop: `record` ({"step": N, name: value, ...}) appended to `metrics.jsonl`
+    and logged to every tracker of `report_to` at step N (main process only)."""
     if accelerator.is_main_process:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
+    accelerator.log({key: value for key, value in record.items() if key != "step"}, step=record["step"])
+
+
+#: The trackers' folder inside `output_dir` (TrainingArguments' `output_dir/runs` convention), the project name the
+#: trackers file runs under (TensorBoard: the subfolder; wandb, trackio: the project), and the file in TRACKER_DIR
+#: that names a run's wandb id and trackio run, so that a resumed run continues them.
+TRACKER_DIR = "runs"
+TRACKER_PROJECT = "hf-latentlm"
+TRACKER_RUNS = "tracker_runs.json"
+
+
+def tracker_hyperparameters(cfg: TrainConfig) -> dict:
+    """`cfg` as the flat hyperparameters trackers take: nested dicts as dotted keys, lists as JSON strings."""
+    flat = {}
+    for key, value in asdict(cfg).items():
+        items = {f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value}
+        flat.update({k: json.dumps(v) if isinstance(v, (list, tuple, dict)) else v for k, v in items.items()})
+    return flat
+
+
+def start_trackers(cfg: TrainConfig, accelerator: Accelerator, start_step: int) -> None:
+    """Start the trackers of `cfg.report_to` (none: nothing), with the run's config as hyperparameters. A resumed
+    run continues the same tracker runs: TensorBoard appends to the same folder, hiding whatever an earlier process
+    logged after `start_step` (`purge_step`: the steps about to be logged again); wandb resumes the run id, trackio
+    the run name, both kept in `TRACKER_DIR/TRACKER_RUNS` by the run that started them."""
+    if not cfg.report_to:
+        return
+    folder = Path(cfg.output_dir) / TRACKER_DIR
+    runs_file = folder / TRACKER_RUNS
+    runs = json.loads(runs_file.read_text()) if start_step > 0 and runs_file.is_file() else {}
+    name = Path(cfg.output_dir).resolve().name
+    if accelerator.is_main_process:
+        folder.mkdir(parents=True, exist_ok=True)
+    options = {"tensorboard": {"purge_step": start_step + 1},
+               "wandb": {"name": name, "dir": str(folder), **({"id": runs["wandb"], "resume": "allow"}
+                                                              if "wandb" in runs else {})},
+               "trackio": {"name": runs.get("trackio", name), "resume": "allow" if "trackio" in runs else "never"}}
+    accelerator.init_trackers(TRACKER_PROJECT, config=tracker_hyperparameters(cfg),
+                              init_kwargs={tracker: options[tracker] for tracker in cfg.report_to})
+    if accelerator.is_main_process:
+        started = {"wandb": lambda run: run.id, "trackio": lambda run: run.name}
+        runs.update({tracker: started[tracker](accelerator.get_tracker(tracker, unwrap=True))
+                     for tracker in cfg.report_to if tracker in started})
+        runs_file.write_text(json.dumps(runs) + "\n")
