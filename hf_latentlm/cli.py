@@ -17,9 +17,9 @@ from .presets import PRESETS
 
 DEFAULT_SAMPLE_PROMPT = "ROMEO.\n"
 OPTIMUM_POSITIONS = 1000  # windows of the quick measurement `train` prints after a run on a generated language
-REPORT_TO_HELP = ("experiment trackers that get the logged metrics: none, tensorboard, wandb, trackio, a "
-                  "comma-separated list, or all (every installed one); pip install 'hf-latentlm[track]' (default: "
-                  "%(default)s; docs/tracking.md)")
+REPORT_TO_HELP = ("experiment trackers that get the logged metrics (docs/tracking.md): none, tensorboard, wandb, "
+                  "trackio, a comma-separated list, or all (every installed one); pip install 'hf-latentlm[track]' "
+                  "(default: %(default)s)")
 
 
 class OneLineParser(argparse.ArgumentParser):
