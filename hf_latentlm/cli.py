@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--mauve", action="store_true", help="also MAUVE (needs `pip install hf-latentlm[eval]`)")
 
+    # Every argument after `lm-eval` is lm-eval's own (no prefix character here, so none is parsed as an option).
+    le = sub.add_parser("lm-eval", add_help=False, prefix_chars="+", help="lm-evaluation-harness's command line "
+                        "with the hf-latentlm model registered; pip install 'hf-latentlm[eval]' (docs/lm_eval.md)")
+    le.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+
     b = sub.add_parser("bench", help="several models side by side in one run, ratios to a baseline")
     b.add_argument("--model", action="append", required=True, metavar="NAME=DIR",
                    help="a model to measure (repeatable)")
@@ -357,6 +362,12 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_lm_eval(args) -> int:
+    from .eval.lm_eval import main as lm_eval_main
+
+    return lm_eval_main(args.lm_eval_args)
+
+
 def cmd_bench(args) -> int:
     from .eval.arguments import named_models, parse_sweeps
     from .presets import get_preset
@@ -479,6 +490,7 @@ def cmd_push(args) -> int:
 
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench,
             "sft": cmd_post_train, "dpo": cmd_post_train, "grpo": cmd_post_train, "push": cmd_push, "report": cmd_report}
+COMMANDS["lm-eval"] = cmd_lm_eval  # lm-eval's own command line, every argument passed through
 
 
 def main(argv: list[str] | None = None) -> int:
