@@ -229,14 +229,18 @@ class Answer:
 
 
 async def whole_answer(request: Request, answer: Answer, row: Row, events: asyncio.Queue):
-    pieces = []
+    pieces, checked = [], time.monotonic()
     while True:
         try:
             event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
+            event = None
+        if time.monotonic() - checked >= DISCONNECT_POLL_S:  # also while pieces keep coming
+            checked = time.monotonic()
             if await request.is_disconnected():
                 row.cancelled.set()
                 return JSONResponse({}, status_code=499)  # nobody reads it; nginx's "client closed request"
+        if event is None:
             continue
         if isinstance(event, OpenAIError):
             raise event
