@@ -188,6 +188,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hub repository of the model an sft/dpo output was trained from (default: its record, "
                         "post_training.json, when that names a Hub repository)")
     h.add_argument("--dataset", action="append", metavar="ID", help="a Hub dataset trained on (repeatable)")
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming) batching "
+                                     "concurrent requests; pip install 'hf-latentlm[serve]' (docs/serving.md)")
+    s.add_argument("--model", action="append", required=True, metavar="DIR|NAME=DIR",
+                   help="a model folder to serve (repeatable); requests name it by NAME (default: the folder's name)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    s.add_argument("--max-batch-size", type=int, default=8, help="requests per generate() call (default: %(default)s)")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting per model before the server answers 429 (default: %(default)s)")
+    s.add_argument("--batch-wait-ms", type=float, default=5.0,
+                   help="how long a batch waits for more requests after its first (default: %(default)s)")
+    s.add_argument("--seed", type=int, default=0,
+                   help="first seed of the requests that give none (each takes the next; default: %(default)s)")
+    s.add_argument("--device", help="torch device for the models (default: where they load, the CPU)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: %(default)s)")
     return parser
 
 
@@ -488,8 +505,33 @@ def cmd_push(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"hf-latentlm serve needs {' and '.join(missing)}: pip install 'hf-latentlm[serve]'")
+    if args.max_batch_size < 1 or args.max_queue < 1:
+        raise ValueError(f"--max-batch-size and --max-queue must be at least 1, got {args.max_batch_size} and "
+                         f"{args.max_queue}")
+    if args.batch_wait_ms < 0:
+        raise ValueError(f"--batch-wait-ms must be >= 0, got {args.batch_wait_ms}")
+    from .folders import check_model_folder
+    from .serving import model_names
+
+    models = model_names(args.model)
+    for name, folder in models.items():  # a bad folder is refused before torch loads
+        check_model_folder(folder, f"--model {name}={folder}")
+    from .serving.app import serve
+
+    serve(models, host=args.host, port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+          batch_wait=args.batch_wait_ms / 1000, seed=args.seed, device=args.device, log_level=args.log_level)
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench,
-            "sft": cmd_post_train, "dpo": cmd_post_train, "grpo": cmd_post_train, "push": cmd_push, "report": cmd_report}
+            "sft": cmd_post_train, "dpo": cmd_post_train, "grpo": cmd_post_train, "push": cmd_push, "report": cmd_report,
+            "serve": cmd_serve}
 COMMANDS["lm-eval"] = cmd_lm_eval  # lm-eval's own command line, every argument passed through
 
 

@@ -20,7 +20,6 @@ import itertools
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -286,21 +285,6 @@ def load_models(models: dict[str, str], device: str | None = None) -> dict[str, 
     from ..loading import load_model_and_tokenizer
 
     return {name: load_model_and_tokenizer(folder, device=device) for name, folder in models.items()}
-
-
-def model_names(items: list[str]) -> dict[str, str]:
-    """`--model DIR` or `--model NAME=DIR` items -> {name: folder}; a bare DIR is named after its folder."""
-    models = {}
-    for item in items:
-        name, sep, folder = item.partition("=")
-        if not sep:
-            name, folder = Path(item).resolve().name, item
-        if not name or not folder:
-            raise ValueError(f"--model expects DIR or NAME=DIR, got {item!r}")
-        if name in models:
-            raise ValueError(f"model name {name!r} given twice: name them with NAME=DIR")
-        models[name] = folder
-    return models
 
 
 def serve(models: dict[str, str], host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 8,
