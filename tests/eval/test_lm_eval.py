@@ -193,21 +193,34 @@ def test_latent_families_refuse_token_likelihoods_by_name(adapters, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_generate_until_is_the_familys_own_generate_cut_at_the_first_stop_string(adapters, family, tokenizer):
-    lm = adapters[family]
+def test_generate_until_is_the_familys_own_generate_cut_at_the_first_stop_string(adapters, family, tokenizer,
+                                                                                  monkeypatch):
+    lm, max_new = adapters[family], 16
     # AR's generate has no per-row seeds (sampled rows depend on their batch): its greedy decoding is compared.
     options = dict(SAMPLED) if getattr(lm.model, "row_seeds_option", None) else {"do_sample": False}
     seeds = lm.request_seeds(instances("generate_until", [(p, {}) for p in PROMPTS]))
-    full = [generated_alone(lm.model, tokenizer, p, s, options, 8) for p, s in zip(PROMPTS, seeds)]
-    # A stop string that the first row really generates, halfway through its text.
-    middle = len(full[0]) // 2
-    stop = full[0][middle:middle + 2]
-    until = [stop, "<|endoftext|>"]
-    expected = [cut(text, until) for text in full]
+    full = [generated_alone(lm.model, tokenizer, p, s, options, max_new) for p, s in zip(PROMPTS, seeds)]
+    # A stop string that the first row really generates, a quarter of the way into its text.
+    quarter = len(full[0]) // 4
+    stop = full[0][quarter:quarter + 2]
+    expected = [cut(text, [stop, "<|endoftext|>"]) for text in full]
     assert len(expected[0]) < len(full[0])
-    requests = instances("generate_until", [(p, {**options, "until": [stop], "max_gen_toks": 8}) for p in PROMPTS])
+    requests = instances("generate_until", [(p, {**options, "until": [stop], "max_gen_toks": max_new})
+                                            for p in PROMPTS])
     assert lm.request_seeds(requests) == seeds, "seeds depend on the task, document and index only"
     assert lm.generate_until(requests) == expected  # batch 2: the two longest prompts together, left padded
+
+    # The stop string also ends generation: the first request alone makes fewer than max_gen_toks tokens.
+    new_widths, generate = [], lm.model.generate
+
+    def measured(**kwargs):
+        out = generate(**kwargs)
+        new_widths.append(out.shape[1] - kwargs["input_ids"].shape[1])
+        return out
+
+    monkeypatch.setattr(lm.model, "generate", measured)
+    assert lm.generate_until(requests[:1]) == expected[:1]
+    assert new_widths[0] < max_new
 
 
 def test_plm_refuses_greedy_decoding_by_name(adapters):
