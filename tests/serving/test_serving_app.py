@@ -127,10 +127,13 @@ def test_chat_streams_what_it_answers_whole_and_refuses_a_system_message(client,
     chunks = list(client.chat.completions.create(model="plm", messages=messages, max_tokens=8, seed=3, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json={"model": "plm", "messages": messages,
-                                                                       "max_tokens": 2, "stream": True}) as response:
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json={
+            "model": "plm", "messages": messages, "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True}}) as response:
         lines = [line for line in response.iter_lines() if line]
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    usage_chunk = json.loads(lines[-2][6:])  # OpenAI's usage chunk: no choices
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 2
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="plm", max_tokens=2,
                                        messages=[{"role": "system", "content": "Be brief"}, *messages])
@@ -205,3 +208,20 @@ def test_a_client_that_stops_waiting_for_a_whole_answer_cancels_its_row(server):
         time.sleep(0.1)
     row = next(r for r in metrics(server, "aurora")["recent_rows"] if r["max_tokens"] == 480)
     assert row["finish_reason"] == "cancelled" and row["generated_tokens"] < 480
+
+
+def test_a_model_without_a_chat_template_refuses_chat_with_a_400(models, tokenizer):
+    """In process (FastAPI's TestClient): the same app, a tokenizer saved before the chat template shipped."""
+    import copy
+
+    from fastapi.testclient import TestClient
+
+    from hf_latentlm.serving.app import create_app
+
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    with TestClient(create_app({"ar": (models["ar"], plain)}, batch_wait=0.0)) as http:
+        refused = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        answered = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0.0})
+    assert refused.status_code == 400 and "no chat template" in refused.json()["error"]["message"]
+    assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] == 3
