@@ -188,7 +188,7 @@ def chat_prompt(tokenizer, messages) -> list[int]:
 async def run_request(request: Request, entry: ServedModel, body, prompt_ids: list[int], default_max_tokens,
                       counter_seed: int, chat: bool):
     """Validate the sampling fields, queue the row, and answer (a stream or one object)."""
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise invalid(f"n must be 1 (got {body.n}): send one request per choice, each with its own seed", param="n")
     limit = getattr(entry.model.config, "max_position_embeddings", None)
     room = None if limit is None else limit - len(prompt_ids)

@@ -17,12 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 UNSUPPORTED_FIELDS = {
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "logprobs": (False, 0),
     "top_logprobs": (0,), "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},), "parallel_tool_calls": (),
-    "service_tier": (), "store": (False,), "metadata": (), "prediction": (), "modalities": (["text"],), "audio": (),
-    "reasoning_effort": (), "web_search_options": (),
+    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},), "store": (False,),
+    "prediction": (), "modalities": (["text"],), "audio": (), "reasoning_effort": (), "web_search_options": (),
 }
-# Accepted and ignored: they do not change what is generated.
-IGNORED_FIELDS = frozenset({"user"})
+# Accepted and ignored: they do not change what is generated (parallel_tool_calls only matters with tools).
+IGNORED_FIELDS = frozenset({"user", "metadata", "service_tier", "parallel_tool_calls"})
 
 
 class OpenAIError(Exception):
@@ -58,8 +57,8 @@ class SamplingRequest(BaseModel):
     top_p: StrictFloat | None = None
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
-    n: StrictInt = 1
-    stream: StrictBool = False
+    n: StrictInt | None = None  # None: 1
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
 
     def extra_fields(self) -> dict:

@@ -173,7 +173,7 @@ def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving(serve
 
 def test_a_full_queue_is_a_429_and_a_disconnected_stream_cancels_its_row(server, client, models, tokenizer):
     long_request = {"model": "cola", "prompt": PROMPT, "max_tokens": 400, "seed": 1, "stream": True,
-                    "num_inference_steps": 32}  # a family option, sent as an extra field
+                    "num_inference_steps": 64}  # a family option, sent as an extra field (and a slow row)
     with httpx.stream("POST", f"{server}/v1/completions", json=long_request) as stream:
         lines = stream.iter_lines()
         first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
@@ -200,8 +200,8 @@ def test_a_full_queue_is_a_429_and_a_disconnected_stream_cancels_its_row(server,
 
 def test_a_client_that_stops_waiting_for_a_whole_answer_cancels_its_row(server):
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/completions", json={"model": "aurora", "prompt": PROMPT, "max_tokens": 480},
-                   timeout=BATCH_WAIT_MS / 1000 + 0.3)
+        httpx.post(f"{server}/v1/completions", timeout=BATCH_WAIT_MS / 1000 + 0.3,
+                   json={"model": "aurora", "prompt": PROMPT, "max_tokens": 480, "num_inference_steps": 64})
     deadline = time.monotonic() + 30
     while not any(r["max_tokens"] == 480 for r in metrics(server, "aurora")["recent_rows"]):
         assert time.monotonic() < deadline, "the abandoned row was never finished"
