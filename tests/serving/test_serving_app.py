@@ -85,7 +85,7 @@ def client(server):
 def alone(model, tokenizer, prompt_ids, max_tokens, seed) -> str:
     """The family's own generate() of the request alone, decoded (AR: greedy, the test's temperature 0)."""
     ids = torch.tensor([prompt_ids])
-    if model.row_seeds_option if hasattr(model, "row_seeds_option") else None:
+    if getattr(model, "row_seeds_option", None):
         out = model.generate(ids, max_new_tokens=max_tokens, eos_token_id=None, **{model.row_seeds_option: [seed]})
     else:
         out = model.generate(ids, do_sample=False, max_new_tokens=max_tokens, eos_token_id=None)
