@@ -118,7 +118,7 @@ def check_stopping_criteria_finish_the_rows_they_flag(model, rows):
             assert sequences[b, 8:8 + counts[b]].tolist() == free[b, :counts[b]].tolist()
     # Flagging every row ends generate early: fewer calls than the free run.
     stop_all = StopRowAfter(row=None, tokens=1)
-    early = model.generate(prompt, stopping_criteria=StoppingCriteriaList([stop_all]), **options)
+    early = model.generate(prompt, stopping_criteria=[stop_all], **options)  # a plain list, as transformers takes
     assert len(stop_all.seen) == 1 and early.num_new_tokens.tolist() == stop_all.seen[0][1].tolist()
     assert int(early.model_calls.max()) < int(model.generate(prompt, **options).model_calls.max())
 

@@ -62,21 +62,31 @@ class StopStringCriteria(StoppingCriteria):
 
     Called by transformers' `generate()` with `input_ids` [B, T + n] (finished rows padded), and by the multi-token
     families' `generate()` with `num_new_tokens` [B], each row's own number of new tokens (the rest is padding).
-    Returns [B] bool, True for a row that has met a stop string (it stays True)."""
+    Returns [B] bool, True for a row that has met a stop string (it stays True).
+
+    Each call decodes only the tokens a row gained since the last call plus a lookback of `lookback` tokens (a
+    token is at least one byte, so a stop string completed by the new tokens lies within the new tokens and the
+    last `4 * longest stop + 1` before them, with room for a character split over tokens): linear in length."""
 
     def __init__(self, tokenizer, stop: Sequence[str], prompt_width: int):
         self.tokenizer, self.stop, self.prompt_width = tokenizer, [s for s in stop if s], prompt_width
+        self.lookback = 4 * max((len(s) for s in self.stop), default=0) + 1
         self.done: torch.Tensor | None = None
+        self.seen: list[int] = []
 
     def __call__(self, input_ids: torch.Tensor, scores=None, num_new_tokens: torch.Tensor | None = None,
                  **kwargs) -> torch.BoolTensor:
         if self.done is None:
             self.done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
-        new = input_ids[:, self.prompt_width:].tolist()
-        counts = [len(row) for row in new] if num_new_tokens is None else num_new_tokens.tolist()
+            self.seen = [0] * input_ids.shape[0]
+        width = input_ids.shape[1] - self.prompt_width
+        counts = [width] * input_ids.shape[0] if num_new_tokens is None else num_new_tokens.tolist()
         for b in (~self.done).nonzero().flatten().tolist():
-            text = self.tokenizer.decode(new[b][:counts[b]], skip_special_tokens=False)
+            start = max(0, self.seen[b] - self.lookback)
+            window = input_ids[b, self.prompt_width + start:self.prompt_width + counts[b]].tolist()
+            text = self.tokenizer.decode(window, skip_special_tokens=False)
             self.done[b] = any(s in text for s in self.stop)
+            self.seen[b] = counts[b]
         return self.done.to(input_ids.device).clone()
 
 
@@ -132,7 +142,8 @@ class HFLatentLM(TemplateLM):
         self._device = torch.device(device)
         self._max_length = int(max_length) if max_length is not None else None
         self._max_gen_toks = int(max_gen_toks)
-        self.seed = None if seed is None else int(seed)
+        # Fixed here: the global torch seed that lm-eval's --seed sets could move later (AR sampling reseeds it).
+        self.seed = torch.initial_seed() if seed is None else int(seed)
         spec = family_of_model_type(getattr(model.config, "model_type", None))
         #: The family's registry name, for messages (a model outside the registry: its model type).
         self.family = spec.name if spec is not None else getattr(model.config, "model_type", type(model).__name__)
@@ -222,6 +233,10 @@ class HFLatentLM(TemplateLM):
         """(Σ log p(continuation | context), whether every continuation token is the argmax) per request
         ((context, continuation) strings or None, context ids, continuation ids); the longest first, right padded
         in batches of `batch_size`, the context truncated from the left to fit `max_length`."""
+        for request, _, continuation in requests:
+            if len(continuation) > self.max_length:
+                raise ValueError(f"{MODEL_NAME}: a continuation of {len(continuation)} tokens does not fit "
+                                 f"max_length={self.max_length} ({str(request)[:80]}...)")
         ordered = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])))
         results = []
         for chunk in ordered.get_batched(n=self.batch_size):
@@ -252,7 +267,7 @@ class HFLatentLM(TemplateLM):
         order of the requests or the other tasks in the run. `copy` numbers identical requests (lm-eval repeats a
         request `repeats` times), so repeated samples differ. Base: `seed`, else `torch.initial_seed()` (set by
         lm-eval's `--seed`)."""
-        base = self.seed if self.seed is not None else torch.initial_seed()
+        base = self.seed
         seen = Counter()
         seeds = []
         for req in requests:
@@ -284,15 +299,20 @@ class HFLatentLM(TemplateLM):
                 if seeds_option in options:
                     raise ValueError(f"{MODEL_NAME} sets {seeds_option} per request; set seed= in model_args")
                 options[seeds_option] = list(row_seeds)
-            else:  # no per-row seeds (transformers' generate): sampled rows depend on their batch
-                torch.manual_seed(row_seeds[0])
             ids, mask = self.left_padded(contexts, self.max_length - max_new_tokens)
+            # No per-row seeds (transformers' generate): the batch draws from the global RNG, seeded from its first
+            # request inside a fork, so that the caller's RNG (and later batches' seeds) are left as they were.
+            cuda = [self._device.index or 0] if self._device.type == "cuda" else []
             try:
-                out = self.model.generate(
-                    input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                    pad_token_id=self.tokenizer.pad_token_id,
-                    stopping_criteria=StoppingCriteriaList([StopStringCriteria(self.tokenizer, until, ids.shape[1])]),
-                    **options)
+                with torch.random.fork_rng(devices=cuda):
+                    if seeds_option is None:
+                        torch.manual_seed(row_seeds[0])
+                    out = self.model.generate(
+                        input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                        pad_token_id=self.tokenizer.pad_token_id,
+                        stopping_criteria=StoppingCriteriaList([StopStringCriteria(self.tokenizer, until,
+                                                                                   ids.shape[1])]),
+                        **options)
             except ValueError as err:
                 raise ValueError(f"{MODEL_NAME}: the {self.family} family cannot run the generation kwargs "
                                  f"{dict(gen_kwargs[0])} of task {sorted(set(map(str, tasks)))}: {err}. Give it "

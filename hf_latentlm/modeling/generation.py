@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-from transformers import GenerationMixin
+from transformers import GenerationMixin, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
 
@@ -371,6 +371,8 @@ class MultiTokenGenerationMixin(GenerationMixin):
         request = resolve_generation_request(self.generation_family, self.config, gen, input_ids, attention_mask,
                                              max_new_tokens, kwargs, streamer)
         stopping_criteria = kwargs.pop("stopping_criteria", None)
+        if isinstance(stopping_criteria, (list, tuple)):  # transformers takes a plain list too
+            stopping_criteria = StoppingCriteriaList(stopping_criteria)
         for name in SAMPLING_OPTIONS:
             if name not in kwargs and getattr(gen, name, None) is not None:
                 kwargs[name] = getattr(gen, name)

@@ -143,6 +143,31 @@ def test_stop_strings_finish_each_row_on_its_own_new_tokens(tokenizer):
     assert again(sequences, None).tolist() == [False, False]
 
 
+def test_stop_strings_are_found_step_by_step_as_in_the_whole_text(tokenizer, validation_stream):
+    """Fed one more token per call over a long row, the criterion (which decodes only the new tokens and a short
+    lookback) flags the row at exactly the call where decoding the whole row first shows the stop string."""
+    row = validation_stream[:400].tolist()
+    text = tokenizer.decode(row)
+    stop = text[-40:-34]  # near the end: far beyond the lookback from the start
+    assert stop.strip() and text.index(stop) > 200
+    first = next(n for n in range(1, len(row) + 1) if stop in tokenizer.decode(row[:n]))
+    criteria = StopStringCriteria(tokenizer, [stop], prompt_width=1)
+    sequences = torch.tensor([[tokenizer.bos_token_id] + row])
+    flagged = [bool(criteria(sequences, None, num_new_tokens=torch.tensor([n]))[0]) for n in range(1, len(row) + 1)]
+    assert flagged.index(True) + 1 == first and all(flagged[first - 1:])
+
+
+def test_sampling_leaves_the_seeds_of_later_calls_alone(adapters):
+    """AR draws from the global RNG inside a fork: a second identical call gives the same texts."""
+    lm = adapters["ar"]
+    requests = instances("generate_until", [(p, {**SAMPLED, "until": ["\n\n"], "max_gen_toks": 6})
+                                            for p in PROMPTS])
+    before = torch.initial_seed()
+    first = lm.generate_until(requests)
+    assert torch.initial_seed() == before
+    assert lm.generate_until(requests) == first
+
+
 def test_ar_loglikelihoods_equal_lm_evals_own_hf_model(folders, adapters, hf_reference, tokenizer):
     ar = adapters["ar"]
     pairs = [*PAIRS, ("To be, or not to ", "be"), greedy_pair(ar.model, tokenizer, "ROMEO.")]
