@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -33,6 +32,8 @@ from .text import IncrementalText
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+# Running rows are cancelled as the shutdown starts and end at their next step; this bounds a step that hangs.
+GRACEFUL_SHUTDOWN_S = 10.0
 
 
 @dataclass
@@ -47,11 +48,12 @@ class ServedModel:
 def create_app(models: dict[str, tuple], max_batch_size: int = 8, max_queue: int = 64, batch_wait: float = 0.005,
                seed: int = 0) -> FastAPI:
     """The app serving `models` ({name: (model, tokenizer)}). A request without `seed` gets the next value of a
-    counter starting at `seed`, so that a server started the same way answers the same requests the same way."""
+    counter starting at `seed` (drawn once the request is queued, so refused requests draw none), so that a server
+    started the same way answers the same requests the same way. `app.state.schedulers`: {name: BatchScheduler}."""
     served = {name: ServedModel(name, model, tokenizer, BatchScheduler(model, tokenizer, max_batch_size, max_queue,
                                                                        batch_wait), int(time.time()))
               for name, (model, tokenizer) in models.items()}
-    seeds = itertools.count(seed)
+    seeds = SeedCounter(seed)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -62,6 +64,7 @@ def create_app(models: dict[str, tuple], max_batch_size: int = 8, max_queue: int
             await asyncio.to_thread(entry.scheduler.close)
 
     app = FastAPI(title="hf-latentlm", lifespan=lifespan)
+    app.state.schedulers = {name: entry.scheduler for name, entry in served.items()}
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request, err: OpenAIError):
@@ -92,7 +95,7 @@ def create_app(models: dict[str, tuple], max_batch_size: int = 8, max_queue: int
         body = parse(CompletionRequest, await read_json(request))
         entry = pick(served, body.model)
         prompt_ids = completion_prompt(entry.tokenizer, body.prompt)
-        return await run_request(request, entry, body, prompt_ids, COMPLETION_MAX_TOKENS, next(seeds), chat=False)
+        return await run_request(request, entry, body, prompt_ids, COMPLETION_MAX_TOKENS, seeds, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -103,7 +106,7 @@ def create_app(models: dict[str, tuple], max_batch_size: int = 8, max_queue: int
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         prompt_ids = chat_prompt(entry.tokenizer, body.messages)
-        return await run_request(request, entry, body, prompt_ids, None, next(seeds), chat=True)
+        return await run_request(request, entry, body, prompt_ids, None, seeds, chat=True)
 
     return app
 
@@ -185,8 +188,21 @@ def chat_prompt(tokenizer, messages) -> list[int]:
     return completion_prompt(tokenizer, text)
 
 
+class SeedCounter:
+    """The seeds of requests without one: `peek()` is the next, `take()` moves on (once the request is queued)."""
+
+    def __init__(self, first: int):
+        self.next = first
+
+    def peek(self) -> int:
+        return self.next
+
+    def take(self) -> None:
+        self.next += 1
+
+
 async def run_request(request: Request, entry: ServedModel, body, prompt_ids: list[int], default_max_tokens,
-                      counter_seed: int, chat: bool):
+                      seeds: SeedCounter, chat: bool):
     """Validate the sampling fields, queue the row, and answer (a stream or one object)."""
     if body.n not in (None, 1):
         raise invalid(f"n must be 1 (got {body.n}): send one request per choice, each with its own seed", param="n")
@@ -201,13 +217,15 @@ async def run_request(request: Request, entry: ServedModel, body, prompt_ids: li
     if room is not None and max_tokens > room:
         raise invalid(f"this model's context is {limit} tokens: the prompt ({len(prompt_ids)}) plus max_tokens "
                       f"({max_tokens}) do not fit", param="max_tokens", code="context_length_exceeded")
-    seed = body.seed if body.seed is not None else counter_seed
+    seed = body.seed if body.seed is not None else seeds.peek()
     sampling = resolve_sampling(entry.model, body.temperature, body.top_p, seed, body.extra_fields())
     request_id = new_id("chatcmpl" if chat else "cmpl")
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     row = Row(request_id, prompt_ids, max_tokens, sampling, IncrementalText(entry.tokenizer, body.stop_strings()),
               lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-    entry.scheduler.submit(row)
+    entry.scheduler.submit(row)  # a 429 / 503 raises here
+    if body.seed is None:  # no await since peek(): no other request took this seed
+        seeds.take()
     answer = Answer(entry.name, request_id, len(prompt_ids), seed, chat)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -287,11 +305,38 @@ def load_models(models: dict[str, str], device: str | None = None) -> dict[str, 
     return {name: load_model_and_tokenizer(folder, device=device) for name, folder in models.items()}
 
 
+def build_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                 graceful_shutdown_s: float = GRACEFUL_SHUTDOWN_S):
+    """The uvicorn server of `app` (from `create_app`), whose shutdown begins by closing the schedulers.
+
+    uvicorn's own shutdown stops accepting connections, waits for the open ones to finish, and only then runs the
+    app's lifespan shutdown: left alone, it would run every queued and running request to its end first. Closing the
+    schedulers as the shutdown starts answers the queued requests (and any arriving meanwhile) with a 503 and cancels
+    the running rows, which end at their next step, answered with a 503 too; the wait for connections is then short,
+    and bounded by `graceful_shutdown_s`.
+    """
+    import uvicorn
+
+    class SchedulerClosingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            for scheduler in app.state.schedulers.values():
+                scheduler.begin_close()
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=graceful_shutdown_s)
+    return SchedulerClosingServer(config)
+
+
 def serve(models: dict[str, str], host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 8,
           max_queue: int = 64, batch_wait: float = 0.005, seed: int = 0, device: str | None = None,
           log_level: str = "info") -> None:
-    """Load `models` ({name: folder}) and serve them until interrupted."""
-    import uvicorn
-
+    """Load `models` ({name: folder}) and serve them until interrupted (SIGINT / SIGTERM; see `build_server`)."""
     app = create_app(load_models(models, device), max_batch_size, max_queue, batch_wait, seed)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    server = build_server(app, host, port, log_level)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the signal it handled once it has shut down, as uvicorn.run does
+        pass
+    if not server.started:
+        raise SystemExit(f"the server did not start on {host}:{port} (see the log above)")

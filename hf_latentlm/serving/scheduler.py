@@ -5,7 +5,8 @@ can share its call (equal `RowSampling.batch_key`, and the batch's longest promp
 within the model's positions), up to `max_batch_size`, as one left-padded batch. The call generates the largest
 `max_tokens` of the batch; a `RowObserver` (a transformers `StoppingCriteria`, which every family's `generate()`
 calls after each step with each row's new tokens) hands each row its new tokens as they come, and finishes a row at
-its own `max_tokens`, at a stop sequence, or when its client has gone (`Row.cancelled`), so it stops taking steps.
+its own `max_tokens`, at a stop sequence, or when its client has gone or the server shuts down (`Row.cancelled`), so
+it stops taking steps.
 
 A row gets the tokens it would get alone: a multi-token family draws each row from its own seed
 (`model.row_seeds_option`), and the AR baseline samples through `sampling.RowSampler`.
@@ -50,7 +51,7 @@ class Row:
     text: IncrementalText
     sink: Callable[[object], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
-    generated: int = 0  # tokens taken from generate(), EOS included
+    generated: int = 0  # its tokens from generate(): up to the one completing a stop sequence, or EOS included
     finish_reason: str | None = None
 
 
@@ -72,23 +73,24 @@ class RowObserver(StoppingCriteria):
 
     def advance(self, row: Row, sequence: torch.Tensor, count: int) -> None:
         end = min(count, row.max_tokens)
-        accepted = []
+        accepted, eos = [], False
         for token in sequence[self.width + row.generated: self.width + end].tolist():
-            row.generated += 1
             if token in self.eos_ids:
-                row.finish_reason = "stop"
+                eos = True
                 break
             accepted.append(token)
         piece = row.text.add(accepted)
         if piece:
             row.sink(piece)
-        if row.finish_reason is None:
-            if row.text.stopped:
-                row.finish_reason = "stop"
-            elif row.generated >= row.max_tokens:
-                row.finish_reason = "length"
-            elif row.cancelled.is_set():
-                row.finish_reason = "cancelled"
+        # The row's tokens are its text's (a step may commit several: those after the one completing a stop
+        # sequence are not taken), plus an EOS that ended it.
+        row.generated = row.text.tokens_used + int(eos and not row.text.stopped)
+        if row.text.stopped or eos:
+            row.finish_reason = "stop"
+        elif row.generated >= row.max_tokens:
+            row.finish_reason = "length"
+        elif row.cancelled.is_set():
+            row.finish_reason = "cancelled"
 
 
 @dataclass
@@ -162,8 +164,9 @@ class BatchScheduler:
         with self._condition:
             return len(self._pending)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Refuse new rows (503), answer the queued ones with 503, cancel the running ones and stop the worker."""
+    def begin_close(self) -> None:
+        """Refuse new rows (503), answer the queued ones with 503, and cancel the running ones: they end at their
+        next step, answered with a 503 as well. Returns at once (the server calls it as its shutdown starts)."""
         with self._condition:
             self._closing = True
             pending, self._pending = list(self._pending), collections.deque()
@@ -173,6 +176,10 @@ class BatchScheduler:
         for row in pending:
             row.sink(OpenAIError(503, "the server shut down before this request ran", "server_error",
                                  code="server_shutting_down"))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """`begin_close()`, then wait (up to `timeout` seconds) for the worker to stop."""
+        self.begin_close()
         if self._worker.is_alive():
             self._worker.join(timeout)
 
@@ -249,7 +256,11 @@ class BatchScheduler:
         self.stats.recent_rows.append({"id": row.request_id, "batch_id": batch_id, "batch_size": batch_size,
                                        "generated_tokens": row.generated, "max_tokens": row.max_tokens,
                                        "finish_reason": row.finish_reason})
-        row.sink(RowDone(row.finish_reason, row.generated, batch_id, batch_size))
+        if row.finish_reason == "cancelled" and self._closing:  # cut short by the shutdown (or its client left)
+            row.sink(OpenAIError(503, "the server shut down while this request ran", "server_error",
+                                 code="server_shutting_down"))
+        else:
+            row.sink(RowDone(row.finish_reason, row.generated, batch_id, batch_size))
 
     @torch.no_grad()
     def _generate(self, rows: list[Row]) -> None:

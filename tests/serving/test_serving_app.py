@@ -2,7 +2,7 @@
 driven with the openai client and plain httpx. Streamed text equals the whole answer, and both equal the family's own
 generate() of the request alone; concurrent requests share one generate() call and get their tokens alone; bad
 requests get OpenAI's error JSON and the server keeps serving; a full queue is a 429; a client that leaves cancels
-its row."""
+its row. In process: refused requests draw no seed, and a shutdown answers queued and running requests at once."""
 
 import concurrent.futures
 import json
@@ -225,3 +225,56 @@ def test_a_model_without_a_chat_template_refuses_chat_with_a_400(models, tokeniz
         answered = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0.0})
     assert refused.status_code == 400 and "no chat template" in refused.json()["error"]["message"]
     assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] == 3
+
+
+def test_requests_refused_before_they_are_queued_draw_no_seed(models, tokenizer):
+    from fastapi.testclient import TestClient
+
+    from hf_latentlm.serving.app import create_app
+
+    with TestClient(create_app({"plm": (models["plm"], tokenizer)}, batch_wait=0.0, seed=100)) as http:
+        ask = lambda **fields: http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, **fields})
+        first = ask()
+        refused = [ask(temperature=0.5), ask(max_tokens=0), ask(n=2), ask(no_such_option=3)]
+        second = ask()
+    assert [r.status_code for r in refused] == [400] * 4
+    assert [first.json()["hf_latentlm"]["seed"], second.json()["hf_latentlm"]["seed"]] == [100, 101]
+
+
+def test_shutting_down_answers_the_queued_request_503_and_ends_the_running_one_at_once(models, tokenizer):
+    """uvicorn in a thread, stopped as its SIGINT / SIGTERM handler stops it (`should_exit`), while one slow streamed
+    row runs and one request waits (batches of one): the waiting one is a 503, the running one is cancelled at its
+    next step and its stream ends with a 503 error event, long before its max_tokens."""
+    import threading
+
+    from hf_latentlm.serving.app import build_server, create_app
+
+    app = create_app({"cola": (models["cola"], tokenizer)}, max_batch_size=1, batch_wait=0.0)
+    server = build_server(app, port=free_port(), log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    base = f"http://127.0.0.1:{server.config.port}"
+    slow = {"model": "cola", "prompt": PROMPT, "max_tokens": 480, "stream": True, "num_inference_steps": 64}
+    with httpx.stream("POST", f"{base}/v1/completions", json=slow, timeout=30) as stream:
+        lines = (line for line in stream.iter_lines() if line)
+        first = json.loads(next(lines)[6:])
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, f"{base}/v1/completions", timeout=30,
+                                  json={"model": "cola", "prompt": PROMPT, "max_tokens": 4})
+            while httpx.get(f"{base}/metrics").json()["cola"]["queued"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            server.should_exit = True
+            rest = list(lines)
+            queued = waiting.result()
+    thread.join(20)
+    assert not thread.is_alive(), "the server did not finish shutting down"
+    assert queued.status_code == 503 and queued.json()["error"]["code"] == "server_shutting_down"
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["error"]["code"] == "server_shutting_down"
+    row, = app.state.schedulers["cola"].stats.recent_rows
+    assert row["id"] == first["id"] and row["finish_reason"] == "cancelled" and row["generated_tokens"] < 480

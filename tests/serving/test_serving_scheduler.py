@@ -6,6 +6,7 @@ import queue
 
 import pytest
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from family_contract import build_tiny
 from hf_latentlm.serving.protocol import OpenAIError
@@ -142,3 +143,36 @@ def test_a_full_queue_is_a_429_and_a_closing_one_a_503(models, tokenizer):
     with pytest.raises(OpenAIError) as closing:
         scheduler.submit(make_row(ar, tokenizer, PROMPTS[1], 4, 2))
     assert closing.value.status == 503 and scheduler.stats.rejected_full == scheduler.stats.rejected_closing == 1
+
+
+class StepSizes(StoppingCriteria):
+    """Records how many tokens each step of a multi-token generate() commits."""
+
+    def __init__(self):
+        self.totals = []
+
+    def __call__(self, input_ids, scores=None, num_new_tokens=None, **kwargs):
+        self.totals.append(int(num_new_tokens[0]))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_a_stop_inside_a_multi_token_step_counts_the_tokens_up_to_the_one_completing_it(models, tokenizer):
+    cola, prompt, seed = models["cola"], PROMPTS[0], 51
+    steps = StepSizes()
+    alone = cola.generate(torch.tensor([prompt]), max_new_tokens=12, eos_token_id=None,
+                          stopping_criteria=StoppingCriteriaList([steps]),
+                          **{cola.row_seeds_option: [seed]})[0, len(prompt):].tolist()
+    decoded = [tokenizer.decode(alone[:n]) for n in range(len(alone) + 1)]
+    # a token's text that first appears with that token, and not at the end of a step (Cola commits several)
+    for n in range(2, len(alone) + 1):
+        stop = tokenizer.decode(alone[n - 1:n])
+        if stop.strip() and not decoded[n].endswith("\ufffd") and stop not in decoded[n - 1] and n not in steps.totals:
+            break
+    else:
+        pytest.fail(f"no token of {alone} ends a stop sequence mid-step ({steps.totals})")
+    needed = next(m for m in range(1, len(alone) + 1) if stop in decoded[m])  # by brute force
+    row = make_row(cola, tokenizer, prompt, 12, seed)
+    row.text = IncrementalText(tokenizer, [stop])
+    [(text, done)], scheduler = run(cola, tokenizer, [row])
+    assert done.finish_reason == "stop" and text == decoded[needed][:decoded[needed].find(stop)]
+    assert done.completion_tokens == needed == n and scheduler.stats.generated_tokens == needed  # /metrics' count

@@ -41,3 +41,51 @@ def test_a_held_back_stop_prefix_that_does_not_complete_is_sent(tokenizer):
     pieces, text = stream(tokenizer, ids, ["ROMEO!"])
     assert "".join(pieces) == "ROMEO. ROME" and not text.stopped
     assert pieces[-1].endswith("ROME")  # held back until the end: it could have become the stop sequence
+
+
+class CountingDecodes:
+    """The tokenizer, recording how many ids each decode() call is given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.sizes = tokenizer, []
+
+    def decode(self, ids, **kwargs):
+        self.sizes.append(len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("step", [1, 5])
+def test_a_long_row_streams_its_whole_decoding_decoding_only_a_few_recent_tokens_each_step(tokenizer, step):
+    # ~3000 tokens: the repeated text with its split characters, ending in a stop sequence found only at the end
+    ids = tokenizer(" ".join(f"{TEXT} {i}" for i in range(200)) + " THE END.", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 2000
+    counting = CountingDecodes(tokenizer)
+    pieces, text = stream(counting, ids, step=step)
+    assert "".join(pieces) == tokenizer.decode(ids) and not any("\ufffd" in piece for piece in pieces)
+    assert max(counting.sizes) <= 16, "add() decodes a window of recent tokens, not the whole row"
+    cut, _ = stream(tokenizer, ids, ["THE END"], step)
+    assert "".join(cut) == tokenizer.decode(ids)[:-len("THE END.")]
+
+
+def test_random_token_ids_stream_their_whole_decoding(tokenizer):
+    """Random ids include lone and truncated byte tokens (invalid UTF-8): the pieces still join into the decoding."""
+    import random
+
+    rng = random.Random(0)
+    byte_tokens = [i for i in range(len(tokenizer)) if len(tokenizer.convert_ids_to_tokens(i)) == 1]
+    for _ in range(20):
+        ids = [rng.choice(byte_tokens) if rng.random() < 0.6 else rng.randrange(len(tokenizer)) for _ in range(60)]
+        pieces, _ = stream(tokenizer, ids, step=rng.randint(1, 4))
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True), ids
+
+
+def test_tokens_used_counts_the_row_up_to_the_token_that_completes_the_stop(tokenizer):
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    stop = "ROMEO"
+    # by brute force: the shortest prefix of the row whose decoding contains the stop sequence
+    needed = next(n for n in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:n]))
+    text = IncrementalText(tokenizer, [stop])
+    text.add(ids[:needed - 2])
+    assert text.tokens_used == needed - 2 and not text.stopped
+    text.add(ids[needed - 2:])  # the rest in one step, as a multi-token family commits them
+    assert text.stopped and text.tokens_used == needed < len(ids)
