@@ -19,6 +19,7 @@ Every record of `metrics.jsonl` goes, with the same values at the same step, to 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -59,6 +60,8 @@ from .data import (
     pack_dataset,
 )
 from .scorers import core_model
+
+logger = logging.getLogger(__name__)
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:
@@ -357,13 +360,10 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
     end_step = cfg.stop_at_step if cfg.stop_at_step is not None else cfg.max_steps
     metrics_path = output_dir / "metrics.jsonl"
-    if accelerator.is_main_process and metrics_path.exists():
-        # What a run stopped after its last checkpoint logged is about to be logged again (by the steps a resume
-        # repeats), and a fresh run starts its own log: keep the records up to the start step only.
-        kept = [line for line in metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= start_step]
-        metrics_path.write_text("".join(line + "\n" for line in kept))
-    start_trackers(cfg, accelerator, start_step)
+    # What a run stopped after its last checkpoint logged is about to be logged again (by the steps a resume
+    # repeats), and a fresh run starts its own log: keep the records up to the start step only.
+    dropped = accelerator.is_main_process and trim_metrics_log(metrics_path, start_step)
+    start_trackers(cfg, accelerator, start_step, continue_runs=not dropped)
     bar = tqdm(total=end_step, initial=start_step, disable=not (cfg.progress_bar and accelerator.is_main_process),
                desc=f"{cfg.family}-{cfg.preset}", dynamic_ncols=True)
     last: dict = {}
@@ -477,6 +477,50 @@ def _save_final(output_dir: Path, model, tokenizer, state_dict: dict | None = No
     tmp.rmdir()
 
 
+def trim_metrics_log(path: Path, start_step: int) -> bool:
+    """Keep the records of the metrics log `path` up to `start_step` (all of them past it dropped; no file: nothing
+    to do) and return whether a record was dropped that trackers may hold too.
+
+    A line that does not parse (a record torn, or left as NUL bytes, by a crash) is dropped with one warning naming
+    the file; it counts as dropped past `start_step`, as its step cannot be read. The log is rewritten through a
+    temporary file in the same folder, replaced atomically, so a crash during the rewrite leaves the old log or the
+    new one.
+    """
+    if not path.exists():
+        return False
+    kept, dropped, unreadable = [], False, 0
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)["step"]
+            readable = isinstance(step, int)
+        except (ValueError, TypeError, KeyError, IndexError):
+            readable = False
+        if not readable:
+            unreadable += 1
+            dropped = True
+        elif step <= start_step:
+            kept.append(line)
+        else:
+            dropped = True
+    if unreadable:
+        logger.warning("%s: skipped %d line(s) that are not a metrics record (a record torn by a crash?)", path,
+                       unreadable)
+    replace_text(path, "".join(line + "\n" for line in kept))
+    return dropped
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically: into a temporary file in the same folder, then `os.replace`d over it."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def log_metrics(path: Path, record: dict, accelerator: Accelerator):
     """The one place metrics leave the loop: `record` ({"step": N, name: value, ...}) appended to `metrics.jsonl`
     and logged to every tracker of `report_to` at step N (main process only)."""
@@ -488,7 +532,8 @@ def log_metrics(path: Path, record: dict, accelerator: Accelerator):
 
 #: The trackers' folder inside `output_dir` (TrainingArguments' `output_dir/runs` convention), the project name the
 #: trackers file runs under (TensorBoard: the subfolder; wandb, trackio: the project), and the file in TRACKER_DIR
-#: that names a run's wandb id and trackio run, so that a resumed run continues them.
+#: that names a run's tracker runs (the experiment's name, the current run's name, the wandb id), so that a resumed
+#: run continues them.
 TRACKER_DIR = "runs"
 TRACKER_PROJECT = "hf-latentlm"
 TRACKER_RUNS = "tracker_runs.json"
@@ -503,27 +548,41 @@ def tracker_hyperparameters(cfg: TrainConfig) -> dict:
     return flat
 
 
-def start_trackers(cfg: TrainConfig, accelerator: Accelerator, start_step: int) -> None:
-    """Start the trackers of `cfg.report_to` (none: nothing), with the run's config as hyperparameters. A resumed
-    run continues the same tracker runs: TensorBoard appends to the same folder, hiding whatever an earlier process
-    logged after `start_step` (`purge_step`: the steps about to be logged again); wandb resumes the run id, trackio
-    the run name, both kept in `TRACKER_DIR/TRACKER_RUNS` by the run that started them."""
+def start_trackers(cfg: TrainConfig, accelerator: Accelerator, start_step: int, continue_runs: bool = True) -> None:
+    """Start the trackers of `cfg.report_to` (none: nothing), with the run's config as hyperparameters.
+
+    A fresh run names its wandb and trackio runs after the output folder plus a random suffix (`run-1a2b3c`: trackio
+    resumes by name, and another experiment's folder may have the same name). A resumed run continues the same
+    tracker runs (`continue_runs`, the default): TensorBoard appends to the same folder, hiding whatever an earlier
+    process logged after `start_step` (`purge_step`: the steps about to be logged again); wandb resumes the run id,
+    trackio the run name, both kept in `TRACKER_DIR/TRACKER_RUNS` by the run that started them. With
+    `continue_runs=False` (an earlier process logged past `start_step`, which wandb and trackio cannot take back)
+    wandb and trackio start new runs named `<experiment>-from-step-<start_step>`.
+    """
     if not cfg.report_to:
         return
     folder = Path(cfg.output_dir) / TRACKER_DIR
     runs_file = folder / TRACKER_RUNS
-    runs = json.loads(runs_file.read_text()) if start_step > 0 and runs_file.is_file() else {}
-    name = Path(cfg.output_dir).resolve().name
+    runs = {}
+    # Only the main process starts trackers, and only it reads the file it rewrites below.
     if accelerator.is_main_process:
+        if start_step > 0 and runs_file.is_file():
+            runs = json.loads(runs_file.read_text())
         folder.mkdir(parents=True, exist_ok=True)
+    if "experiment" not in runs:
+        # os.urandom: the suffix draws nothing from the seeded generators the training steps use.
+        runs = {"experiment": f"{Path(cfg.output_dir).resolve().name}-{os.urandom(3).hex()}"}
+    elif not continue_runs:
+        runs = {"experiment": runs["experiment"], "name": f"{runs['experiment']}-from-step-{start_step}"}
+    name = runs.setdefault("name", runs["experiment"])
     options = {"tensorboard": {"purge_step": start_step + 1},
                "wandb": {"name": name, "dir": str(folder), **({"id": runs["wandb"], "resume": "allow"}
                                                               if "wandb" in runs else {})},
-               "trackio": {"name": runs.get("trackio", name), "resume": "allow" if "trackio" in runs else "never"}}
+               "trackio": {"name": name, "resume": "allow" if runs.get("trackio") == name else "never"}}
     accelerator.init_trackers(TRACKER_PROJECT, config=tracker_hyperparameters(cfg),
                               init_kwargs={tracker: options[tracker] for tracker in cfg.report_to})
     if accelerator.is_main_process:
         started = {"wandb": lambda run: run.id, "trackio": lambda run: run.name}
         runs.update({tracker: started[tracker](accelerator.get_tracker(tracker, unwrap=True))
                      for tracker in cfg.report_to if tracker in started})
-        runs_file.write_text(json.dumps(runs) + "\n")
+        replace_text(runs_file, json.dumps(runs) + "\n")

@@ -13,6 +13,7 @@ No test reaches the network: WANDB_MODE=offline, HF_HUB_OFFLINE=1, trackio witho
 """
 
 import json
+import logging
 import shutil
 import sqlite3
 import struct
@@ -80,7 +81,7 @@ def assert_same_scalars(logged: dict, expected: dict):
 
 
 def test_tensorboard_scalars_are_metrics_jsonl_across_an_interruption_and_a_killed_resume(tmp_path, tokenizer,
-                                                                                          tiny_rows):
+                                                                                          tiny_rows, caplog):
     output = tmp_path / "run"
     run(tiny_config(output, stop_at_step=4), tokenizer, tiny_rows)
     # A process killed after logging steps 3-4 but before checkpoint 4 was complete: the latest complete
@@ -88,7 +89,15 @@ def test_tensorboard_scalars_are_metrics_jsonl_across_an_interruption_and_a_kill
     interrupted = jsonl_scalars(output)
     assert sorted(interrupted["loss"]) == [1, 2, 3, 4]
     shutil.rmtree(output / "checkpoint-0000004")
-    run(tiny_config(output, resume=True), tokenizer, tiny_rows)
+    # The crash also left the log's tail damaged: a block of NUL bytes and a record torn mid-write.
+    with open(output / "metrics.jsonl", "a") as f:
+        f.write("\0" * 24 + '\n{"step": 5, "lo')
+    with caplog.at_level(logging.WARNING, logger="hf_latentlm.training.loop"):
+        run(tiny_config(output, resume=True), tokenizer, tiny_rows)
+    warnings = [r.getMessage() for r in caplog.records if "metrics.jsonl" in r.getMessage()]
+    assert warnings == [f"{output / 'metrics.jsonl'}: skipped 2 line(s) that are not a metrics record (a record "
+                        f"torn by a crash?)"]
+    assert not list(output.glob(".metrics.jsonl.tmp-*")), "the rewrite's temporary file was replaced into place"
 
     board = output / TRACKER_DIR / TRACKER_PROJECT
     assert len(list(board.glob("events.out.tfevents.*"))) == 2, "the resumed run appends to the same folder"
@@ -137,7 +146,12 @@ def wandb_history(output_dir, run_id: str) -> tuple[dict, dict, list]:
     {key: {step: value}} (a step logged twice fails here), the config, and each file's run record."""
     logged, config, started = {}, {}, []
     folder = Path(output_dir) / TRACKER_DIR / "wandb"
-    for path in sorted(folder.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")):
+
+    def start_order(path):  # offline-run-<start second>-<id>, then -<id>-1, -2... for more starts in that second
+        second, _, number = path.parent.name.removeprefix("offline-run-").partition(f"-{run_id}")
+        return second, int(number.lstrip("-") or 0)
+
+    for path in sorted(folder.glob(f"offline-run-*/run-{run_id}.wandb"), key=start_order):
         for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
@@ -183,27 +197,65 @@ def offline_trackers(tmp_path, monkeypatch):
     return tmp_path / "trackio"
 
 
+def only_steps(scalars: dict, keep) -> dict:
+    """`scalars` ({key: {step: value}}) at the steps for which `keep(step)` holds; keys left without steps dropped."""
+    kept = {key: {step: value for step, value in values.items() if keep(step)} for key, values in scalars.items()}
+    return {key: values for key, values in kept.items() if values}
+
+
 def test_wandb_offline_and_trackio_local_get_the_metrics_and_config_and_continue_on_resume(
         tmp_path, tokenizer, tiny_rows, offline_trackers):
     output = tmp_path / "run"
-    options = dict(max_steps=3, eval_every=3, save_every=2, report_to="wandb,trackio")
+    options = dict(max_steps=4, eval_every=2, save_every=2, report_to="wandb,trackio")
     run(tiny_config(output, stop_at_step=2, **options), tokenizer, tiny_rows)
     runs = json.loads((output / TRACKER_DIR / TRACKER_RUNS).read_text())
-    run(tiny_config(output, resume=True, **options), tokenizer, tiny_rows)
+    # Another experiment whose output folder has the same name, started in the same trackio project before the
+    # first resumes: each run gets a name of its own, so the resume cannot attach to the other's run.
+    other = tmp_path / "other" / "run"
+    run(tiny_config(other, max_steps=1, eval_every=1, save_every=1, report_to="trackio"), tokenizer, tiny_rows)
+    other_runs = json.loads((other / TRACKER_DIR / TRACKER_RUNS).read_text())
+    assert runs["name"] == runs["trackio"] == runs["experiment"] and runs["experiment"].startswith("run-")
+    assert other_runs["trackio"].startswith("run-") and other_runs["trackio"] != runs["trackio"]
+
+    # A resume with nothing logged past its checkpoint continues both runs.
+    run(tiny_config(output, resume=True, stop_at_step=3, **options), tokenizer, tiny_rows)
     assert json.loads((output / TRACKER_DIR / TRACKER_RUNS).read_text()) == runs, "the resume continued both runs"
+    # A process killed after logging step 3 but before checkpoint 3 was complete: the resume from checkpoint 2
+    # repeats step 3, which neither tracker can take back, so it continues in new runs.
+    interrupted = jsonl_scalars(output)
+    shutil.rmtree(output / "checkpoint-0000003")
+    run(tiny_config(output, resume=True, **options), tokenizer, tiny_rows)
+    continued = json.loads((output / TRACKER_DIR / TRACKER_RUNS).read_text())
+    assert continued["experiment"] == runs["experiment"]
+    assert continued["name"] == continued["trackio"] == runs["experiment"] + "-from-step-2"
+    assert continued["wandb"] != runs["wandb"]
     expected = jsonl_scalars(output)
-    assert sorted(expected["loss"]) == [1, 2, 3] and sorted(expected["val_loss"]) == [2, 3]
+    assert sorted(expected["loss"]) == [1, 2, 3, 4] and sorted(expected["val_loss"]) == [2, 4]
+    assert expected["tokens_per_s"][3] != interrupted["tokens_per_s"][3]  # step 3's values are the resumed ones
+    up_to_2, after_2 = only_steps(expected, lambda step: step <= 2), only_steps(expected, lambda step: step > 2)
 
     logged, config, started = wandb_history(output, runs["wandb"])
     assert len(started) == 2, "one offline file per process, both of run id " + runs["wandb"]
-    assert all(r.project == TRACKER_PROJECT and r.display_name == "run" for r in started)
-    assert_same_scalars(logged, expected)
-    assert config["preset"] == "tiny" and config["max_steps"] == 3 and config["seq_len"] == 64
+    assert all(r.project == TRACKER_PROJECT and r.display_name == runs["name"] for r in started)
+    assert sorted(logged["loss"]) == [1, 2, 3]  # step 3: the killed process's, left in the first run
+    assert_same_scalars(only_steps(logged, lambda step: step <= 2), up_to_2)
+    assert config["preset"] == "tiny" and config["max_steps"] == 4 and config["seq_len"] == 64
+    logged, config, started = wandb_history(output, continued["wandb"])
+    assert [r.display_name for r in started] == [continued["name"]]
+    assert_same_scalars(logged, after_2)
+    assert config["max_steps"] == 4
 
     logged, run_ids, config = trackio_run(offline_trackers, runs["trackio"])
-    assert len(run_ids) == 1, "the resumed process logged into the same trackio run"
-    assert_same_scalars(logged, expected)
+    assert len(run_ids) == 1, "the first resumed process logged into the same trackio run"
+    assert sorted(logged["loss"]) == [1, 2, 3]
+    assert_same_scalars(only_steps(logged, lambda step: step <= 2), up_to_2)
     assert config["preset"] == "tiny" and config["report_to"] == '["wandb", "trackio"]'
+    logged, run_ids, config = trackio_run(offline_trackers, continued["trackio"])
+    assert len(run_ids) == 1
+    assert_same_scalars(logged, after_2)
+    logged, run_ids, _ = trackio_run(offline_trackers, other_runs["trackio"])
+    assert len(run_ids) == 1
+    assert_same_scalars(logged, jsonl_scalars(other))
 
 
 def test_report_to_values(monkeypatch):
