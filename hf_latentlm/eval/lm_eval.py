@@ -19,7 +19,9 @@ What each request type does:
   refused by the family's own error, prefixed with the task and settings. ``max_gen_toks`` becomes
   ``max_new_tokens``; ``until`` stop strings end a row through a ``StoppingCriteria`` and the decoded text is cut
   at the first one. Each request gets its own seed (``request_seeds``): families with per-row seeds
-  (``model.row_seeds_option``) give the same text for a request in any batch, at any batch size.
+  (``model.row_seeds_option``) give the same text for a request in any batch, at any batch size; a model without
+  them (AR, transformers' generate) samples each row from its own generator (``per_row_sampling``) when the task
+  sets only ``do_sample`` / ``temperature`` / ``top_p`` / ``top_k``.
 * ``loglikelihood`` / ``loglikelihood_rolling``: for models with token likelihoods (``eval.nll.has_likelihood``:
   ``config.has_token_likelihood``, else an LM head), from the forward's next-token logits (PLM: its causal
   encoder's); other families are refused with ``NotImplementedError`` naming the family.
@@ -44,11 +46,12 @@ try:
 except ImportError as err:  # an optional extra
     raise ImportError(f"hf_latentlm.eval.lm_eval needs lm-evaluation-harness ({err}): pip install "
                       f"'hf-latentlm[eval]'") from err
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from ..families import family_of_model_type
 from ..training.scorers import stable_int
 from .nll import has_likelihood
+from .sampling import RowSampler
 
 logger = logging.getLogger(__name__)
 
@@ -299,13 +302,16 @@ class HFLatentLM(TemplateLM):
                 if seeds_option in options:
                     raise ValueError(f"{MODEL_NAME} sets {seeds_option} per request; set seed= in model_args")
                 options[seeds_option] = list(row_seeds)
+            elif options.get("do_sample") and set(options) <= ROW_SAMPLER_OPTIONS:
+                options = per_row_sampling(self.model.generation_config, options, row_seeds)
             ids, mask = self.left_padded(contexts, self.max_length - max_new_tokens)
-            # No per-row seeds (transformers' generate): the batch draws from the global RNG, seeded from its first
-            # request inside a fork, so that the caller's RNG (and later batches' seeds) are left as they were.
+            # Sampling options the per-row sampler does not take (transformers' generate, no per-row seeds): the
+            # batch draws from the global RNG, seeded from its first request inside a fork, so that the caller's RNG
+            # (and later batches' seeds) are left as they were.
             cuda = [self._device.index or 0] if self._device.type == "cuda" else []
             try:
                 with torch.random.fork_rng(devices=cuda):
-                    if seeds_option is None:
+                    if seeds_option is None and options.get("do_sample"):
                         torch.manual_seed(row_seeds[0])
                     out = self.model.generate(
                         input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
@@ -333,6 +339,27 @@ class HFLatentLM(TemplateLM):
         rows = [self.tok_encode(c, left_truncate_len=max_context) or [self.prefix_token_id] for c in contexts]
         batch = self.tokenizer.pad({"input_ids": rows}, padding=True, padding_side="left", return_tensors="pt")
         return batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+
+
+#: What `per_row_sampling` takes over from transformers' sampler.
+ROW_SAMPLER_OPTIONS = {"do_sample", "temperature", "top_p", "top_k"}
+
+
+def per_row_sampling(generation_config, options: dict, seeds: Sequence[int]) -> dict:
+    """`generate()` options for a model without per-row seeds (transformers' own generate: AR) that sample each row
+    from its own generator (`eval.sampling.RowSampler`), so that a request's text does not depend on its batch. The
+    task's temperature / top_p / top_k; unset ones as transformers fills them (the generation config's, else 1.0,
+    1.0 and 50)."""
+    def chosen(name: str, default: float):
+        value = options.get(name)
+        value = getattr(generation_config, name, None) if value is None else value
+        return default if value is None else value
+
+    count = len(seeds)
+    sampler = RowSampler([float(chosen("temperature", 1.0))] * count, [float(chosen("top_p", 1.0))] * count,
+                         list(seeds), top_k=int(chosen("top_k", 50)))
+    return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None,
+            "logits_processor": LogitsProcessorList([sampler])}
 
 
 def resolve_device(device: str | None) -> str:

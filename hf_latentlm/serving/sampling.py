@@ -5,9 +5,9 @@ Two kinds of model, told apart by `row_seeds_option` (never by family name):
   extra fields become the family's own options, resolved exactly as its `generate()` resolves them
   (`GenerationOptions.resolved`), so that what the family refuses comes back as a 400 with the family's own message;
   rows whose resolved options are equal share a batch, each with its own seed;
-- a model on transformers' `generate()` (the AR baseline), which has no per-row seeds: `RowSampler` draws each row
-  from its own `torch.Generator` at the row's own temperature and top-p and makes that draw the greedy pick
-  (`do_sample=False`), so any rows can share a batch and each gets the tokens it would get alone.
+- a model on transformers' `generate()` (the AR baseline), which has no per-row seeds: `eval.sampling.RowSampler`
+  draws each row from its own `torch.Generator` at the row's own temperature and top-p and makes that draw the
+  greedy pick (`do_sample=False`), so any rows can share a batch and each gets the tokens it would get alone.
 
 Defaults follow OpenAI (temperature 1, top_p 1) where the model has none: a field the request leaves out is not
 passed to a multi-token family, whose generation config carries its own defaults (Cola DLM / AURORA-LM: read-out
@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-import torch
-from transformers import LogitsProcessor
 
 from ..modeling.generation import GenerationOptions
 from .protocol import invalid
@@ -114,39 +111,3 @@ def resolve_family_options(model, temperature, top_p, seed, extra) -> RowSamplin
     key = tuple((f.name, repr(getattr(resolved, f.name))) for f in dataclasses.fields(resolved)
                 if f.name != seeds_option)
     return RowSampling(requested, key, seed)
-
-
-class RowSampler(LogitsProcessor):
-    """Per-row sampling inside transformers' `generate(do_sample=False)`: row b's next token is drawn from its own
-    generator (seeded with `seeds[b]`) at `temperatures[b]` (0: argmax) and nucleus `top_ps[b]` (the most likely
-    tokens whose cumulative probability before them is below top_p), and returned as the only finite score, so the
-    greedy pick is that draw. A row thus draws one uniform per step from its own generator, in or out of a batch.
-
-    The draw inverts the row's cumulative distribution (float64) at that uniform, so a batch's rounding differences
-    in the logits move a row's token only when the uniform falls within that rounding of a boundary.
-    """
-
-    def __init__(self, temperatures: list[float], top_ps: list[float], seeds: list[int]):
-        self.temperatures, self.top_ps = temperatures, top_ps
-        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        picks = torch.empty(scores.shape[0], dtype=torch.long)
-        for b, (temperature, top_p, generator) in enumerate(zip(self.temperatures, self.top_ps, self.generators)):
-            picks[b] = int(scores[b].argmax()) if temperature == 0 else \
-                draw_token(scores[b], temperature, top_p, generator)
-        chosen = torch.full_like(scores, float("-inf"))
-        chosen[torch.arange(scores.shape[0]), picks.to(scores.device)] = 0.0
-        return chosen
-
-
-def draw_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """One token from softmax(logits / temperature) restricted to its top-p nucleus, by inverse CDF at one uniform."""
-    probs = torch.softmax(logits.detach().double().cpu() / temperature, dim=-1)
-    sorted_probs, order = probs.sort(descending=True)
-    before = sorted_probs.cumsum(0) - sorted_probs
-    sorted_probs = torch.where(before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
-    cdf = sorted_probs.cumsum(0)
-    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
-    index = int(torch.searchsorted(cdf, u, right=True).clamp(max=cdf.numel() - 1))
-    return int(order[index])

@@ -4,7 +4,8 @@ the same exact match?
 
 Writes the task (its documents as JSONL, a YAML, and a small module whose `process_results` is the project's
 `tasks.exact_match`) into a temporary folder, then runs `lm_eval.simple_evaluate` with only that folder indexed.
-Decoding as in the project's harness: sampling at temperature 1, until end of text, room for the longest reference
+Decoding as in the project's harness (`eval.task.PLAIN_SAMPLING`): sampling at temperature 1 from the whole
+distribution (top_k 0, top_p 1), until end of text, room for the longest reference
 plus 8 tokens. The seeds differ (lm-eval's per-request seeds, the harness's seed + row), so the two measure the same
 accuracy with independent draws: compare the intervals.
 
@@ -49,6 +50,8 @@ generation_kwargs:
   until: ["<|endoftext|>"]
   do_sample: true
   temperature: 1.0
+  top_k: 0
+  top_p: 1.0
   max_gen_toks: MAX_GEN_TOKS
 metric_list:
   - metric: exact_match

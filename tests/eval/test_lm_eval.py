@@ -168,6 +168,19 @@ def test_sampling_leaves_the_seeds_of_later_calls_alone(adapters):
     assert lm.generate_until(requests) == first
 
 
+def test_ar_samples_each_request_alike_at_any_batch_size(folders, adapters):
+    """AR has no per-row seeds of its own: the adapter samples each row from its request's generator
+    (`eval.sampling.RowSampler`), so batch 3 gives the texts that batch 1 gives."""
+    requests = instances("generate_until", [(p, {**SAMPLED, "until": ["\n\n"], "max_gen_toks": 8})
+                                            for p in PROMPTS])
+    alone = HFLatentLM(pretrained=str(folders["ar"]), batch_size=1, device="cpu")
+    together = HFLatentLM(pretrained=str(folders["ar"]), batch_size=3, device="cpu")
+    texts = together.generate_until(requests)
+    assert alone.generate_until(requests) == texts
+    other_seed = HFLatentLM(pretrained=str(folders["ar"]), batch_size=3, device="cpu", seed=12345)
+    assert other_seed.generate_until(requests) != texts  # the texts are draws, not a fixed decoding
+
+
 def test_ar_loglikelihoods_equal_lm_evals_own_hf_model(folders, adapters, hf_reference, tokenizer):
     ar = adapters["ar"]
     pairs = [*PAIRS, ("To be, or not to ", "be"), greedy_pair(ar.model, tokenizer, "ROMEO.")]

@@ -10,7 +10,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from family_contract import build_tiny
 from hf_latentlm.serving.protocol import OpenAIError
-from hf_latentlm.serving.sampling import draw_token, resolve_sampling
+from hf_latentlm.eval.sampling import draw_token
+from hf_latentlm.serving.sampling import resolve_sampling
 from hf_latentlm.serving.scheduler import BatchScheduler, Row, RowDone
 from hf_latentlm.serving.text import IncrementalText
 
