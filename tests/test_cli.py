@@ -204,6 +204,20 @@ def test_bench_extras_measure_each_model_further_next_to_the_baseline(tmp_path, 
     assert ar["training"]["tokens_per_s_over_baseline"] == 1.0
     assert plm["training"]["tokens_per_s_over_baseline"] == pytest.approx(
         plm["training"]["tokens_per_s"] / ar["training"]["tokens_per_s"])
+    # Achieved FLOP/s: the counter's FLOPs per token of the step (the same function, on the saved tiny PLM, at the
+    # tiny preset's length) times the timed tokens/s, and its ratio to AR's.
+    from transformers import AutoModelForCausalLM
+
+    from hf_latentlm.eval.flops import training_flops_per_token
+    from hf_latentlm.presets import get_preset
+
+    plm_model = AutoModelForCausalLM.from_pretrained(tmp_path / "plm")
+    flops = training_flops_per_token(plm_model, get_preset("tiny").seq_len)["per_token"]
+    assert plm["training"]["flops_per_token"] == pytest.approx(flops)
+    assert plm["training"]["achieved_flops_per_s"] == pytest.approx(flops * plm["training"]["tokens_per_s"])
+    assert plm["training"]["flops_per_token"] > 1.5 * ar["training"]["flops_per_token"]  # encoder + decoder passes
+    assert plm["training"]["achieved_flops_per_s_over_baseline"] == pytest.approx(
+        plm["training"]["achieved_flops_per_s"] / ar["training"]["achieved_flops_per_s"])
     assert "generate" in plm["profile"]["text"] and extras["git"]["commit"]
     table = (tmp_path / "b.md").read_text()
     assert table in stdout and "plm: decoding settings" in table and "| k_pred=2 |" in table

@@ -35,6 +35,7 @@ from .brier import evaluate_brier
 from .harness import check_evaluation_lengths, evaluate_model, nll_rows, split_stream
 from .optimum import evaluation_stream
 from .sampling import evaluation_windows
+from .flops import training_flops_per_token
 from .speed import fresh_training_step_time, speed_versus_baseline
 
 
@@ -239,6 +240,10 @@ def bench_extras(models: dict[str, str], baseline: str, sweeps: dict[str, dict[s
             row["measurements"] = spec.bench_measurements(model, base, stream)
         if train_steps:
             row["training"] = fresh_training_step_time(model, train_rows, train_steps, preset.batch_size)
+            # Achieved FLOP/s = counted FLOPs per token of the step (forward + backward, batch-independent) x
+            # tokens/s: above or below the baseline's, a family is faster or slower than its arithmetic says.
+            flops = training_flops_per_token(model, preset.seq_len)["per_token"]
+            row["training"].update(flops_per_token=flops, achieved_flops_per_s=flops * row["training"]["tokens_per_s"])
         if profile:
             row["profile"] = profile_generate(model, prompts[:1], max_new_tokens)
         result["models"][name] = row
@@ -247,6 +252,9 @@ def bench_extras(models: dict[str, str], baseline: str, sweeps: dict[str, dict[s
         reference = result["models"][baseline]["training"]["tokens_per_s"]
         for row in result["models"].values():
             row["training"]["tokens_per_s_over_baseline"] = row["training"]["tokens_per_s"] / reference
+        achieved = result["models"][baseline]["training"]["achieved_flops_per_s"]
+        for row in result["models"].values():
+            row["training"]["achieved_flops_per_s_over_baseline"] = row["training"]["achieved_flops_per_s"] / achieved
     return result
 
 
@@ -271,9 +279,12 @@ def extras_markdown(extras: dict) -> str:
     trained = {name: row["training"] for name, row in extras["models"].items() if "training" in row}
     if trained:
         out += [f"\nTraining step time, copies of the models, `{extras['settings']['train_preset']}` batches:\n",
-                markdown_table(["model", "s/step", "tokens/s", "×baseline tokens/s"],
+                markdown_table(["model", "s/step", "tokens/s", "×baseline tokens/s", "FLOPs/token", "GFLOP/s achieved",
+                                "×baseline FLOP/s"],
                                [[n, f"{t['seconds_per_step']:.3f}", f"{t['tokens_per_s']:.0f}",
-                                 f"{t['tokens_per_s_over_baseline']:.2f}"] for n, t in trained.items()])]
+                                 f"{t['tokens_per_s_over_baseline']:.2f}", f"{t['flops_per_token']:.3g}",
+                                 f"{t['achieved_flops_per_s'] / 1e9:.2f}", f"{t['achieved_flops_per_s_over_baseline']:.2f}"]
+                                for n, t in trained.items()])]
     for name, row in extras["models"].items():
         if "measurements" in row:
             out.append(f"\n{name}: family measurements\n```json\n{json.dumps(row['measurements'], indent=1)}\n```")
