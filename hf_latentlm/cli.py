@@ -531,8 +531,7 @@ def cmd_serve(args) -> int:
 
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench,
             "sft": cmd_post_train, "dpo": cmd_post_train, "grpo": cmd_post_train, "push": cmd_push, "report": cmd_report,
-            "serve": cmd_serve}
-COMMANDS["lm-eval"] = cmd_lm_eval  # lm-eval's own command line, every argument passed through
+            "serve": cmd_serve, "lm-eval": cmd_lm_eval}
 
 
 def main(argv: list[str] | None = None) -> int:
