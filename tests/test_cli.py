@@ -204,16 +204,20 @@ def test_bench_extras_measure_each_model_further_next_to_the_baseline(tmp_path, 
     assert ar["training"]["tokens_per_s_over_baseline"] == 1.0
     assert plm["training"]["tokens_per_s_over_baseline"] == pytest.approx(
         plm["training"]["tokens_per_s"] / ar["training"]["tokens_per_s"])
-    # Achieved FLOP/s: the counter's FLOPs per token of the step (the same function, on the saved tiny PLM, at the
-    # tiny preset's length) times the timed tokens/s, and its ratio to AR's.
+    # Achieved FLOP/s: the counter's FLOPs per token of a step (the same function, on the saved tiny PLM, on a batch
+    # of the tiny preset's size and length; PLM's token-auxiliary scores are shared by the batch) times the timed
+    # tokens/s, and its ratio to AR's. torch's FlopCounterMode counts the same step within 1%.
     from transformers import AutoModelForCausalLM
 
-    from hf_latentlm.eval.flops import training_flops_per_token
+    from hf_latentlm.eval.flops import counted_training_flops, training_flops_per_token
     from hf_latentlm.presets import get_preset
 
     plm_model = AutoModelForCausalLM.from_pretrained(tmp_path / "plm")
-    flops = training_flops_per_token(plm_model, get_preset("tiny").seq_len)["per_token"]
+    tiny = get_preset("tiny")
+    flops = counted_training_flops(plm_model, torch.randint(3, 100, (tiny.batch_size, tiny.seq_len)))["per_token"]
     assert plm["training"]["flops_per_token"] == pytest.approx(flops)
+    assert flops == pytest.approx(training_flops_per_token(plm_model, tiny.seq_len, tiny.batch_size)["per_token"],
+                                  rel=0.01)
     assert plm["training"]["achieved_flops_per_s"] == pytest.approx(flops * plm["training"]["tokens_per_s"])
     assert plm["training"]["flops_per_token"] > 1.5 * ar["training"]["flops_per_token"]  # encoder + decoder passes
     assert plm["training"]["achieved_flops_per_s_over_baseline"] == pytest.approx(

@@ -35,7 +35,7 @@ from .brier import evaluate_brier
 from .harness import check_evaluation_lengths, evaluate_model, nll_rows, split_stream
 from .optimum import evaluation_stream
 from .sampling import evaluation_windows
-from .flops import training_flops_per_token
+from .flops import counted_training_flops
 from .speed import fresh_training_step_time, speed_versus_baseline
 
 
@@ -78,7 +78,8 @@ def benchmark_models(models: dict[str, str], baseline: str, num_positions: int =
         rows[name] = {"path": str(path), "num_parameters": speed["num_parameters"]["model"],
                       "model_type": model.config.model_type, "speed": speed["model"],
                       "baseline_speed": speed["baseline"], **quality,
-                      "ratio_to_baseline": {f"tokens_per_s_{k}": r for k, r in speed["ratio"].items()}}
+                      "ratio_to_baseline": {**{f"tokens_per_s_{k}": r for k, r in speed["ratio"].items()},
+                                            **{f"flops_per_s_{k}": r for k, r in speed["flops_per_s_ratio"].items()}}}
         del model
     base = rows[baseline]
     for row in rows.values():
@@ -136,7 +137,8 @@ def markdown_table(head: list[str], rows: list[list]) -> str:
 
 def bench_table(report: dict) -> str:
     """One row per model: speed, calls/token, ratios, quality with intervals."""
-    head = ["model", "params", "tok/s b1", "tok/s b8", "calls/token", "speed×AR b1", "speed×AR b8", "NLL",
+    head = ["model", "params", "tok/s b1", "tok/s b8", "calls/token", "speed×AR b1", "speed×AR b8",
+            "FLOPs/token b1", "FLOP/s×AR b1", "FLOP/s×AR b8", "NLL",
             "Brier-1", "Brier-2", "Brier-3", "Brier-4", "BrierLM-2", "MAUVE"]
     optimum = any("optimum" in row for row in report["models"].values())
     if optimum:
@@ -147,6 +149,8 @@ def bench_table(report: dict) -> str:
         rows.append([name, f"{row['num_parameters'] / 1e6:.2f}M", f"{s['batch_1']['tokens_per_s']:.0f}",
                      f"{s['batch_8']['tokens_per_s']:.0f}", f"{s['batch_1']['model_calls_per_token']:.2f}",
                      f"{r['tokens_per_s_batch_1']:.2f}", f"{r['tokens_per_s_batch_8']:.2f}",
+                     f"{s['batch_1']['flops_per_token']:.3g}", f"{r['flops_per_s_batch_1']:.2f}",
+                     f"{r['flops_per_s_batch_8']:.2f}",
                      f"{row['nll']['nll']:.3f}" if "nll" in row else "—",
                      *(format_ci(b[f"brier_{n}"], 4) for n in range(1, 5)), format_ci(b["brierlm_2"], 2),
                      f"{row['mauve']['mauve']:.3f}" if "mauve" in row else "—", *([gap_cell(row)] if optimum else [])])
@@ -175,7 +179,7 @@ def decoding_row(model, baseline, stream, prompts, options: dict, positions: int
     speed = speed_versus_baseline(model, baseline, prompts, (1, 8), new_tokens, repeats, seed,
                                   {**options, "return_dict_in_generate": True})
     return {"generate_kwargs": options, "speed": speed["model"], "baseline_speed": speed["baseline"],
-            "ratio_to_baseline": speed["ratio"],
+            "ratio_to_baseline": speed["ratio"], "flops_per_s_ratio_to_baseline": speed["flops_per_s_ratio"],
             "brier": evaluate_brier(model, stream, positions, seed=seed, generate_kwargs=options)}
 
 
@@ -240,9 +244,9 @@ def bench_extras(models: dict[str, str], baseline: str, sweeps: dict[str, dict[s
             row["measurements"] = spec.bench_measurements(model, base, stream)
         if train_steps:
             row["training"] = fresh_training_step_time(model, train_rows, train_steps, preset.batch_size)
-            # Achieved FLOP/s = counted FLOPs per token of the step (forward + backward, batch-independent) x
-            # tokens/s: above or below the baseline's, a family is faster or slower than its arithmetic says.
-            flops = training_flops_per_token(model, preset.seq_len)["per_token"]
+            # Achieved FLOP/s = counted FLOPs per token of the step on a batch of the timed size (forward +
+            # backward) x tokens/s: above or below the baseline's, a family is faster or slower than its arithmetic.
+            flops = counted_training_flops(model, train_rows[:preset.batch_size])["per_token"]
             row["training"].update(flops_per_token=flops, achieved_flops_per_s=flops * row["training"]["tokens_per_s"])
         if profile:
             row["profile"] = profile_generate(model, prompts[:1], max_new_tokens)
@@ -268,14 +272,17 @@ def extras_markdown(extras: dict) -> str:
             for label, d in row["decodings"].items():
                 s, r = d["speed"], d["ratio_to_baseline"]
                 by_network = s["batch_1"].get("calls_per_token_by_network", {})
+                f = d["flops_per_s_ratio_to_baseline"]
                 table.append([label, f"{s['batch_1']['model_calls_per_token']:.3f}",
                               " / ".join(f"{k} {v:.3f}" for k, v in by_network.items()) or "—",
                               f"{s['batch_1']['tokens_per_s']:.0f}", f"{s['batch_8']['tokens_per_s']:.0f}",
-                              f"{r['batch_1']:.2f}", f"{r['batch_8']:.2f}", format_ci(d["brier"]["brierlm_2"], 2)])
+                              f"{r['batch_1']:.2f}", f"{r['batch_8']:.2f}", f"{s['batch_1']['flops_per_token']:.3g}",
+                              f"{f['batch_1']:.2f}", f"{f['batch_8']:.2f}", format_ci(d["brier"]["brierlm_2"], 2)])
             out += [f"\n{name}: decoding settings (BrierLM-2 on {extras['settings']['sweep_positions']} positions; "
                     f"calls per generated token at batch 1, prefill included):\n",
                     markdown_table(["decoding", "calls/token", "by network", "tok/s b1", "tok/s b8", "×baseline b1",
-                                    "×baseline b8", "BrierLM-2"], table)]
+                                    "×baseline b8", "FLOPs/token b1", "FLOP/s ×baseline b1", "FLOP/s ×baseline b8",
+                                    "BrierLM-2"], table)]
     trained = {name: row["training"] for name, row in extras["models"].items() if "training" in row}
     if trained:
         out += [f"\nTraining step time, copies of the models, `{extras['settings']['train_preset']}` batches:\n",

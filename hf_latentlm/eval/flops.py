@@ -23,6 +23,14 @@ does. `torch.cdist` (the energy loss's fidelity term) has no rule either; its fo
 it amounts to, 2·N·M·l (see `_cdist_flops`), and falls in the "loss_and_other" part of training.
 
 Every result is a plain dict: `per_token` and `parts` (FLOPs per token by component), plus the raw counts.
+
+`FlopCounter` is the project's one counter for the benchmark's achieved FLOP/s, training and decoding, every family:
+it reads the torch *functions* a call makes (`F.linear`, `matmul`, `F.scaled_dot_product_attention`, `cdist`, ...),
+not aten ops, so it counts attention under SDPA as it runs (no eager switch), costs little enough to run inside a
+real `generate()`, and gets the backward of a training step from the forward alone (each product's gradient
+products, for the operands that require a gradient). Its rules are written here, independently of
+`FlopCounterMode`'s, and tests/eval/test_flops.py holds the two within 5% on a training step and a `generate()` of
+every family.
 """
 
 from __future__ import annotations
@@ -31,9 +39,11 @@ import contextlib
 import math
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["count_flops", "inference_flops_per_token", "training_flops_per_token", "parameter_counts", "reads_chunks"]
+__all__ = ["FlopCounter", "count_flops", "counted_training_flops", "inference_flops_per_token", "parameter_counts",
+           "reads_chunks", "training_flops_per_token", "weights_updated"]
 
 # Matmul-type ops whose count depends on the context (attention scores and values in eager attention).
 _ATTENTION_OPS = ("aten.bmm", "aten.baddbmm")
@@ -222,6 +232,16 @@ def _random_rows(model, batch_size: int, seq_len: int, seed: int) -> torch.Tenso
     return torch.randint(3, model.config.vocab_size, (batch_size, seq_len), generator=gen).to(model.device)
 
 
+@torch.no_grad()
+def weights_updated(model) -> None:
+    """Mark every trainable weight as changed, as an optimizer step does (a no-op in place bumps its version), so
+    that work a model caches per weight version (PLM's token-auxiliary scores) is counted as a training step,
+    which follows an update, recomputes it."""
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.add_(0)
+
+
 def training_flops_per_token(model, seq_len: int, batch_size: int = 1, seed: int = 0) -> dict:
     """FLOPs of one training step (forward + backward of `model(input_ids=rows, labels=rows).loss`) on
     `batch_size` random rows of `seq_len` tokens, per token of the batch. Parts per token, forward and backward
@@ -249,7 +269,9 @@ def training_flops_per_token(model, seq_len: int, batch_size: int = 1, seed: int
     try:
         # The counter attributes backward work to modules only when the forward ran under the same counter, so the
         # step is counted twice: forward alone, then forward + backward; backward = the difference.
+        weights_updated(model)
         forward, _ = count_flops(lambda: step(False), model)
+        weights_updated(model)
         both, _ = count_flops(lambda: step(True), model)
     finally:
         model.zero_grad(set_to_none=True)
@@ -292,3 +314,108 @@ def parameter_counts(model) -> dict:
         tied = head is not None and head.weight is model.get_input_embeddings().weight
         result["non_embedding"] = total - embeddings - (0 if tied or head is None else head.weight.numel())
     return result
+
+
+# ====================================================================================================================
+# FlopCounter: matrix-product FLOPs from the torch functions a call makes, forward and the backward it implies
+# ====================================================================================================================
+
+def _product_flops(a_shape, b_shape) -> int:
+    """2·m·k·n times the broadcast batch of `a @ b` (torch.matmul's shape rules, 1-D operands included)."""
+    a_shape = (1, *a_shape) if len(a_shape) == 1 else tuple(a_shape)
+    b_shape = (*b_shape, 1) if len(b_shape) == 1 else tuple(b_shape)
+    batch = torch.broadcast_shapes(a_shape[:-2], b_shape[:-2])
+    return 2 * math.prod(batch) * a_shape[-2] * a_shape[-1] * b_shape[-1]
+
+
+def _needs_grad(tensor) -> int:
+    return int(isinstance(tensor, torch.Tensor) and tensor.requires_grad)
+
+
+def _matmul_rule(a, b, *args, **kwargs) -> tuple[int, int]:
+    # Backward: one product of the same size per operand that requires a gradient (dA = dC·Bᵀ, dB = Aᵀ·dC).
+    flops = _product_flops(a.shape, b.shape)
+    return flops, flops * (_needs_grad(a) + _needs_grad(b))
+
+
+def _added_matmul_rule(bias, a, b, *args, **kwargs) -> tuple[int, int]:
+    return _matmul_rule(a, b)  # addmm / baddbmm: the added term is elementwise
+
+
+def _linear_rule(x, weight, bias=None, *args, **kwargs) -> tuple[int, int]:
+    flops = 2 * (x.numel() // x.shape[-1]) * weight.shape[0] * weight.shape[1]
+    return flops, flops * (_needs_grad(x) + _needs_grad(weight))
+
+
+def _sdpa_rule(q, k, v, *args, **kwargs) -> tuple[int, int]:
+    """q·kᵀ and p·v over every (query, key) pair, masked or not (a mask does not skip work on these kernels), for
+    q's heads (grouped keys are shared, not cheaper per head). Backward: dq and dk from the scores' gradient, and dp
+    (when q or k needs one) and dv from the output's."""
+    batch_heads, queries, keys = math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2]
+    scores = 2 * batch_heads * queries * keys * q.shape[-1]
+    values = 2 * batch_heads * queries * keys * v.shape[-1]
+    score_grad = _needs_grad(q) + _needs_grad(k)
+    return scores + values, scores * score_grad + values * (int(score_grad > 0) + _needs_grad(v))
+
+
+def _cdist_rule(x1, x2, *args, **kwargs) -> tuple[int, int]:
+    flops = _cdist_flops(x1.shape, x2.shape)  # as the product x1·x2ᵀ; each gradient is another such product
+    return flops, flops * (_needs_grad(x1) + _needs_grad(x2))
+
+
+_FUNCTION_RULES = {
+    torch.nn.functional.linear: _linear_rule,
+    torch.nn.functional.scaled_dot_product_attention: _sdpa_rule,
+    torch.cdist: _cdist_rule,
+    torch.addmm: _added_matmul_rule, torch.baddbmm: _added_matmul_rule,
+    torch.Tensor.addmm: _added_matmul_rule, torch.Tensor.baddbmm: _added_matmul_rule,
+    **{fn: _matmul_rule for fn in (torch.matmul, torch.mm, torch.bmm, torch.Tensor.matmul, torch.Tensor.mm,
+                                   torch.Tensor.bmm, torch.Tensor.__matmul__)},
+}
+_RIGHT_MATMUL = torch.Tensor.__rmatmul__
+
+
+class FlopCounter(TorchFunctionMode):
+    """Counts matrix-product FLOPs while active (context manager): `forward` (what ran) and `backward` (what
+    `loss.backward()` on the result would add, for products run with grad enabled and operands that require a
+    gradient). A multiply-add is 2 FLOPs; elementwise work, reductions and lookups are not counted, as in
+    `FlopCounterMode`. Nested functions are seen once: torch runs a mode's handler with the mode switched off."""
+
+    def __init__(self):
+        super().__init__()
+        self.forward, self.backward = 0, 0
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rule = _FUNCTION_RULES.get(func)
+        if func is _RIGHT_MATMUL:
+            rule, args = _matmul_rule, (args[1], args[0])
+        if rule is not None:
+            forward, backward = rule(*args, **kwargs)
+            self.forward += forward
+            self.backward += backward if torch.is_grad_enabled() else 0
+            if func is _RIGHT_MATMUL:
+                args = (args[1], args[0])
+        return func(*args, **kwargs)
+
+
+def counted_training_flops(model, rows: torch.Tensor) -> dict:
+    """FLOPs of the training step on `rows` (forward + the backward of `model(input_ids=rows, labels=rows).loss`),
+    from the forward alone, as after an optimizer update (`weights_updated`); per token of `rows`. The model's mode and the caller's RNG are left as they were."""
+    was_training = model.training
+    model.train()
+    try:
+        weights_updated(model)
+        with torch.random.fork_rng(devices=[]), FlopCounter() as counter:
+            model(input_ids=rows, labels=rows)
+    finally:
+        model.train(was_training)
+    tokens = rows.numel()
+    return {"per_token": counter.total / tokens, "forward_per_token": counter.forward / tokens,
+            "backward_per_token": counter.backward / tokens, "tokens": tokens,
+            "method": "FlopCounter (torch-function rules) over the training forward; backward from each product's "
+                      "operands that require a gradient"}

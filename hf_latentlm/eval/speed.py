@@ -18,6 +18,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from ..modeling.modeling_backbone import training_hooks
+from .flops import FlopCounter
 from .sampling import unbiased_sampling_kwargs
 
 
@@ -48,7 +49,8 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
     """Time `model.generate` on a batch of equal-length prompts [B, T] (B rows generate in parallel).
 
     Returns tokens_per_s (new tokens over all rows / median wall time), model_calls_per_token
-    (forward calls / new tokens per row), the per-run times and the batch size. `generate_kwargs`: extra
+    (forward calls / new tokens per row), the per-run times and the batch size, and the call's matrix-product FLOPs
+    per generated token (`FlopCounter` over the warm-up run, which the timed runs repeat) with the achieved FLOP/s. `generate_kwargs`: extra
     `generate()` options, merged over the unbiased-sampling defaults.
     """
     if prompts.dim() != 2 or prompts.shape[0] == 0:
@@ -70,7 +72,9 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
         sequences = out.sequences if hasattr(out, "sequences") else out
         return elapsed, counter.calls, sequences.shape[1] - prompts.shape[1], getattr(out, "calls_by_network", None)
 
-    run()  # warm-up: allocator, kernels, lazy initialisation
+    # Warm-up (allocator, kernels, lazy initialisation), counted: the timed runs repeat its work exactly (same seed).
+    with FlopCounter() as flops:
+        run()
     runs = [run() for _ in range(repeats)]
     model.train(was_training)
     times = [r[0] for r in runs]
@@ -84,7 +88,10 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
         "model_calls_per_token": calls / max(new_tokens, 1),
         "median_s": median,
         "times_s": times,
+        # Matrix-product FLOPs of the whole call (prefill and every network) per generated token, and per second.
+        "flops_per_token": flops.forward / (prompts.shape[0] * max(new_tokens, 1)),
     }
+    result["achieved_flops_per_s"] = result["flops_per_token"] * result["tokens_per_s"]
     if by_network:  # a family with several networks, asked with return_dict_in_generate=True (first row's counts)
         result["calls_per_token_by_network"] = {name: int(n[0]) / max(new_tokens, 1) for name, n in by_network.items()}
     return result
@@ -98,14 +105,15 @@ def speed_versus_baseline(model, baseline, prompts: torch.Tensor, batch_sizes: t
     For each batch size b (default: all rows of `prompts`) both models generate `max_new_tokens` for the first b
     prompts (`measure_generation_speed`; each with its own `generate_kwargs`, merged over the unbiased-sampling
     defaults). Returns {"model": {"batch_<b>": speed}, "baseline": {...}, "ratio": {"batch_<b>": model tokens/s
-    / baseline tokens/s}, "num_parameters": {"model": n, "baseline": n}}. A model compared with itself under the
+    / baseline tokens/s}, "flops_per_s_ratio": {"batch_<b>": model achieved FLOP/s / baseline's}, "num_parameters":
+    {"model": n, "baseline": n}}. A model compared with itself under the
     same options is timed once (ratio 1): a second timing would only measure noise.
     """
     batch_sizes = batch_sizes or (len(prompts),)
     if max(batch_sizes) > len(prompts):
         raise ValueError(f"batch sizes {tuple(batch_sizes)} need {max(batch_sizes)} prompts, got {len(prompts)}")
     same = model is baseline and (generate_kwargs or {}) == (baseline_generate_kwargs or {})
-    result = {"model": {}, "baseline": {}, "ratio": {},
+    result = {"model": {}, "baseline": {}, "ratio": {}, "flops_per_s_ratio": {},
               "num_parameters": {name: sum(p.numel() for p in m.parameters())
                                  for name, m in (("model", model), ("baseline", baseline))}}
     for b in batch_sizes:
@@ -115,6 +123,8 @@ def speed_versus_baseline(model, baseline, prompts: torch.Tensor, batch_sizes: t
         result["baseline"][key] = result["model"][key] if same else measure_generation_speed(
             baseline, prompts[:b], max_new_tokens, repeats, seed, baseline_generate_kwargs)
         result["ratio"][key] = result["model"][key]["tokens_per_s"] / result["baseline"][key]["tokens_per_s"]
+        result["flops_per_s_ratio"][key] = (result["model"][key]["achieved_flops_per_s"]
+                                            / result["baseline"][key]["achieved_flops_per_s"])
     return result
 
 

@@ -79,7 +79,8 @@ def test_benchmark_pairs_every_model_with_the_baseline_and_routes_options(two_ti
     assert seen == {paths["ar"]: None, paths["ar2"]: {"max_new_tokens": 3}}
     assert report["settings"]["generate_kwargs"] == {"ar2": {"max_new_tokens": 3}}
     base, other = report["models"]["ar"], report["models"]["ar2"]
-    assert base["ratio_to_baseline"] == {"tokens_per_s_batch_1": 1.0, "tokens_per_s_batch_2": 1.0, "brierlm_2": 1.0}
+    assert base["ratio_to_baseline"] == {"tokens_per_s_batch_1": 1.0, "tokens_per_s_batch_2": 1.0, "brierlm_2": 1.0,
+                                         "flops_per_s_batch_1": 1.0, "flops_per_s_batch_2": 1.0}
     for k in ("batch_1", "batch_2"):
         assert other["speed"][k]["new_tokens_per_row"] == 3 and other["baseline_speed"][k]["new_tokens_per_row"] == 6
         assert other["ratio_to_baseline"][f"tokens_per_s_{k}"] == pytest.approx(
