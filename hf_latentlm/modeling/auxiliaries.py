@@ -119,11 +119,14 @@ def top_candidates(logits: torch.Tensor, top_m: int) -> tuple[torch.Tensor, torc
     return candidates, torch.softmax(logits.gather(1, candidates), dim=-1)
 
 
-def open_candidate_counts(logits: torch.Tensor, top_m: int, num_auxiliaries: int) -> torch.Tensor:
-    """Number `[P]` of candidates that get at least one auxiliary at each position. `voronoi_owners` needs no
-    iterative fit where it is at most 2 (one cell takes the whole bank; two split it exactly)."""
-    _, probs = top_candidates(logits, top_m)
-    return (largest_remainder_capacities(probs, num_auxiliaries) > 0).sum(dim=1)
+@torch.no_grad()
+def ranked_candidates(logits: torch.Tensor, top_m: int, num_auxiliaries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-M candidates `[P, M]` (`top_candidates`) and their capacities `[P, M]` (`largest_remainder_capacities`):
+    what `voronoi_owners` starts from, for a caller that also needs them (e.g. to skip rows whose fit is trivial)
+    and passes them on as `ranked`. Capacities are non-increasing along the candidates, so `(capacities > 0).sum(1)`
+    counts the open cells; `voronoi_owners` needs no iterative fit where that is at most 2."""
+    candidates, probs = top_candidates(logits, top_m)
+    return candidates, largest_remainder_capacities(probs, num_auxiliaries)
 
 
 @torch.no_grad()
@@ -218,12 +221,14 @@ def fit_laguerre_offsets(
 
     total_updates = max(rounds * sweeps, 1)
     decay = (TAU_END / TAU_START) ** (1.0 / max(total_updates - 1, 1))
-    # 1 / tau and tau of every update as [updates, P, 1, (1)] tensors: one view per sweep instead of a few small ops
+    # 1 / tau and tau of every update, split once into per-update [P, 1, (1)] tensors: at decode sizes every op of
+    # a sweep counts, indexing included
     inv_tau = (1.0 / (TAU_START * sigma)) * torch.tensor(
         [decay**-k for k in range(total_updates)], dtype=torch.float32, device=sigma.device
     )  # [P, updates]
-    inv_taus = inv_tau.t().contiguous()[:, :, None, None]
-    taus = (1.0 / inv_tau).t().contiguous()[:, :, None]
+    inv_taus = inv_tau.t().contiguous()[:, :, None, None].unbind(0)
+    taus = (1.0 / inv_tau).t().contiguous()[:, :, None].unbind(0)
+    zeros = torch.zeros_like(offsets)  # scatter_add's out-of-place start: one op per load instead of two
     is_closed = ~is_open
     previous = torch.zeros_like(offsets)
     update_index = 0
@@ -234,6 +239,8 @@ def fit_laguerre_offsets(
         if short_idx is None:
             short_idx = _top_candidates_per_auxiliary(adjusted, shortlist, work)
         else:
+            if _cells_hold_capacities(adjusted, capacities, work):
+                break  # already the exact balanced assignment, which further sweeps would only reproduce
             short_idx = _refresh_shortlist(adjusted, short_idx, work)
         short_scores = scores.gather(1, short_idx)  # [P, K, N]
         flat_idx = short_idx.view(num_pos, -1)
@@ -246,16 +253,26 @@ def fit_laguerre_offsets(
             logits = logits.mul_(inv_taus[update_index])
             logits.sub_(logits.amax(dim=1, keepdim=True)).clamp_(min=LOG_FLOOR).exp_()
             soft = logits.div_(logits.sum(dim=1, keepdim=True)).view(num_pos, -1)
-            load = torch.zeros_like(offsets).scatter_add_(1, flat_idx, soft)
-            squares = torch.zeros_like(offsets).scatter_add_(1, flat_idx, soft.square_())
+            load = zeros.scatter_add(1, flat_idx, soft)
+            squares = zeros.scatter_add(1, flat_idx, soft.square_())
             # relaxation l / sum_u pi (1 - pi) = l / (l - sum_u pi^2) >= 1 (1 for an empty cell)
-            relaxation = torch.div(load, squares.neg_().add_(load).clamp_(min=1e-12)).clamp_(min=1.0)
+            relaxation = torch.div(load, torch.sub(load, squares).clamp_(min=1e-12)).clamp_(min=1.0)
             step = relaxation.mul_(target - load.clamp_(min=1e-30).log_()).clamp_(-MAX_STEP, MAX_STEP)
             step = step.mul_(taus[update_index]).add_(previous, alpha=MOMENTUM).masked_fill_(is_closed, 0.0)
             offsets = offsets + step
             previous = step
             update_index += 1
     return offsets
+
+
+def _cells_hold_capacities(adjusted: torch.Tensor, capacities: torch.Tensor, work: torch.Tensor) -> bool:
+    """True when the hard cells of `adjusted` [P, M, N] (scores + offsets) hold exactly `capacities` [P, M] at every
+    position. Such cells are the optimal balanced assignment (for any other assignment with these cell sizes the sum
+    of scores + offsets is no larger, and the offsets add the same total), so a fit that reaches exact cells later
+    ends with the same owners. Overwrites `work`."""
+    local = _max_and_first_index(adjusted, work)[1]
+    cell_sizes = torch.zeros_like(capacities).scatter_add_(1, local, torch.ones_like(local))
+    return bool(torch.equal(cell_sizes, capacities))
 
 
 def _refresh_shortlist(adjusted: torch.Tensor, short_idx: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
@@ -314,6 +331,7 @@ def voronoi_owners(
     chunk_size: int | None = None,
     *,
     scores: TokenScores | None = None,
+    ranked: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> VoronoiAssignment:
     """Laguerre-cell owners of every auxiliary at every position (PLM Eq. 10).
 
@@ -327,13 +345,13 @@ def voronoi_owners(
                        from paying the ~25 ops per sweep for a handful of positions.
     scores:            optional `token_scores(output_embeddings, bank)`, e.g. cached per LM-head weight version; the
                        result is identical, without the [V, d] x [d, N] product.
+    ranked:            optional `ranked_candidates(logits, top_m, N)` of these rows, when the caller has them.
 
     The owners of a position depend only on that position's logits (not on batching or chunking).
     """
     num_pos = logits.shape[0]
     num_aux = bank.shape[0]
-    candidates, probs = top_candidates(logits, top_m)
-    capacities = largest_remainder_capacities(probs, num_aux)
+    candidates, capacities = ranked_candidates(logits, top_m, num_aux) if ranked is None else ranked
     if scores is None:
         scores = token_scores(output_embeddings, bank)
     all_scores, token_mean, token_std = scores

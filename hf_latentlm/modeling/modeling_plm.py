@@ -27,8 +27,8 @@ from .auxiliaries import (
     decode_auxiliary,
     draw_auxiliary_in_cell,
     fixed_uniforms,
-    open_candidate_counts,
     quantile_owners,
+    ranked_candidates,
     TokenScores,
     sample_auxiliary_bank,
     token_scores,
@@ -354,15 +354,17 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         return PLMOutput(logits=self.lm_head(hidden), cache=out.cache, hidden_states=out.hidden_states,
                          attentions=out.attentions)
 
-    def auxiliary_owners(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def auxiliary_owners(self, logits: torch.Tensor, ranked: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Owner token of every auxiliary for each row of encoder logits [P, V] -> ([P, N_aux], TV [P]).
-        `none` auxiliaries: (None, None) — the decoder reads the mask auxiliary everywhere."""
+        `none` auxiliaries: (None, None) — the decoder reads the mask auxiliary everywhere. `ranked`: the rows'
+        `ranked_candidates`, when the caller computed them already (Voronoi only)."""
         cfg = self.config
         logits = logits.detach().float()
         if cfg.auxiliary_type == "voronoi":
             fit = voronoi_owners(logits, self.lm_head.weight.detach().float(), self.model.auxiliary_bank.float(),
                                  cfg.auxiliary_top_m, rounds=cfg.sinkhorn_rounds, sweeps=cfg.sinkhorn_sweeps,
-                                 shortlist=cfg.sinkhorn_shortlist, scores=self.auxiliary_token_scores())
+                                 shortlist=cfg.sinkhorn_shortlist, scores=self.auxiliary_token_scores(), ranked=ranked)
             return fit.owners, fit.total_variation
         if cfg.auxiliary_type == "quantile":
             return quantile_owners(logits, cfg.num_auxiliaries), None
@@ -673,14 +675,22 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         sampled = torch.full_like(flat_aux, -1)
         fitted = torch.zeros_like(flat_aux, dtype=torch.bool)
 
+        ranked = None
+        if cfg.auxiliary_type == "voronoi":  # candidates and capacities of every row, computed once
+            ranked = ranked_candidates(flat_q, cfg.auxiliary_top_m, cfg.num_auxiliaries)
+
         def sample(rows: torch.Tensor) -> None:
-            owners, _ = self.auxiliary_owners(flat_q[rows])
-            sampled[rows] = decode_auxiliary(owners, flat_aux[rows])
+            # Inference mode: the fit is hundreds of small ops at decode sizes, and it trims their dispatch (~15%).
+            with torch.inference_mode():
+                owners, _ = self.auxiliary_owners(flat_q[rows], None if ranked is None else
+                                                  (ranked[0][rows], ranked[1][rows]))
+                tokens = decode_auxiliary(owners, flat_aux[rows])
+            sampled[rows] = tokens
             fitted[rows] = True
 
         rows = torch.arange(batch * width, device=q.device)
-        if width > 1 and cfg.auxiliary_type == "voronoi":
-            rows = rows[open_candidate_counts(flat_q, cfg.auxiliary_top_m, cfg.num_auxiliaries) <= 2]
+        if width > 1 and ranked is not None:
+            rows = rows[(ranked[1] > 0).sum(dim=1) <= 2]
         if rows.numel():
             sample(rows)
         commit_row = torch.arange(batch, device=q.device) * width

@@ -267,6 +267,41 @@ def test_two_open_candidates_split_the_bank_exactly_and_optimally(monkeypatch):
     assert torch.equal(untrimmed.total_variation, result.total_variation)
 
 
+def test_exact_cells_are_the_optimal_assignment_so_the_fit_may_stop_there(monkeypatch):
+    """The early stop (`_cells_hold_capacities`) rests on this: cells that hold exactly their capacities maximise the
+    total score over all assignments with those cell sizes (brute force over every assignment of a 9-auxiliary bank
+    to three open candidates), so a fit that reaches them later ends with the same owners."""
+    import itertools
+
+    from hf_latentlm.modeling import auxiliaries
+
+    head, bank = _lm_head(5), sample_auxiliary_bank(9, D, seed=6)
+    logits = torch.full((6, V), -1e4)
+    for p in range(6):
+        logits[p, 3 * p:3 * p + 3] = torch.tensor([0.0, -0.4 - 0.1 * p, -0.9])  # three open cells of sizes ~4, 3, 2
+    result = voronoi_owners(logits, head, bank, top_m=8)
+    scores = head @ bank.T
+    for p in range(6):
+        assert result.total_variation[p] == 0
+        cand, caps = result.candidates[p, :3].tolist(), result.capacities[p, :3].tolist()
+        slots = [c for c, n in zip(cand, caps) for _ in range(n)]
+        best = max(set(itertools.permutations(slots)), key=lambda owners: float(sum(
+            scores[v, u] for u, v in enumerate(owners))))
+        assert result.owners[p].tolist() == list(best)
+    # And the stop itself changes no owner: the same fit with the check switched off, at 48 positions of several
+    # entropies where it does stop early at some.
+    head, bank = _lm_head(7), sample_auxiliary_bank(64, D, seed=8)
+    logits = torch.randn(48, V, generator=torch.Generator().manual_seed(9)) * torch.linspace(1, 10, 48)[:, None]
+    stops, check = [], auxiliaries._cells_hold_capacities
+    monkeypatch.setattr(auxiliaries, "_cells_hold_capacities", lambda *a: stops.append(check(*a)) or stops[-1])
+    stopping = [voronoi_owners(logits[p:p + 1], head, bank, top_m=16) for p in range(48)]
+    monkeypatch.setattr(auxiliaries, "_cells_hold_capacities", lambda *a: False)
+    full = [voronoi_owners(logits[p:p + 1], head, bank, top_m=16) for p in range(48)]
+    assert any(stops) and not all(stops)
+    for a, b in zip(stopping, full):
+        assert torch.equal(a.owners, b.owners) and torch.equal(a.total_variation, b.total_variation)
+
+
 def test_scores_use_unnormalised_lm_head_rows():
     # One token with a 3x longer row wins more of the bank at equal offsets: check that the fit still hits capacities
     # and that scaling the whole head (same geometry, scaled scores) leaves the owners unchanged (sigma-relative fit).

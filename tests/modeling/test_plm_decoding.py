@@ -338,9 +338,9 @@ def test_verify_rows_after_the_first_rejection_are_never_fitted(fresh, tiny_rows
     calls = record_calls(fresh, monkeypatch)
     fitted_rows, owners_of = [], fresh.auxiliary_owners
 
-    def count_rows(logits):
+    def count_rows(logits, ranked=None):
         fitted_rows.append(logits.shape[0])
-        return owners_of(logits)
+        return owners_of(logits, ranked)
 
     monkeypatch.setattr(fresh, "auxiliary_owners", count_rows)
     fresh.generate(ids, attention_mask=mask, max_new_tokens=12, auxiliary_seeds=[5, 6], eos_token_id=None,
