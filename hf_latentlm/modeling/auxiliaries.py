@@ -239,8 +239,10 @@ def fit_laguerre_offsets(
         if short_idx is None:
             short_idx = _top_candidates_per_auxiliary(adjusted, shortlist, work)
         else:
-            if _cells_hold_capacities(adjusted, capacities, work):
-                break  # already the exact balanced assignment, which further sweeps would only reproduce
+            # Already the exact balanced assignment, which further sweeps would only reproduce. Not under
+            # torch.compile: the stop is data-dependent (a graph break), and the full schedule gives the same owners.
+            if not torch.compiler.is_compiling() and _cells_hold_capacities(adjusted, capacities, work):
+                break
             short_idx = _refresh_shortlist(adjusted, short_idx, work)
         short_scores = scores.gather(1, short_idx)  # [P, K, N]
         flat_idx = short_idx.view(num_pos, -1)
