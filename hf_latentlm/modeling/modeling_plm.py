@@ -50,6 +50,7 @@ from .layers import (
     causal_layout,
     decoder_layers,
     make_padding_position_ids,
+    token_nll,
     visibility_mask,
 )
 from .modeling_backbone import (
@@ -479,10 +480,9 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
             scored = scored & attention_mask.bool()
         targets = labels[:, dec_pos]  # [B, D]
         enc_valid = scored[:, 1:]
-        enc_nll = F.cross_entropy(enc_logits[:, :-1].float().transpose(1, 2), labels[:, 1:].clamp(min=0),
-                                  reduction="none")
+        enc_nll = token_nll(enc_logits[:, :-1], labels[:, 1:])
         dec_valid = scored[:, dec_pos] & self.decoder_row_valid(input_ids, dec_pos, dec_start)
-        dec_nll = F.cross_entropy(dec_logits.float().transpose(1, 2), targets.clamp(min=0), reduction="none")
+        dec_nll = token_nll(dec_logits, targets)
         n_enc, n_dec = enc_valid.sum(), dec_valid.sum()
         enc_sum, dec_sum = (enc_nll * enc_valid).sum(), (dec_nll * dec_valid).sum()
         total = enc_sum + dec_sum

@@ -98,10 +98,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 
 from ..modeling.auxiliaries import draw_auxiliary_in_cell
 from ..modeling.flow import make_time_sampler
+from ..modeling.layers import token_nll
 from ..modeling.modeling_backbone import is_right_padded
 
 #: Seed of the frozen auxiliary draws (paper App. 16.2: "its auxiliaries are sampled once with seed 5678").
@@ -404,15 +404,13 @@ class PLMResponseScorer:
             # Encoder: logits at t-1 score x_t, every labelled response target (terminal EOS included).
             enc_target = enc_labels[rows, 1:]
             enc_valid = enc_target != -100
-            enc_nll = F.cross_entropy(out.logits[:, :-1].float().transpose(1, 2), enc_target.clamp(min=0),
-                                      reduction="none")
+            enc_nll = token_nll(out.logits[:, :-1], enc_target)
             # Decoder: the rows decoder_objective scores (labelled real targets of a block up to its first EOS
             # target), restricted to the response body.
             dec_target = dec_labels[rows][:, dec_pos]
             dec_valid = ((dec_target != -100) & mask.bool()[:, dec_pos]
                          & core.decoder_row_valid(ids, dec_pos, dec_start))
-            dec_nll = F.cross_entropy(out.decoder_logits.float().transpose(1, 2), dec_target.clamp(min=0),
-                                      reduction="none")
+            dec_nll = token_nll(out.decoder_logits, dec_target)
             group_sum = (enc_nll * enc_valid).sum(1) + (dec_nll * dec_valid).sum(1)
             group_terms = (enc_valid.sum(1) + dec_valid.sum(1)).to(num_terms.dtype)
             parts.append((rows, group_sum, group_terms))
@@ -446,7 +444,7 @@ class TokenLikelihoodScorer:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
         target = input_ids[:, 1:]
         scored = (completion_mask[:, 1:].bool() & attention_mask[:, 1:].bool())
-        nll = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+        nll = token_nll(logits, target)
         return ResponseScore(loss_sum=(nll * scored).sum(1), num_terms=scored.sum(1).to(nll.dtype),
                              tokens=TokenStats.of(logits, target, scored))
 
