@@ -42,7 +42,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["FlopCounter", "count_flops", "counted_training_flops", "inference_flops_per_token", "parameter_counts",
+__all__ = ["FlopCounter", "compare_with_flop_counter_mode", "count_flops", "counted_training_flops", "inference_flops_per_token", "parameter_counts",
            "reads_chunks", "training_flops_per_token", "weights_updated"]
 
 # Matmul-type ops whose count depends on the context (attention scores and values in eager attention).
@@ -419,3 +419,37 @@ def counted_training_flops(model, rows: torch.Tensor) -> dict:
             "backward_per_token": counter.backward / tokens, "tokens": tokens,
             "method": "FlopCounter (torch-function rules) over the training forward; backward from each product's "
                       "operands that require a gradient"}
+
+
+def compare_with_flop_counter_mode(model, rows: torch.Tensor, prompt_len: int = 16, new_tokens: int = 8) -> dict:
+    """`FlopCounter` next to torch's `FlopCounterMode` on the same work: one training step on `rows` (the reference
+    counts the real backward, eager attention; ours the forward alone, SDPA) and one `generate()` of `new_tokens`
+    from the first `prompt_len` tokens of each row, same seeds. Returns {"training": (reference, ours), "generate":
+    (reference, ours), "same_generation": whether both generate() calls gave the same tokens}."""
+    def step():
+        torch.manual_seed(0)
+        model(input_ids=rows, labels=rows).loss.backward()
+
+    was_training = model.training
+    try:
+        model.train()
+        weights_updated(model)
+        reference_step, _ = count_flops(step, model)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        ours_step = counted_training_flops(model, rows)["per_token"] * rows.numel()
+        model.eval()
+        prompt = rows[:, :prompt_len]
+        options = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": new_tokens,
+                   "min_new_tokens": new_tokens}
+        with torch.no_grad():
+            torch.manual_seed(1)
+            reference_generate, expected = count_flops(lambda: model.generate(prompt, **options), model)
+            torch.manual_seed(1)
+            with FlopCounter() as counter:
+                out = model.generate(prompt, **options)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    return {"training": (reference_step.total, ours_step), "generate": (reference_generate.total, counter.forward),
+            "same_generation": bool(torch.equal(out, expected)), "backward": counter.backward}

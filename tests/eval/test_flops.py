@@ -7,6 +7,7 @@ from transformers.cache_utils import DynamicCache
 
 from hf_latentlm.eval.flops import (
     FlopCounter,
+    compare_with_flop_counter_mode,
     count_flops,
     counted_training_flops,
     inference_flops_per_token,
@@ -178,27 +179,13 @@ def test_counter_matches_torch_on_every_family(every_family, family):
     forward alone) within 5% of FlopCounterMode (eager attention, the real backward)."""
     model = every_family[family]
     rows = torch.randint(3, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-
-    def step():
-        torch.manual_seed(0)
-        model(input_ids=rows, labels=rows).loss.backward()
-
-    model.train()
-    weights_updated(model)
-    reference, _ = count_flops(step, model)
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(0)
-    mine = counted_training_flops(model, rows)
-    assert mine["per_token"] * rows.numel() == pytest.approx(reference.total, rel=0.05)
-    assert mine["backward_per_token"] > 0  # below 2x forward where a frozen component runs forward only
-    model.eval()
-    prompt = rows[:, :16]
-    options = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": 8, "min_new_tokens": 8}
-    with torch.no_grad():
-        torch.manual_seed(1)
-        reference, expected = count_flops(lambda: model.generate(prompt, **options), model)
-        torch.manual_seed(1)
-        with FlopCounter() as counter:
-            out = model.generate(prompt, **options)
-    assert torch.equal(out, expected)  # the same call, so the same work
-    assert counter.forward == pytest.approx(reference.total, rel=0.05) and counter.backward == 0
+    counts = compare_with_flop_counter_mode(model, rows)
+    reference, ours = counts["training"]
+    assert ours == pytest.approx(reference, rel=0.05)
+    assert counts["same_generation"] and counts["backward"] == 0  # the same call, so the same work; no grad
+    reference, ours = counts["generate"]
+    assert ours == pytest.approx(reference, rel=0.05)
+    # The step's backward is counted: more than the same forward run without grad.
+    with FlopCounter() as forward_only, torch.no_grad():
+        model(input_ids=rows, labels=rows)
+    assert counts["training"][1] > forward_only.forward
