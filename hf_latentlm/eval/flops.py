@@ -394,7 +394,7 @@ class FlopCounter(TorchFunctionMode):
         rule = _FUNCTION_RULES.get(func)
         if func is _RIGHT_MATMUL:
             rule, args = _matmul_rule, (args[1], args[0])
-        if rule is not None:
+        if rule is not None and all(isinstance(arg, torch.Tensor) for arg in args[:2]):  # else torch raises below
             forward, backward = rule(*args, **kwargs)
             self.forward += forward
             self.backward += backward if torch.is_grad_enabled() else 0

@@ -147,6 +147,10 @@ def test_counter_rules_by_hand():
         torch.nn.functional.linear(x, w)
         torch.cdist(torch.randn(4, 3), torch.randn(6, 3))
     assert (counter.forward, counter.backward) == (2 * 15 * 7 * 4 + 2 * 4 * 6 * 3, 0)  # no backward without grad
+    with FlopCounter() as counter:  # a call torch refuses fails as without the counter, and counts nothing
+        with pytest.raises(TypeError):
+            torch.matmul(torch.ones(2, 2), "not a tensor")
+    assert counter.forward == 0
 
 
 def test_counter_attention_backward_matches_torch():
