@@ -42,8 +42,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["FlopCounter", "compare_with_flop_counter_mode", "count_flops", "counted_training_flops", "inference_flops_per_token", "parameter_counts",
-           "reads_chunks", "training_flops_per_token", "weights_updated"]
+__all__ = ["FlopCounter", "compare_with_flop_counter_mode", "count_flops", "counted_training_flops",
+           "inference_flops_per_token", "parameter_counts", "reads_chunks", "training_flops_per_token",
+           "weights_updated"]
 
 # Matmul-type ops whose count depends on the context (attention scores and values in eager attention).
 _ATTENTION_OPS = ("aten.bmm", "aten.baddbmm")
@@ -371,8 +372,8 @@ _FUNCTION_RULES = {
     torch.Tensor.addmm: _added_matmul_rule, torch.Tensor.baddbmm: _added_matmul_rule,
     **{fn: _matmul_rule for fn in (torch.matmul, torch.mm, torch.bmm, torch.Tensor.matmul, torch.Tensor.mm,
                                    torch.Tensor.bmm, torch.Tensor.__matmul__)},
+    torch.Tensor.__rmatmul__: lambda b, a, *args, **kwargs: _matmul_rule(a, b),  # b.__rmatmul__(a) is a @ b
 }
-_RIGHT_MATMUL = torch.Tensor.__rmatmul__
 
 
 class FlopCounter(TorchFunctionMode):
@@ -392,20 +393,17 @@ class FlopCounter(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         rule = _FUNCTION_RULES.get(func)
-        if func is _RIGHT_MATMUL:
-            rule, args = _matmul_rule, (args[1], args[0])
         if rule is not None and all(isinstance(arg, torch.Tensor) for arg in args[:2]):  # else torch raises below
             forward, backward = rule(*args, **kwargs)
             self.forward += forward
             self.backward += backward if torch.is_grad_enabled() else 0
-            if func is _RIGHT_MATMUL:
-                args = (args[1], args[0])
         return func(*args, **kwargs)
 
 
 def counted_training_flops(model, rows: torch.Tensor) -> dict:
     """FLOPs of the training step on `rows` (forward + the backward of `model(input_ids=rows, labels=rows).loss`),
-    from the forward alone, as after an optimizer update (`weights_updated`); per token of `rows`. The model's mode and the caller's RNG are left as they were."""
+    from the forward alone, as after an optimizer update (`weights_updated`); per token of `rows`. The model's mode
+    and the caller's RNG are left as they were."""
     was_training = model.training
     model.train()
     try:

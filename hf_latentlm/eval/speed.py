@@ -50,8 +50,8 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
 
     Returns tokens_per_s (new tokens over all rows / median wall time), model_calls_per_token
     (forward calls / new tokens per row), the per-run times and the batch size, and the call's matrix-product FLOPs
-    per generated token (`FlopCounter` over the warm-up run, which the timed runs repeat) with the achieved FLOP/s. `generate_kwargs`: extra
-    `generate()` options, merged over the unbiased-sampling defaults.
+    per generated token (`FlopCounter` over the warm-up run, which the timed runs repeat) with the achieved FLOP/s.
+    `generate_kwargs`: extra `generate()` options, merged over the unbiased-sampling defaults.
     """
     if prompts.dim() != 2 or prompts.shape[0] == 0:
         raise ValueError(f"prompts must be a non-empty [batch, length] tensor, got {tuple(prompts.shape)}")
@@ -106,8 +106,8 @@ def speed_versus_baseline(model, baseline, prompts: torch.Tensor, batch_sizes: t
     prompts (`measure_generation_speed`; each with its own `generate_kwargs`, merged over the unbiased-sampling
     defaults). Returns {"model": {"batch_<b>": speed}, "baseline": {...}, "ratio": {"batch_<b>": model tokens/s
     / baseline tokens/s}, "flops_per_s_ratio": {"batch_<b>": model achieved FLOP/s / baseline's}, "num_parameters":
-    {"model": n, "baseline": n}}. A model compared with itself under the
-    same options is timed once (ratio 1): a second timing would only measure noise.
+    {"model": n, "baseline": n}}. A model compared with itself under the same options is timed once (ratio 1): a
+    second timing would only measure noise.
     """
     batch_sizes = batch_sizes or (len(prompts),)
     if max(batch_sizes) > len(prompts):

@@ -136,6 +136,9 @@ def test_counter_rules_by_hand():
         a @ b  # broadcast batch 2 x 5
     assert counter.forward == 2 * 15 * 7 * 4 + 2 * 10 * 3 * 6 * 9
     assert counter.backward == 2 * 15 * 7 * 4 + 2 * 10 * 3 * 6 * 9
+    with FlopCounter() as counter:
+        torch.randn(7, 3).__rmatmul__(torch.randn(4, 7))  # [4, 7] @ [7, 3]
+    assert counter.forward == 2 * 4 * 7 * 3
     q = torch.randn(2, 4, 3, 8, requires_grad=True)
     k, v = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 6)
     with FlopCounter() as counter:
