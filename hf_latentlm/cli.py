@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--train-steps", type=int, default=0, help="time this many training steps of a copy of each model")
     b.add_argument("--train-preset", default="small", help="batch size and row length of the timed training steps")
     b.add_argument("--profile", action="store_true", help="cProfile of one batch-1 generate() of each model")
+    b.add_argument("--compile", action="store_true", help="each model's decoding eager and compiled at batch 1 and 8 "
+                   "(generate(compile_config=...); the AR baseline with transformers' static cache + compile)")
 
     for name, help_text in (("sft", "supervised fine-tuning of a trained model on an instruction task"),
                             ("dpo", "preference optimisation (DPO) of a fine-tuned model on an instruction task"),
@@ -401,10 +403,10 @@ def cmd_bench(args) -> int:
     report = benchmark_models(models, baseline, args.num_positions, args.context_len,
                               max_new_tokens=args.max_new_tokens, repeats=args.repeats, mauve=args.mauve,
                               seed=args.seed)
-    if args.extras or sweeps or args.train_steps or args.profile:
+    if args.extras or sweeps or args.train_steps or args.profile or args.compile:
         report["extras"] = bench_extras(models, baseline, sweeps, args.extras, args.train_steps, args.train_preset,
                                         args.profile, args.sweep_positions, args.max_new_tokens, args.repeats,
-                                        args.seed)
+                                        args.seed, compiled=args.compile)
     print(write_report(report, args.output, args.markdown))
     return 0
 

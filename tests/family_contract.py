@@ -187,6 +187,34 @@ def check_harness_counts_model_calls(model, rows):
     assert speed["model_calls_per_token"] == pytest.approx(own.model_calls.max().item() / 12)
 
 
+def check_compiled_decoding_gives_the_same_tokens(model, rows, tokenizer, left_pad):
+    from transformers import CompileConfig
+
+    graphs = []
+
+    def recording_backend(graph, example_inputs):  # runs each captured graph as it is: only dynamo is under test
+        graphs.append(graph)
+        return graph.forward
+
+    config = CompileConfig(backend=recording_backend, mode="default")
+    ids, mask = left_pad(prompts(rows, (5, 11)), tokenizer.pad_token_id)
+    options = dict(attention_mask=mask, max_new_tokens=9, eos_token_id=None, **seeded(model, [3, 4]))
+    eager = model.generate(ids, **options)
+    compiled = model.generate(ids, compile_config=config, **options)
+    assert compiled.tolist() == eager.tolist()
+    # Every network the decoding runs went through torch.compile, and the modules run their own methods afterwards.
+    methods = model.compiled_methods()
+    assert len(graphs) >= len(methods), (len(graphs), methods)
+    assert not any(name in vars(module) for module, name in methods)
+    # A second call reuses the graphs (the class's function is compiled, its graphs kept on its code).
+    captured = len(graphs)
+    assert model.generate(ids, compile_config=config, **options).tolist() == eager.tolist()
+    assert len(graphs) == captured
+    with pytest.raises(TypeError, match="compile_config must be a transformers.CompileConfig"):
+        model.generate(ids, compile_config={"backend": "inductor"}, **options)
+    assert not any(name in vars(module) for module, name in methods)
+
+
 def sibling_modules(modeling_file: Path) -> set[str]:
     """Every flat sibling module `modeling_file` needs, following `from .x import` recursively."""
     seen, todo = set(), [modeling_file]

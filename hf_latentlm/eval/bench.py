@@ -36,7 +36,7 @@ from .harness import check_evaluation_lengths, evaluate_model, nll_rows, split_s
 from .optimum import evaluation_stream
 from .sampling import evaluation_windows
 from .flops import counted_training_flops
-from .speed import fresh_training_step_time, speed_versus_baseline
+from .speed import compiled_decoding_speed, fresh_training_step_time, speed_versus_baseline
 
 
 def benchmark_models(models: dict[str, str], baseline: str, num_positions: int = 20000, context_len: int = 128,
@@ -214,11 +214,13 @@ def git_state() -> dict:
 def bench_extras(models: dict[str, str], baseline: str, sweeps: dict[str, dict[str, dict]] | None = None,
                  family_extras: bool = False, train_steps: int = 0, train_preset: str = "small",
                  profile: bool = False, sweep_positions: int = 500, max_new_tokens: int = 64, repeats: int = 3,
-                 seed: int = 0) -> dict:
+                 seed: int = 0, compiled: bool = False) -> dict:
     """Per model (name -> folder): decoding rows (`decoding_row`) for each `generate()` setting of `sweeps` (model
     name -> label -> options) and, with `family_extras`, of its family's bench decodings, plus the family's own
     measurements; the training step time of a copy of every model (`train_steps` > 0; rows and batch of
-    `train_preset`); a cProfile of one batch-1 `generate()` (`profile`)."""
+    `train_preset`); a cProfile of one batch-1 `generate()` (`profile`); eager and compiled decoding speed at batch 1
+    and 8 (`compiled`, `compiled_decoding_speed`: a family compiles its own networks, a plain transformers model
+    such as the baseline compiles with transformers' static cache), with each compiled speed over the baseline's."""
     sweeps = sweeps or {}
     base, tokenizer = load_model_and_tokenizer(models[baseline])
     base.eval()
@@ -228,7 +230,7 @@ def bench_extras(models: dict[str, str], baseline: str, sweeps: dict[str, dict[s
         preset = get_preset(train_preset)
         train_rows = nll_rows(split_stream(tokenizer, "train"), preset.seq_len)
     result = {"settings": {"sweep_positions": sweep_positions, "max_new_tokens": max_new_tokens, "repeats": repeats,
-                           "train_steps": train_steps, "train_preset": train_preset},
+                           "train_steps": train_steps, "train_preset": train_preset, "compiled": compiled},
               "git": git_state(), "models": {}}
     for name, path in models.items():
         model = base if name == baseline else load_model_and_tokenizer(path)[0].eval()
@@ -250,8 +252,17 @@ def bench_extras(models: dict[str, str], baseline: str, sweeps: dict[str, dict[s
             row["training"].update(flops_per_token=flops, achieved_flops_per_s=flops * row["training"]["tokens_per_s"])
         if profile:
             row["profile"] = profile_generate(model, prompts[:1], max_new_tokens)
+        if compiled:
+            row["compiled_decoding"] = compiled_decoding_speed(model, prompts, (1, 8), max_new_tokens, repeats, seed,
+                                                               static_cache=not hasattr(model, "compiled_methods"))
         result["models"][name] = row
         del model
+    if compiled:
+        reference = result["models"][baseline]["compiled_decoding"]
+        for row in result["models"].values():
+            row["compiled_decoding"]["compiled_over_baseline_compiled"] = {
+                key: speed["tokens_per_s"] / reference["compiled"][key]["tokens_per_s"]
+                for key, speed in row["compiled_decoding"]["compiled"].items()}
     if train_steps:
         reference = result["models"][baseline]["training"]["tokens_per_s"]
         for row in result["models"].values():
@@ -292,6 +303,20 @@ def extras_markdown(extras: dict) -> str:
                                  f"{t['tokens_per_s_over_baseline']:.2f}", f"{t['flops_per_token']:.3g}",
                                  f"{t['achieved_flops_per_s'] / 1e9:.2f}", f"{t['achieved_flops_per_s_over_baseline']:.2f}"]
                                 for n, t in trained.items()])]
+    compiled = {name: row["compiled_decoding"] for name, row in extras["models"].items() if "compiled_decoding" in row}
+    if compiled:
+        out += ["\nCompiled decoding (`generate(compile_config=...)`: the family's networks under torch.compile; a plain "
+                "transformers model with its static cache), tokens/s eager → compiled, and compiled over the baseline "
+                "compiled; first call: the first compiled generate(), compiling included:\n",
+                markdown_table(["model", "tok/s b1 eager → compiled", "×eager b1", "tok/s b8 eager → compiled",
+                                "×eager b8", "compiled ×baseline compiled b1 / b8", "first call s b1 / b8"],
+                               [[n, *(cell for key in ("batch_1", "batch_8") for cell in (
+                                   f"{c['eager'][key]['tokens_per_s']:.0f} → {c['compiled'][key]['tokens_per_s']:.0f}",
+                                   f"{c['compiled_over_eager'][key]:.2f}")),
+                                 " / ".join(f"{c['compiled_over_baseline_compiled'][k]:.2f}"
+                                            for k in ("batch_1", "batch_8")),
+                                 " / ".join(f"{c['compiled'][k]['first_call_s']:.0f}" for k in ("batch_1", "batch_8"))]
+                                for n, c in compiled.items()])]
     for name, row in extras["models"].items():
         if "measurements" in row:
             out.append(f"\n{name}: family measurements\n```json\n{json.dumps(row['measurements'], indent=1)}\n```")

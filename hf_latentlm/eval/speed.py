@@ -1,7 +1,7 @@
 """Generation speed: wall-clock tokens/s including prefill, and model calls per generated token.
 
 Model calls are counted with a forward hook on the model itself, so the count is honest for any
-decoding scheme (one call per token for AR, fewer for multi-token families). A warm-up run is
+decoding scheme (one call per token for AR, fewer for multi-token families). Warm-up runs are
 discarded; the reported figure is the median of `repeats` timed runs.
 
 Absolute tokens/s drift on shared machines, so a family's speed is reported as a ratio to the AR baseline
@@ -16,10 +16,16 @@ import time
 from contextlib import contextmanager, nullcontext
 
 import torch
+from transformers import CompileConfig
 
 from ..modeling.modeling_backbone import training_hooks
 from .flops import FlopCounter
 from .sampling import unbiased_sampling_kwargs
+
+
+# generate() options of compiled decoding: transformers' `compile_config`, and `cache_implementation` ("static": the
+# fixed-size cache its own generate() compiles with).
+COMPILE_OPTIONS = ("compile_config", "cache_implementation")
 
 
 class CallCounter:
@@ -72,9 +78,19 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
         sequences = out.sequences if hasattr(out, "sequences") else out
         return elapsed, counter.calls, sequences.shape[1] - prompts.shape[1], getattr(out, "calls_by_network", None)
 
-    # Warm-up (allocator, kernels, lazy initialisation), counted: the timed runs repeat its work exactly (same seed).
+    # Two warm-up runs. The first does a model's one-time work (allocator, lazy initialisation, PLM's token-auxiliary
+    # scores, computed once per model), which is no cost of a generated token; the second is counted, and the timed
+    # runs repeat its work exactly (same seed). A compiled call is counted uncompiled (the same arithmetic; the
+    # counter sees torch functions, which a compiled graph no longer calls), then warmed up once more compiled: that
+    # first compiled call, compiling included, is timed apart.
+    compile_options = {name: kwargs.pop(name) for name in COMPILE_OPTIONS if name in kwargs}
+    run()
     with FlopCounter() as flops:
         run()
+    first_call_s = None
+    if compile_options:
+        kwargs.update(compile_options)
+        first_call_s = run()[0]
     runs = [run() for _ in range(repeats)]
     model.train(was_training)
     times = [r[0] for r in runs]
@@ -92,6 +108,8 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
         "flops_per_token": flops.forward / (prompts.shape[0] * max(new_tokens, 1)),
     }
     result["achieved_flops_per_s"] = result["flops_per_token"] * result["tokens_per_s"]
+    if first_call_s is not None:
+        result["first_call_s"] = first_call_s
     if by_network:  # a family with several networks, asked with return_dict_in_generate=True (first row's counts)
         result["calls_per_token_by_network"] = {name: int(n[0]) / max(new_tokens, 1) for name, n in by_network.items()}
     return result
@@ -125,6 +143,38 @@ def speed_versus_baseline(model, baseline, prompts: torch.Tensor, batch_sizes: t
         result["ratio"][key] = result["model"][key]["tokens_per_s"] / result["baseline"][key]["tokens_per_s"]
         result["flops_per_s_ratio"][key] = (result["model"][key]["achieved_flops_per_s"]
                                             / result["baseline"][key]["achieved_flops_per_s"])
+    return result
+
+
+def decoding_compile_config(device) -> CompileConfig:
+    """The `compile_config` of compiled decoding on `device`: inductor with CUDA graphs on a GPU ("reduce-overhead",
+    transformers' default), plain inductor elsewhere. It also lets transformers' own generate() compile on a CPU,
+    which it otherwise skips (its `_compile_all_devices` switch)."""
+    config = CompileConfig(mode="reduce-overhead" if torch.device(device).type == "cuda" else "default")
+    config._compile_all_devices = True
+    return config
+
+
+def compiled_decoding_speed(model, prompts: torch.Tensor, batch_sizes: tuple[int, ...] = (1, 8),
+                            max_new_tokens: int = 64, repeats: int = 3, seed: int = 0,
+                            static_cache: bool = False) -> dict:
+    """`measure_generation_speed` of `model` as it is ("eager") and with its decoding compiled ("compiled":
+    `decoding_compile_config`, plus transformers' static cache when `static_cache`, as its generate() needs for
+    compiling) for the first b prompts, b in `batch_sizes`, with the compiled/eager tokens/s ratio. The compiled rows
+    carry `first_call_s`, the wall time of the first compiled call, compiling included."""
+    if max(batch_sizes) > len(prompts):
+        raise ValueError(f"batch sizes {tuple(batch_sizes)} need {max(batch_sizes)} prompts, got {len(prompts)}")
+    compiled_options = {"compile_config": decoding_compile_config(next(model.parameters()).device)}
+    if static_cache:
+        compiled_options["cache_implementation"] = "static"
+    result = {"eager": {}, "compiled": {}, "compiled_over_eager": {}}
+    for b in batch_sizes:
+        key = f"batch_{b}"
+        result["eager"][key] = measure_generation_speed(model, prompts[:b], max_new_tokens, repeats, seed)
+        result["compiled"][key] = measure_generation_speed(model, prompts[:b], max_new_tokens, repeats, seed,
+                                                           compiled_options)
+        result["compiled_over_eager"][key] = (result["compiled"][key]["tokens_per_s"]
+                                              / result["eager"][key]["tokens_per_s"])
     return result
 
 

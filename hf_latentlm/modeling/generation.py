@@ -10,11 +10,13 @@ Copied into Hub checkpoints, so torch and transformers only.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-from transformers import GenerationMixin, StoppingCriteriaList
+from transformers import CompileConfig, GenerationMixin, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
 
@@ -286,6 +288,33 @@ def resolve_generation_request(family: str, config, generation_config, input_ids
     return GenerationRequest(attention_mask, max_new_tokens, int(min_new_tokens), eos_ids, int(pad), lengths)
 
 
+@contextmanager
+def compiled(methods: list[tuple[torch.nn.Module, str]], compile_config: CompileConfig | None):
+    """While active, each `module.<name>` of `methods` runs `torch.compile`d with the settings of `compile_config`
+    (None: nothing changes). The class's function is compiled, not the bound method: torch.compile keeps its graphs
+    on the function's code, so a later call, or another model of the class, reuses them instead of recompiling,
+    and nothing is stored on the model. Afterwards the modules run their class's methods again."""
+    if compile_config is None:
+        yield
+        return
+    if not isinstance(compile_config, CompileConfig):
+        raise TypeError(f"compile_config must be a transformers.CompileConfig, got {type(compile_config).__name__}")
+    settings = compile_config.to_dict()
+    for module, name in methods:
+        function = torch.compile(getattr(type(module), name), **settings)
+        setattr(module, name, functools.partial(function, module))  # an instance attribute shadows the method
+    # torch.compile keeps at most `recompile_limit` graphs per code object, and every forward that transformers'
+    # `deprecate_kwarg` decorates shares that decorator's code object: a family's networks, each at a prefill and a
+    # step shape, would reach the default 8 together and silently run eager from then on.
+    limit = max(torch._dynamo.config.recompile_limit, 8 * len(methods))
+    try:
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            yield
+    finally:
+        for module, name in methods:
+            delattr(module, name)
+
+
 class NewTokens:
     """Per-row output buffer: `commit` takes each call's candidate tokens and keeps, per unfinished row, those
     that fit in `max_new_tokens`, up to and including a first EOS (once `min_new_tokens` are out)."""
@@ -362,15 +391,18 @@ class MultiTokenGenerationMixin(GenerationMixin):
         after every step as `criteria(sequences, None, num_new_tokens=counts)`: `sequences` [B, T + longest row's
         new tokens], shorter rows padded, `counts` [B] each row's new tokens; a row it flags is finished, so a
         step's tokens past the stop are kept, as a one-token step would have kept them) and
-        `return_dict_in_generate` (a `GenerateOutput` with model calls per row), plus the family's own options (its
-        `generation_options_class`; `do_sample`, `temperature`, `top_k`, `top_p` default to the generation
-        config's). Any other option is refused by name.
+        `return_dict_in_generate` (a `GenerateOutput` with model calls per row) and `compile_config` (a
+        `transformers.CompileConfig`, default the generation config's: every network the decoding runs,
+        `compiled_methods()`, is `torch.compile`d with it for the call; the same tokens as without), plus the
+        family's own options (its `generation_options_class`; `do_sample`, `temperature`, `top_k`, `top_p` default
+        to the generation config's). Any other option is refused by name.
         """
         check_prompt(input_ids)
         gen = generation_config if generation_config is not None else self.generation_config
         request = resolve_generation_request(self.generation_family, self.config, gen, input_ids, attention_mask,
                                              max_new_tokens, kwargs, streamer)
         stopping_criteria = kwargs.pop("stopping_criteria", None)
+        compile_config = kwargs.pop("compile_config", getattr(gen, "compile_config", None))
         if isinstance(stopping_criteria, (list, tuple)):  # transformers takes a plain list too
             stopping_criteria = StoppingCriteriaList(stopping_criteria)
         for name in SAMPLING_OPTIONS:
@@ -381,18 +413,19 @@ class MultiTokenGenerationMixin(GenerationMixin):
                                self.generation_family)
         options = options.resolved(self.config, input_ids.shape[0])
 
-        state, prefill_calls = self._start_decoding(input_ids, request, options)
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        new = NewTokens(request, input_ids.shape[0], input_ids.device, streamer)
-        calls = CallTally(input_ids.shape[0], input_ids.device)
-        calls.add(prefill_calls)
-        while not new.done:
-            step = self._decoding_step(state, new)
-            calls.add(step.model_calls, ~new.finished)
-            new.commit(step.tokens, step.counts)
-            if stopping_criteria is not None:
-                new.stop(stopping_criteria(new.sequences(input_ids), None, num_new_tokens=new.count))
+        with compiled(self.compiled_methods(), compile_config):
+            state, prefill_calls = self._start_decoding(input_ids, request, options)
+            if streamer is not None:
+                streamer.put(input_ids.cpu())
+            new = NewTokens(request, input_ids.shape[0], input_ids.device, streamer)
+            calls = CallTally(input_ids.shape[0], input_ids.device)
+            calls.add(prefill_calls)
+            while not new.done:
+                step = self._decoding_step(state, new)
+                calls.add(step.model_calls, ~new.finished)
+                new.commit(step.tokens, step.counts)
+                if stopping_criteria is not None:
+                    new.stop(stopping_criteria(new.sequences(input_ids), None, num_new_tokens=new.count))
         if streamer is not None:
             streamer.end()
 
@@ -409,6 +442,11 @@ class MultiTokenGenerationMixin(GenerationMixin):
         for name, value in self.generation_options_class.sampling_defaults(self.config).items():
             if getattr(self.generation_config, name, None) is None:
                 setattr(self.generation_config, name, value)
+
+    def compiled_methods(self) -> list[tuple[torch.nn.Module, str]]:
+        """The (module, method name) pairs that `generate(compile_config=...)` compiles: the forward of every network
+        the decoding runs (`counted_modules()`); a family adds the methods outside them that run every step."""
+        return [(module, "forward") for module in self.counted_modules()]
 
     def _start_decoding(self, input_ids: torch.Tensor, request: GenerationRequest, options) -> tuple[Any, int]:
         raise NotImplementedError
@@ -517,5 +555,5 @@ class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
 
 
 __all__ = ["BlockAlignedPrompts", "BlockDecodingState", "BlockLatentGenerationOptions", "BlockLatentGenerationMixin", "DecodingStep", "DenoisedBlock", "GenerateOutput", "GenerationOptions", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",
-           "HARMLESS_HF_OPTIONS", "REQUEST_OPTIONS", "block_aligned_prompts", "check_prompt", "pop_options", "read_out_tokens", "refuse_token_filters", "reject_unknown_options",
+           "HARMLESS_HF_OPTIONS", "REQUEST_OPTIONS", "block_aligned_prompts", "check_prompt", "compiled", "pop_options", "read_out_tokens", "refuse_token_filters", "reject_unknown_options",
            "resolve_generation_request", "row_seeds"]

@@ -402,7 +402,9 @@ class AuroraDenoiser(nn.Module):
         dtype = self.clean_in.weight.dtype
         latents = latents.to(dtype)
         hidden = self.clean_in(latents)
-        if noisy is not None and bool(noisy.any()):
+        # A pass with no noisy position skips noisy_in; under torch.compile always take the where (the same values,
+        # no data-dependent branch).
+        if noisy is not None and (torch.compiler.is_compiling() or bool(noisy.any())):
             hidden = torch.where(noisy[..., None], self.noisy_in(latents), hidden)
         time = self.time_embedding(timesteps).to(dtype)
         use_draft = self.self_condition_proj is not None and self_condition is not None

@@ -657,6 +657,10 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
     # generate
     # ------------------------------------------------------------------------------------------------------------
 
+    def compiled_methods(self) -> list[tuple[nn.Module, str]]:
+        """The backbone, and the energy head and autoencoder read-out that draw each chunk."""
+        return [*super().compiled_methods(), (self.energy_head, "forward"), (self.autoencoder, "decode")]
+
     def _start_decoding(self, input_ids, request, options: CALMGenerationOptions):
         """Left-fill the prompt to whole chunks (see `CALMGenerationOptions`) and encode it; the prefill's last
         hidden state yields the first chunk."""

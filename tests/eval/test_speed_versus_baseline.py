@@ -85,3 +85,41 @@ def test_benchmark_pairs_every_model_with_the_baseline_and_routes_options(two_ti
         assert other["speed"][k]["new_tokens_per_row"] == 3 and other["baseline_speed"][k]["new_tokens_per_row"] == 6
         assert other["ratio_to_baseline"][f"tokens_per_s_{k}"] == pytest.approx(
             other["speed"][k]["tokens_per_s"] / other["baseline_speed"][k]["tokens_per_s"])
+
+
+def test_compiled_decoding_is_timed_next_to_eager_with_the_same_arithmetic(two_tiny_ar, prompts, tokenizer,
+                                                                            monkeypatch):
+    """The AR baseline compiles through transformers' own generate() (static cache), a family through its
+    `compile_config` option; the compiled rows run compiled graphs, count the same FLOPs (counted uncompiled) and time
+    their first, compiling call apart."""
+    from transformers import CompileConfig
+
+    from hf_latentlm.eval import speed
+
+    graphs = []
+
+    def recording_backend(graph, example_inputs):  # runs each captured graph as it is (inductor is torch's to test)
+        graphs.append(graph)
+        return graph.forward
+
+    def eager_graphs_config(device):
+        config = CompileConfig(backend=recording_backend, mode="default")
+        config._compile_all_devices = True
+        return config
+
+    monkeypatch.setattr(speed, "decoding_compile_config", eager_graphs_config)
+    torch.manual_seed(0)
+    plm = build_model("plm", "tiny", tokenizer).eval()
+    for model, static_cache in ((two_tiny_ar[0], True), (plm, False)):
+        graphs.clear()
+        result = speed.compiled_decoding_speed(model, prompts, (1, 2), max_new_tokens=6, repeats=1,
+                                               static_cache=static_cache)
+        assert graphs, type(model).__name__
+        for key in ("batch_1", "batch_2"):
+            eager, compiled = result["eager"][key], result["compiled"][key]
+            assert eager["new_tokens_per_row"] == compiled["new_tokens_per_row"] == 6
+            assert compiled["flops_per_token"] == eager["flops_per_token"] > 0
+            assert compiled["first_call_s"] > 0 and "first_call_s" not in eager
+            assert result["compiled_over_eager"][key] == pytest.approx(compiled["tokens_per_s"] / eager["tokens_per_s"])
+    with pytest.raises(ValueError, match="need 8 prompts"):
+        speed.compiled_decoding_speed(plm, prompts, (1, 8))
