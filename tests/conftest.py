@@ -11,6 +11,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two test workers share the two cores: one torch thread each instead of two each fighting for them.
+    torch.set_num_threads(1)
+
 from hf_latentlm.training.corpus import load_corpus_documents, load_default_tokenizer
 from hf_latentlm.training.data import token_stream
 

@@ -304,9 +304,10 @@ def compiled(methods: list[tuple[torch.nn.Module, str]], compile_config: Compile
         function = torch.compile(getattr(type(module), name), **settings)
         setattr(module, name, functools.partial(function, module))  # an instance attribute shadows the method
     # torch.compile keeps at most `recompile_limit` graphs per code object, and every forward that transformers'
-    # `deprecate_kwarg` decorates shares that decorator's code object: a family's networks, each at a prefill and a
-    # step shape, would reach the default 8 together and silently run eager from then on.
-    limit = max(torch._dynamo.config.recompile_limit, 8 * len(methods))
+    # `deprecate_kwarg` decorates shares that decorator's code object, over every model of the process: the networks
+    # of a family or two, each at a prefill and a step shape and static then dynamic, would reach the default 8
+    # together and silently run eager from then on (a bench of four families made 24).
+    limit = max(torch._dynamo.config.recompile_limit, 128)
     try:
         with torch._dynamo.config.patch(recompile_limit=limit):
             yield
