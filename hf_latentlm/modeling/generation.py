@@ -288,12 +288,30 @@ def resolve_generation_request(family: str, config, generation_config, input_ids
     return GenerationRequest(attention_mask, max_new_tokens, int(min_new_tokens), eos_ids, int(pad), lengths)
 
 
+@functools.lru_cache(maxsize=None)
+def compile_entry_point(cls: type, name: str):
+    """`cls.<name>` behind a function with a code object of its own, made once per (class, method).
+
+    torch.compile keeps its graphs, and at most `recompile_limit` of them (default 8), on the code object of the
+    function it is given. Every forward that transformers' `deprecate_kwarg` decorates shares that decorator's code
+    object, so compiling the decorated methods themselves pooled the graphs of every network of every model in the
+    process under one limit: a bench of four families reached it and silently ran the rest eager, and so did
+    transformers' own compiled generate() of a Llama afterwards. Behind its own code object each method's graphs are
+    counted apart, and one class's graphs serve every model of that class and every later call."""
+    method = getattr(cls, name)
+
+    def entry_point(module, *args, **kwargs):
+        return method(module, *args, **kwargs)
+
+    entry_point.__code__ = entry_point.__code__.replace(co_name=f"{cls.__name__}_{name}")
+    return entry_point
+
+
 @contextmanager
 def compiled(methods: list[tuple[torch.nn.Module, str]], compile_config: CompileConfig | None):
     """While active, each `module.<name>` of `methods` runs `torch.compile`d with the settings of `compile_config`
-    (None: nothing changes). The class's function is compiled, not the bound method: torch.compile keeps its graphs
-    on the function's code, so a later call, or another model of the class, reuses them instead of recompiling,
-    and nothing is stored on the model. Afterwards the modules run their class's methods again."""
+    (None: nothing changes), through `compile_entry_point`; nothing is stored on the model. Afterwards the modules run
+    their class's methods again."""
     if compile_config is None:
         yield
         return
@@ -301,13 +319,11 @@ def compiled(methods: list[tuple[torch.nn.Module, str]], compile_config: Compile
         raise TypeError(f"compile_config must be a transformers.CompileConfig, got {type(compile_config).__name__}")
     settings = compile_config.to_dict()
     for module, name in methods:
-        function = torch.compile(getattr(type(module), name), **settings)
+        function = torch.compile(compile_entry_point(type(module), name), **settings)
         setattr(module, name, functools.partial(function, module))  # an instance attribute shadows the method
-    # torch.compile keeps at most `recompile_limit` graphs per code object, and every forward that transformers'
-    # `deprecate_kwarg` decorates shares that decorator's code object, over every model of the process: the networks
-    # of a family or two, each at a prefill and a step shape and static then dynamic, would reach the default 8
-    # together and silently run eager from then on (a bench of four families made 24).
-    limit = max(torch._dynamo.config.recompile_limit, 128)
+    # A network called with several argument sets (a DiT's clean pass and its denoising steps), each static then
+    # dynamic, can pass the default 8 graphs of its own.
+    limit = max(torch._dynamo.config.recompile_limit, 32)
     try:
         with torch._dynamo.config.patch(recompile_limit=limit):
             yield
@@ -556,5 +572,5 @@ class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
 
 
 __all__ = ["BlockAlignedPrompts", "BlockDecodingState", "BlockLatentGenerationOptions", "BlockLatentGenerationMixin", "DecodingStep", "DenoisedBlock", "GenerateOutput", "GenerationOptions", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",
-           "HARMLESS_HF_OPTIONS", "REQUEST_OPTIONS", "block_aligned_prompts", "check_prompt", "compiled", "pop_options", "read_out_tokens", "refuse_token_filters", "reject_unknown_options",
+           "HARMLESS_HF_OPTIONS", "REQUEST_OPTIONS", "block_aligned_prompts", "check_prompt", "compile_entry_point", "compiled", "pop_options", "read_out_tokens", "refuse_token_filters", "reject_unknown_options",
            "resolve_generation_request", "row_seeds"]

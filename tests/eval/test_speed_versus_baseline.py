@@ -110,12 +110,13 @@ def test_compiled_decoding_is_timed_next_to_eager_with_the_same_arithmetic(two_t
     monkeypatch.setattr(speed, "decoding_compile_config", eager_graphs_config)
     torch.manual_seed(0)
     plm = build_model("plm", "tiny", tokenizer).eval()
-    for model, static_cache in ((two_tiny_ar[0], True), (plm, False)):
+    # The family first: transformers' own compile of the baseline must still capture its graphs afterwards.
+    for model, static_cache in ((plm, False), (two_tiny_ar[0], True)):
         graphs.clear()
-        result = speed.compiled_decoding_speed(model, prompts, (1, 2), max_new_tokens=6, repeats=1,
+        result = speed.compiled_decoding_speed(model, prompts, (2,), max_new_tokens=6, repeats=1,
                                                static_cache=static_cache)
         assert graphs, type(model).__name__
-        for key in ("batch_1", "batch_2"):
+        for key in ("batch_2",):
             eager, compiled = result["eager"][key], result["compiled"][key]
             assert eager["new_tokens_per_row"] == compiled["new_tokens_per_row"] == 6
             assert compiled["flops_per_token"] == eager["flops_per_token"] > 0
