@@ -105,16 +105,3 @@ def generate_without_the_package(checkpoint, auto_class: str, prompt: list, max_
 def isolated_generate():
     return generate_without_the_package
 
-
-# pytest-xdist hands whole files to the two workers in collection order (`--dist loadfile`, pyproject.toml), so a slow
-# file collected last leaves one worker running it alone. The slowest files (measured with --durations) go first.
-SLOWEST_FILES = ("test_family_contract.py", "training/test_loop.py", "test_readme.py", "training/test_learning.py",
-                 "test_cli.py", "training/test_grpo.py", "test_peft_trl.py", "test_hub.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    def rank(item) -> int:
-        path = item.path.as_posix()
-        return next((i for i, name in enumerate(SLOWEST_FILES) if path.endswith(f"/tests/{name}")), len(SLOWEST_FILES))
-
-    items.sort(key=rank)  # stable: the order inside a file, and of the other files, is unchanged
