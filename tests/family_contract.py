@@ -210,10 +210,14 @@ def check_compiled_decoding_gives_the_same_tokens(model, rows, tokenizer, left_p
     # gives every forward it decorates one shared code object, where graphs would count against one limit.
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
+    from hf_latentlm.modeling.generation import compile_entry_point
+
     for module, name in methods:
         method = getattr(type(module), name)
         if hasattr(method, "__wrapped__"):
             assert not _debug_get_cache_entry_list(method.__code__), (type(module).__name__, name)
+        # and each listed method did run compiled (e.g. PLM's Voronoi fit, outside every network)
+        assert _debug_get_cache_entry_list(compile_entry_point(type(module), name).__code__), (type(module), name)
     # A second call reuses the graphs (kept on the entry point's code, made once per class and method).
     captured = len(graphs)
     assert model.generate(ids, compile_config=config, **options).tolist() == eager.tolist()

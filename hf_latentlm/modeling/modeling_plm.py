@@ -30,6 +30,7 @@ from .auxiliaries import (
     quantile_owners,
     ranked_candidates,
     TokenScores,
+    VoronoiAssignment,
     sample_auxiliary_bank,
     token_scores,
     voronoi_owners,
@@ -363,13 +364,21 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         cfg = self.config
         logits = logits.detach().float()
         if cfg.auxiliary_type == "voronoi":
-            fit = voronoi_owners(logits, self.lm_head.weight.detach().float(), self.model.auxiliary_bank.float(),
-                                 cfg.auxiliary_top_m, rounds=cfg.sinkhorn_rounds, sweeps=cfg.sinkhorn_sweeps,
-                                 shortlist=cfg.sinkhorn_shortlist, scores=self.auxiliary_token_scores(), ranked=ranked)
+            fit = self.fit_voronoi_cells(logits, self.auxiliary_token_scores(), ranked)
             return fit.owners, fit.total_variation
         if cfg.auxiliary_type == "quantile":
             return quantile_owners(logits, cfg.num_auxiliaries), None
         return None, None
+
+    def fit_voronoi_cells(self, logits: torch.Tensor, scores: TokenScores,
+                          ranked: tuple[torch.Tensor, torch.Tensor] | None = None) -> VoronoiAssignment:
+        """`voronoi_owners` of the rows of `logits` [P, V] with this model's bank and fit settings, from precomputed
+        `scores` (`auxiliary_token_scores`). A method of its own so that compiled decoding compiles the fit without
+        the once-per-model scores (see `compiled_methods`)."""
+        cfg = self.config
+        return voronoi_owners(logits, self.lm_head.weight, self.model.auxiliary_bank, cfg.auxiliary_top_m,
+                              rounds=cfg.sinkhorn_rounds, sweeps=cfg.sinkhorn_sweeps, shortlist=cfg.sinkhorn_shortlist,
+                              scores=scores, ranked=ranked)
 
     def auxiliary_token_scores(self) -> TokenScores:
         """e_v · e_u for every token and auxiliary (`token_scores`), recomputed only when the LM head or the bank
@@ -613,6 +622,12 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
     # ------------------------------------------------------------------------------------------------
     # generation (the loop is `MultiTokenGenerationMixin.generate`; options are `PLMGenerationOptions`)
     # ------------------------------------------------------------------------------------------------
+
+    def compiled_methods(self) -> list[tuple[nn.Module, str]]:
+        """The network, and for Voronoi auxiliaries the fit of the verify rows: at decode sizes it is hundreds of
+        small ops, so compiling it removes their dispatch. The token scores stay outside, computed once per model."""
+        methods = super().compiled_methods()
+        return [*methods, (self, "fit_voronoi_cells")] if self.config.auxiliary_type == "voronoi" else methods
 
     def _start_decoding(self, input_ids, request, options: PLMGenerationOptions):
         """Encode all prompt tokens but the last into a fresh cache (the last one opens the first round) and draw
