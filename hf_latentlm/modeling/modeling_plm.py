@@ -74,7 +74,7 @@ class PLMOutput(ModelOutput):
     decoder_nll: torch.Tensor | None = None
     alignment_loss: torch.Tensor | None = None
     reconstructed_tokens: torch.Tensor | None = None
-    auxiliary_tv: torch.Tensor | None = None
+    auxiliary_tv: torch.Tensor | None = None  # mean TV of the fitted Voronoi cells (see `draw_auxiliaries`)
     mask_auxiliary_fraction: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
@@ -444,10 +444,26 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         of the OBSERVED token it predicts (`input_ids`), never from `labels`: a row whose label is masked (-100) is
         not scored, but it is still an input of the later rows of its block. Training draws from the global RNG;
         eval mode uses `fixed_uniforms` over the decoder rows (the same for every sequence of the batch), so the eval
-        loss is deterministic and a row's loss does not depend on the rest of the batch."""
+        loss is deterministic and a row's loss does not depend on the rest of the batch.
+
+        Voronoi cells are fitted only at positions whose observed token has a cell (an open top-M candidate):
+        elsewhere the decoder reads the mask auxiliary whatever the cells are (about half the positions of a partly
+        trained `small` PLM, nearly all at initialisation). A position's cells depend only on its own logits, so the
+        auxiliaries are those of fitting every position, and the TV is that of the fitted positions. Under
+        torch.compile every position is fitted (which ones need it is data-dependent: a graph break)."""
         batch, length = input_ids.shape
         targets = input_ids[:, dec_pos]  # [B, D]
-        owners, tv = self.auxiliary_owners(q_logits.reshape(-1, q_logits.shape[-1]))
+        flat_q = q_logits.reshape(-1, q_logits.shape[-1])
+        if self.config.auxiliary_type == "voronoi" and not torch.compiler.is_compiling():
+            cfg = self.config
+            candidates, capacities = ranked_candidates(flat_q, cfg.auxiliary_top_m, cfg.num_auxiliaries)
+            observed = input_ids[:, 1:].reshape(-1, 1)  # the token scored by each row of q
+            rows = ((candidates == observed) & (capacities > 0)).any(dim=1).nonzero().squeeze(1)
+            fitted, tv = self.auxiliary_owners(flat_q[rows], (candidates[rows], capacities[rows]))
+            owners = fitted.new_full((flat_q.shape[0], fitted.shape[1]), -1)  # -1: no token, so no cell is drawn
+            owners[rows] = fitted
+        else:
+            owners, tv = self.auxiliary_owners(flat_q)
         if owners is None:
             return torch.full_like(targets, -1), tv
         owners = owners.view(batch, length - 1, -1)[:, dec_pos - 1]  # [B, D, N_aux]
@@ -513,13 +529,15 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
                                                       num_blocks=self.num_layout_blocks(length),
                                                       block_size=cfg.block_size)
             uses_mask = ((aux < 0) & dec_valid).sum() / n_dec.clamp(min=1)
+            # mean over the fitted positions (0 when none was fitted: no cell was drawn)
+            tv = None if out.auxiliary_tv is None else out.auxiliary_tv.sum() / max(out.auxiliary_tv.numel(), 1)
         return PLMOutput(
             loss=loss, logits=enc_logits, decoder_logits=dec_logits,
             hidden_states=out.encoder_output.hidden_states, attentions=out.encoder_output.attentions,
             encoder_nll=enc_sum.detach() / n_enc.clamp(min=1), decoder_nll=dec_sum.detach() / n_dec.clamp(min=1),
             alignment_loss=None if align_sum is None else align_sum.detach() / n_dec.clamp(min=1),
             reconstructed_tokens=reconstructed,
-            auxiliary_tv=None if out.auxiliary_tv is None else out.auxiliary_tv.mean(),
+            auxiliary_tv=tv,
             mask_auxiliary_fraction=uses_mask,
         )
 

@@ -268,7 +268,7 @@ def test_two_open_candidates_split_the_bank_exactly_and_optimally(monkeypatch):
 
 
 def test_exact_cells_are_the_optimal_assignment_so_the_fit_may_stop_there(monkeypatch):
-    """The early stop (`_cells_hold_capacities`) rests on this: cells that hold exactly their capacities maximise the
+    """The early stop (`_rows_holding_capacities`) rests on this: cells that hold exactly their capacities maximise the
     total score over all assignments with those cell sizes (brute force over every assignment of a 9-auxiliary bank
     to three open candidates), so a fit that reaches them later ends with the same owners."""
     import itertools
@@ -289,17 +289,25 @@ def test_exact_cells_are_the_optimal_assignment_so_the_fit_may_stop_there(monkey
             scores[v, u] for u, v in enumerate(owners))))
         assert result.owners[p].tolist() == list(best)
     # And the stop itself changes no owner: the same fit with the check switched off, at 48 positions of several
-    # entropies where it does stop early at some.
+    # entropies where it does stop early at some, fitted one by one (the whole fit stops) and all at once (finished
+    # rows leave the fit while the others go on).
     head, bank = _lm_head(7), sample_auxiliary_bank(64, D, seed=8)
     logits = torch.randn(48, V, generator=torch.Generator().manual_seed(9)) * torch.linspace(1, 10, 48)[:, None]
-    stops, check = [], auxiliaries._cells_hold_capacities
-    monkeypatch.setattr(auxiliaries, "_cells_hold_capacities", lambda *a: stops.append(check(*a)) or stops[-1])
+    stops, check = [], auxiliaries._rows_holding_capacities
+    monkeypatch.setattr(auxiliaries, "_rows_holding_capacities", lambda *a: stops.append(check(*a)) or stops[-1])
     stopping = [voronoi_owners(logits[p:p + 1], head, bank, top_m=16) for p in range(48)]
-    monkeypatch.setattr(auxiliaries, "_cells_hold_capacities", lambda *a: False)
+    assert any(bool(s.all()) for s in stops) and not all(bool(s.all()) for s in stops)
+    stops.clear()
+    together = voronoi_owners(logits, head, bank, top_m=16, chunk_size=48)
+    partial = [s for s in stops if 0 < int(s.sum()) < s.numel()]
+    assert partial  # some rows left the batched fit before the others
+    monkeypatch.setattr(auxiliaries, "_rows_holding_capacities", lambda adjusted, *a: torch.zeros(
+        adjusted.shape[0], dtype=torch.bool))
     full = [voronoi_owners(logits[p:p + 1], head, bank, top_m=16) for p in range(48)]
-    assert any(stops) and not all(stops)
-    for a, b in zip(stopping, full):
+    for p, (a, b) in enumerate(zip(stopping, full)):
         assert torch.equal(a.owners, b.owners) and torch.equal(a.total_variation, b.total_variation)
+        assert torch.equal(together.owners[p], a.owners[0])
+        assert torch.equal(together.total_variation[p], a.total_variation[0])
 
 
 def test_scores_use_unnormalised_lm_head_rows():

@@ -155,6 +155,39 @@ def test_masked_prompt_draws_auxiliaries_for_the_observed_tokens(trained_plm, ti
     assert (aux[:, dec_pos < 11] >= 0).any(), "some prompt-side rows should have a cell to test"
 
 
+def test_cells_are_fitted_only_where_the_observed_token_has_one(trained_plm, tiny_rows, monkeypatch):
+    """Training fits the Voronoi cells only at positions whose observed token is an open top-M candidate, and draws
+    exactly the auxiliaries of fitting every position (the same global-RNG numbers, the same cells)."""
+    from hf_latentlm.modeling.auxiliaries import draw_auxiliary_in_cell, ranked_candidates
+
+    cfg = trained_plm.config
+    x = tiny_rows[1600:1604, :48]
+    dec_pos = trained_plm.block_layout(x.shape[1], 2)[0]
+    with torch.no_grad():
+        q = trained_plm(input_ids=x).logits[:, :-1]
+    flat_q = q.reshape(-1, q.shape[-1])
+    candidates, capacities = ranked_candidates(flat_q, cfg.auxiliary_top_m, cfg.num_auxiliaries)
+    has_cell = ((candidates == x[:, 1:].reshape(-1, 1)) & (capacities > 0)).any(1)
+    assert 0 < int(has_cell.sum()) < has_cell.numel()
+    fitted_rows = []
+    original = trained_plm.auxiliary_owners
+    monkeypatch.setattr(trained_plm, "auxiliary_owners",
+                        lambda logits, *a: fitted_rows.append(logits.shape[0]) or original(logits, *a))
+    trained_plm.train()
+    try:
+        torch.manual_seed(7)
+        aux, tv = trained_plm.draw_auxiliaries(q, x, dec_pos)
+    finally:
+        trained_plm.eval()
+    assert fitted_rows == [int(has_cell.sum())] and tv.shape == (int(has_cell.sum()),)
+    # Reference: every position fitted, the same draw.
+    owners = original(flat_q)[0].view(x.shape[0], x.shape[1] - 1, -1)[:, dec_pos - 1]
+    torch.manual_seed(7)
+    reference = draw_auxiliary_in_cell(owners.reshape(-1, owners.shape[-1]), x[:, dec_pos].reshape(-1))
+    assert torch.equal(aux.reshape(-1), reference)
+    assert (reference >= 0).any() and (reference < 0).any()
+
+
 def test_masked_loss_is_the_unmasked_loss_restricted_to_the_response(trained_plm, tiny_rows, tokenizer):
     """Labels only decide which rows are scored: the masked loss equals the unmasked run's per-row losses summed over
     the response rows (targets = the observed tokens at the row's position, not shifted), over their count."""
