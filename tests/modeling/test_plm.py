@@ -188,6 +188,25 @@ def test_cells_are_fitted_only_where_the_observed_token_has_one(trained_plm, tin
     assert (reference >= 0).any() and (reference < 0).any()
 
 
+def test_no_cell_to_fit_reads_the_mask_auxiliary_everywhere(trained_plm, tiny_rows, monkeypatch):
+    """When no observed token is an open candidate, nothing is fitted: every row reads the mask auxiliary and the
+    logged TV is 0 (a mean over no fitted position), not NaN; otherwise it is the mean over the fitted positions."""
+    model = trained_plm
+    x = tiny_rows[1600:1602, :24]
+    q = torch.zeros(2, 23, model.config.vocab_size)
+    q.scatter_(2, x[:, 1:, None], -100.0)  # each observed token far below the others: outside the top M
+    dec_pos = model.block_layout(24, 0)[0]
+    aux, tv = model.draw_auxiliaries(q, x, dec_pos)
+    assert (aux == -1).all() and tv.numel() == 0
+    drawn = []
+    original = model.draw_auxiliaries
+    monkeypatch.setattr(model, "draw_auxiliaries", lambda *a: drawn.append(original(*a)) or drawn[-1])
+    logged = model(input_ids=x, labels=x).auxiliary_tv
+    assert drawn[-1][1].numel() > 0 and torch.equal(logged, drawn[-1][1].mean())
+    monkeypatch.setattr(model, "draw_auxiliaries", lambda q_logits, input_ids, positions: (aux, tv))
+    assert model(input_ids=x, labels=x).auxiliary_tv == 0
+
+
 def test_masked_loss_is_the_unmasked_loss_restricted_to_the_response(trained_plm, tiny_rows, tokenizer):
     """Labels only decide which rows are scored: the masked loss equals the unmasked run's per-row losses summed over
     the response rows (targets = the observed tokens at the row's position, not shifted), over their count."""
