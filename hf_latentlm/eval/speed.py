@@ -50,6 +50,13 @@ class CallCounter:
 
 
 @torch.no_grad()
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` before a clock is read: CUDA kernels run asynchronously, so a timer
+    around a call would otherwise stop while its work is still queued. Nothing to wait for on a CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int = 64, repeats: int = 3,
                              seed: int = 0, generate_kwargs: dict | None = None) -> dict:
     """Time `model.generate` on a batch of equal-length prompts [B, T] (B rows generate in parallel).
@@ -72,8 +79,10 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
     def run():
         torch.manual_seed(seed)
         with CallCounter(model) as counter:
+            synchronize(device)
             start = time.perf_counter()
             out = model.generate(prompts, attention_mask=torch.ones_like(prompts), **kwargs)
+            synchronize(device)
             elapsed = time.perf_counter() - start
         sequences = out.sequences if hasattr(out, "sequences") else out
         return elapsed, counter.calls, sequences.shape[1] - prompts.shape[1], getattr(out, "calls_by_network", None)
@@ -224,10 +233,12 @@ def training_step_time(model, rows: torch.Tensor, steps: int, batch_size: int, o
         for step in range(steps + 1):
             batch = rows[step * batch_size:(step + 1) * batch_size]
             spent[0] = 0.0
+            synchronize(batch.device)
             start = time.perf_counter()
             model(input_ids=batch, labels=batch).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            synchronize(batch.device)
             if step:
                 times.append(time.perf_counter() - start)
                 shares.append(spent[0] / times[-1])

@@ -1,0 +1,110 @@
+"""Issue 33, item 5: every language-model family's training and decoding speed on one GPU, next to the AR baseline
+and to the same AR model under transformers' static cache + compile. Prepared to run within one device call.
+
+    python scripts/experiments/gpu_speed.py --peak-tflops 989 --output docs/gpu_speed.json \
+        [--presets small base] [--batch-sizes 1 8 64] [--plm runs/plm-small]
+
+(989 TFLOP/s: an H200's dense bf16 peak; give the device's own.) For each preset and each family of the registry
+that generates text, a fresh model (seed 0; fresh components too), its weights in `--dtype` (no autocast), on
+`--device`:
+  * training: `fresh_training_step_time` on the preset's batch of train-split rows (`--train-steps` timed steps after
+    a warm-up) -> tokens/s, and MFU = counted training FLOPs per token (`counted_training_flops`) x tokens/s / peak;
+  * decoding: `measure_generation_speed` at each batch size (64-token validation prompts, `--new-tokens` new tokens,
+    EOS ignored; eager), and for AR also `compiled_decoding_speed` with the static cache ("stock Llama compiled").
+Speed does not depend on the weights when EOS is ignored, except PLM's tokens per call: `--plm DIR` adds a trained
+PLM's decoding row (what the issue's "post-trained PLM ≥ 2x AR at batch 1" target is about). Every timer waits for
+the GPU (`speed.synchronize`). Rows print as they finish, so a run cut short by the device's time limit keeps them.
+Checked on the CPU with `--device cpu --dtype float32 --presets tiny --batch-sizes 1 2 --train-steps 1
+--new-tokens 8 --peak-tflops 1`.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from hf_latentlm.eval.flops import counted_training_flops
+from hf_latentlm.eval.harness import nll_rows, split_stream
+from hf_latentlm.eval.speed import compiled_decoding_speed, fresh_training_step_time, measure_generation_speed
+from hf_latentlm.families import BASELINE_FAMILY, FAMILIES, build_model
+from hf_latentlm.loading import load_model_and_tokenizer
+from hf_latentlm.presets import get_preset
+from hf_latentlm.training.corpus import load_default_tokenizer
+
+PROMPT_LEN = 64
+
+
+def fresh_model(family: str, preset, tokenizer):
+    """A fresh `family` model of `preset` (seed 0), with fresh models of the components it needs (speed does not
+    depend on whether they are trained)."""
+    components = {name: fresh_model(source, preset, tokenizer) for name, source in FAMILIES[family].components.items()}
+    torch.manual_seed(0)
+    return build_model(family, preset, tokenizer, **components)
+
+
+def decoding_rows(model, prompts, batch_sizes, new_tokens: int, repeats: int) -> dict:
+    return {f"batch_{b}": measure_generation_speed(model, prompts[:b], new_tokens, repeats) for b in batch_sizes}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--presets", nargs="+", default=["small", "base"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 64])
+    parser.add_argument("--train-steps", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, required=True, help="the device's dense peak in --dtype")
+    parser.add_argument("--plm", default=None, help="a trained PLM folder: its decoding at the first preset's sizes")
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    tokenizer = load_default_tokenizer()
+    validation = split_stream(tokenizer, "validation")
+    prompts = nll_rows(validation, PROMPT_LEN)[:max(args.batch_sizes)].to(device)
+    if len(prompts) < max(args.batch_sizes):
+        raise SystemExit(f"the validation split has {len(prompts)} prompts of {PROMPT_LEN} tokens, fewer than "
+                         f"batch size {max(args.batch_sizes)}")
+    families = [BASELINE_FAMILY, *(n for n, s in FAMILIES.items() if s.language_model and n != BASELINE_FAMILY)]
+    result = {"command": "python " + " ".join(__import__("sys").argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "dtype": args.dtype, "peak_tflops": args.peak_tflops, "torch": torch.__version__, "rows": []}
+
+    def record(row: dict) -> None:
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(args.output, "w") as handle:
+            json.dump(result, handle, indent=1)
+
+    for preset_name in args.presets:
+        preset = get_preset(preset_name)
+        rows = nll_rows(split_stream(tokenizer, "train"), preset.seq_len)[:(args.train_steps + 1) * preset.batch_size]
+        rows = rows.to(device)
+        for family in families:
+            model = fresh_model(family, preset, tokenizer).to(device=device, dtype=dtype)
+            start = time.perf_counter()
+            training = fresh_training_step_time(model, rows, args.train_steps, preset.batch_size)
+            flops = counted_training_flops(model, rows[:preset.batch_size])["per_token"]
+            training["flops_per_token"] = flops
+            training["mfu"] = flops * training["tokens_per_s"] / (args.peak_tflops * 1e12)
+            decoding = decoding_rows(model, prompts, args.batch_sizes, args.new_tokens, args.repeats)
+            row = {"preset": preset_name, "family": family, "training": training, "decoding": decoding}
+            if family == BASELINE_FAMILY:
+                row["decoding_static_cache_compiled"] = compiled_decoding_speed(
+                    model, prompts, tuple(args.batch_sizes), args.new_tokens, args.repeats, static_cache=True
+                )["compiled"]
+            row["wall_s"] = time.perf_counter() - start
+            record(row)
+            del model
+        if args.plm and preset_name == args.presets[0]:
+            plm, _ = load_model_and_tokenizer(args.plm)
+            plm = plm.to(device=device, dtype=dtype)
+            record({"preset": preset_name, "family": "plm", "model": args.plm,
+                    "decoding": decoding_rows(plm, prompts, args.batch_sizes, args.new_tokens, args.repeats)})
+            del plm
+
+
+if __name__ == "__main__":
+    main()
