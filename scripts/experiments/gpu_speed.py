@@ -15,7 +15,9 @@ Speed does not depend on the weights when EOS is ignored, except PLM's tokens pe
 PLM's decoding row (what the issue's "post-trained PLM ≥ 2x AR at batch 1" target is about). Every timer waits for
 the GPU (`speed.synchronize`). Rows print as they finish, so a run cut short by the device's time limit keeps them.
 Checked on the CPU with `--device cpu --dtype float32 --presets tiny --batch-sizes 1 2 --train-steps 1
---new-tokens 8 --peak-tflops 1`.
+--new-tokens 8 --repeats 1 --peak-tflops 1` (25 s) and the same with `--dtype bfloat16` (70 s); never on a GPU. If
+one device call (10 minutes) is too short for both presets, run `--presets small` and `--presets base` as two calls
+with two `--output` files.
 """
 
 import argparse
