@@ -16,8 +16,8 @@ PLM's decoding row (what the issue's "post-trained PLM ≥ 2x AR at batch 1" tar
 the GPU (`speed.synchronize`). Rows print as they finish, so a run cut short by the device's time limit keeps them.
 Checked on the CPU with `--device cpu --dtype float32 --presets tiny --batch-sizes 1 2 --train-steps 1
 --new-tokens 8 --repeats 1 --peak-tflops 1` (25 s) and the same with `--dtype bfloat16` (70 s); never on a GPU. If
-one device call (10 minutes) is too short for both presets, run `--presets small` and `--presets base` as two calls
-with two `--output` files.
+one device call (10 minutes) is too short for both presets, run `--presets small` and `--presets base` (or subsets
+of `--families`) as separate calls with separate `--output` files.
 """
 
 import argparse
@@ -59,6 +59,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, required=True, help="the device's dense peak in --dtype")
+    parser.add_argument("--families", nargs="+", default=None, help="default: every language-model family")
     parser.add_argument("--plm", default=None, help="a trained PLM folder: its decoding at the first preset's sizes")
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
@@ -69,7 +70,11 @@ def main():
     if len(prompts) < max(args.batch_sizes):
         raise SystemExit(f"the validation split has {len(prompts)} prompts of {PROMPT_LEN} tokens, fewer than "
                          f"batch size {max(args.batch_sizes)}")
-    families = [BASELINE_FAMILY, *(n for n, s in FAMILIES.items() if s.language_model and n != BASELINE_FAMILY)]
+    families = args.families or [BASELINE_FAMILY, *(n for n, spec in FAMILIES.items()
+                                                    if spec.language_model and n != BASELINE_FAMILY)]
+    unknown = [f for f in families if f not in FAMILIES or not FAMILIES[f].language_model]
+    if unknown:
+        raise SystemExit(f"--families: {unknown} are not language-model families of the registry")
     result = {"command": "python " + " ".join(__import__("sys").argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": args.dtype, "peak_tflops": args.peak_tflops, "torch": torch.__version__, "rows": []}
