@@ -10,7 +10,9 @@ that generates text, a fresh model (seed 0; fresh components too), its weights i
   * training: `fresh_training_step_time` on the preset's batch of train-split rows (`--train-steps` timed steps after
     a warm-up) -> tokens/s, and MFU = counted training FLOPs per token (`counted_training_flops`) x tokens/s / peak;
   * decoding: `measure_generation_speed` at each batch size (64-token validation prompts, `--new-tokens` new tokens,
-    EOS ignored; eager), and for AR also `compiled_decoding_speed` with the static cache ("stock Llama compiled").
+    EOS ignored; eager), and compiled (`compiled_decoding_speed`: CUDA graphs on a GPU) for AR, with the static cache
+    ("stock Llama compiled"), and for `--compile-families` (default PLM, whose eager Voronoi fit is hundreds of
+    small kernel launches a call).
 Speed does not depend on the weights when EOS is ignored, except PLM's tokens per call: `--plm DIR` adds a trained
 PLM's decoding row (what the issue's "post-trained PLM ≥ 2x AR at batch 1" target is about). Every timer waits for
 the GPU (`speed.synchronize`). Rows print as they finish, so a run cut short by the device's time limit keeps them.
@@ -60,6 +62,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, required=True, help="the device's dense peak in --dtype")
     parser.add_argument("--families", nargs="+", default=None, help="default: every language-model family")
+    parser.add_argument("--compile-families", nargs="*", default=["plm"],
+                        help="families also timed with compiled decoding (AR always is, with the static cache)")
     parser.add_argument("--plm", default=None, help="a trained PLM folder: its decoding at the first preset's sizes")
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
@@ -98,18 +102,23 @@ def main():
             training["mfu"] = flops * training["tokens_per_s"] / (args.peak_tflops * 1e12)
             decoding = decoding_rows(model, prompts, args.batch_sizes, args.new_tokens, args.repeats)
             row = {"preset": preset_name, "family": family, "training": training, "decoding": decoding}
-            if family == BASELINE_FAMILY:
-                row["decoding_static_cache_compiled"] = compiled_decoding_speed(
-                    model, prompts, tuple(args.batch_sizes), args.new_tokens, args.repeats, static_cache=True
-                )["compiled"]
+            if family == BASELINE_FAMILY or family in args.compile_families:
+                # `generate(compile_config=...)`; AR as stock transformers does it, with the static cache
+                row["decoding_compiled"] = compiled_decoding_speed(
+                    model, prompts, tuple(args.batch_sizes), args.new_tokens, args.repeats,
+                    static_cache=family == BASELINE_FAMILY)["compiled"]
             row["wall_s"] = time.perf_counter() - start
             record(row)
             del model
         if args.plm and preset_name == args.presets[0]:
             plm, _ = load_model_and_tokenizer(args.plm)
             plm = plm.to(device=device, dtype=dtype)
-            record({"preset": preset_name, "family": "plm", "model": args.plm,
-                    "decoding": decoding_rows(plm, prompts, args.batch_sizes, args.new_tokens, args.repeats)})
+            row = {"preset": preset_name, "family": "plm", "model": args.plm,
+                   "decoding": decoding_rows(plm, prompts, args.batch_sizes, args.new_tokens, args.repeats)}
+            if "plm" in args.compile_families:
+                row["decoding_compiled"] = compiled_decoding_speed(
+                    plm, prompts, tuple(args.batch_sizes), args.new_tokens, args.repeats)["compiled"]
+            record(row)
             del plm
 
 
