@@ -299,8 +299,8 @@ def test_exact_cells_are_the_optimal_assignment_so_the_fit_may_stop_there(monkey
     assert any(bool(s.all()) for s in stops) and not all(bool(s.all()) for s in stops)
     stops.clear()
     together = voronoi_owners(logits, head, bank, top_m=16, chunk_size=48)
-    partial = [s for s in stops if 0 < int(s.sum()) < s.numel()]
-    assert partial  # some rows left the batched fit before the others
+    # some rows left the batched fit before the others (they leave once they are a quarter of the rows)
+    assert any(s.numel() <= 4 * int(s.sum()) < 4 * s.numel() for s in stops)
     monkeypatch.setattr(auxiliaries, "_rows_holding_capacities", lambda adjusted, *a: torch.zeros(
         adjusted.shape[0], dtype=torch.bool))
     full = [voronoi_owners(logits[p:p + 1], head, bank, top_m=16) for p in range(48)]
