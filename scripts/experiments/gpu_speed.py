@@ -24,6 +24,7 @@ of `--families`) as separate calls with separate `--output` files.
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -79,7 +80,7 @@ def main():
     unknown = [f for f in families if f not in FAMILIES or not FAMILIES[f].language_model]
     if unknown:
         raise SystemExit(f"--families: {unknown} are not language-model families of the registry")
-    result = {"command": "python " + " ".join(__import__("sys").argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": args.dtype, "peak_tflops": args.peak_tflops, "torch": torch.__version__, "rows": []}
 
