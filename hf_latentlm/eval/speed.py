@@ -49,7 +49,6 @@ class CallCounter:
             handle.remove()
 
 
-@torch.no_grad()
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on `device` before a clock is read: CUDA kernels run asynchronously, so a timer
     around a call would otherwise stop while its work is still queued. Nothing to wait for on a CPU."""
@@ -57,6 +56,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@torch.no_grad()
 def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int = 64, repeats: int = 3,
                              seed: int = 0, generate_kwargs: dict | None = None) -> dict:
     """Time `model.generate` on a batch of equal-length prompts [B, T] (B rows generate in parallel).
