@@ -205,6 +205,18 @@ def build_model(family: str, preset: str | Preset, tokenizer, **kwargs) -> PreTr
     return spec.build(preset, tokenizer, **components, **{**spec.overrides_for(preset), **kwargs})
 
 
+def build_fresh_model(family: str, preset: str | Preset, tokenizer, seed: int = 0, **overrides) -> PreTrainedModel:
+    """`build_model` of `family` around fresh models of the components it needs (built the same way, at the same
+    preset), with torch's global RNG seeded with `seed` before each build: for checks where trained components do
+    not matter (speed, FLOP counts, the model contract). `overrides` go to `family`'s config only."""
+    import torch  # not at the top: reading the registry must not import torch
+
+    components = {name: build_fresh_model(source, preset, tokenizer, seed)
+                  for name, source in get_family(family).components.items()}
+    torch.manual_seed(seed)
+    return build_model(family, preset, tokenizer, **components, **overrides)
+
+
 # ==================================================================================================================
 # The families
 # ==================================================================================================================

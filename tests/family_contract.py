@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from hf_latentlm.families import FAMILIES, build_model, get_family
+from hf_latentlm.families import FAMILIES, build_fresh_model, get_family
 from hf_latentlm.modeling.generation import MultiTokenGenerationMixin
 
 
@@ -26,11 +26,8 @@ def multi_token_families() -> list[str]:
 
 
 def build_tiny(family: str, tokenizer, seed: int = 0):
-    """A fresh `tiny` model of `family`, with fresh tiny models of the components it needs (built the same way)."""
-    spec = get_family(family)
-    components = {name: build_tiny(source, tokenizer, seed) for name, source in spec.components.items()}
-    torch.manual_seed(seed)
-    model = build_model(family, "tiny", tokenizer, **components)
+    """A fresh `tiny` model of `family` around fresh tiny components (`build_fresh_model`), sampling varied tokens."""
+    model = build_fresh_model(family, "tiny", tokenizer, seed)
     # Zero-initialised output layers (CALM's energy head) make every draw of an untrained model identical; small
     # random weights there make it sample varied tokens, which the EOS and batching checks need.
     with torch.no_grad():

@@ -10,19 +10,14 @@ Prints, per family and measure, both counts and their ratio (tests/eval/test_flo
 import torch
 
 from hf_latentlm.eval.flops import compare_with_flop_counter_mode
-from hf_latentlm.families import build_model
+from hf_latentlm.families import build_fresh_model
 from hf_latentlm.training.corpus import load_default_tokenizer
 
 
 def main():
     tokenizer = load_default_tokenizer()
-    torch.manual_seed(0)
-    components = {"calm": ("autoencoder", "calm-ae"), "cola": ("vae", "cola-vae"), "aurora": ("autoencoder", "aurora-ae")}
     for family in ("ar", "plm", "calm", "cola", "aurora"):
-        kwargs = {}
-        if family in components:
-            kwargs[components[family][0]] = build_model(components[family][1], "tiny", tokenizer)
-        model = build_model(family, "tiny", tokenizer, **kwargs)
+        model = build_fresh_model(family, "tiny", tokenizer)
         rows = torch.randint(3, len(tokenizer), (2, 32), generator=torch.Generator().manual_seed(0))
         counts = compare_with_flop_counter_mode(model, rows)
         for measure in ("training", "generate"):

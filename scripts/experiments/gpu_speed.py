@@ -32,20 +32,12 @@ import torch
 from hf_latentlm.eval.flops import counted_training_flops
 from hf_latentlm.eval.harness import nll_rows, split_stream
 from hf_latentlm.eval.speed import compiled_decoding_speed, fresh_training_step_time, measure_generation_speed
-from hf_latentlm.families import BASELINE_FAMILY, FAMILIES, build_model
+from hf_latentlm.families import BASELINE_FAMILY, FAMILIES, build_fresh_model
 from hf_latentlm.loading import load_model_and_tokenizer
 from hf_latentlm.presets import get_preset
 from hf_latentlm.training.corpus import load_default_tokenizer
 
 PROMPT_LEN = 64
-
-
-def fresh_model(family: str, preset, tokenizer):
-    """A fresh `family` model of `preset` (seed 0), with fresh models of the components it needs (speed does not
-    depend on whether they are trained)."""
-    components = {name: fresh_model(source, preset, tokenizer) for name, source in FAMILIES[family].components.items()}
-    torch.manual_seed(0)
-    return build_model(family, preset, tokenizer, **components)
 
 
 def decoding_rows(model, prompts, batch_sizes, new_tokens: int, repeats: int) -> dict:
@@ -95,7 +87,7 @@ def main():
         rows = nll_rows(split_stream(tokenizer, "train"), preset.seq_len)[:(args.train_steps + 1) * preset.batch_size]
         rows = rows.to(device)
         for family in families:
-            model = fresh_model(family, preset, tokenizer).to(device=device, dtype=dtype)
+            model = build_fresh_model(family, preset, tokenizer).to(device=device, dtype=dtype)
             start = time.perf_counter()
             training = fresh_training_step_time(model, rows, args.train_steps, preset.batch_size)
             flops = counted_training_flops(model, rows[:preset.batch_size])["per_token"]
