@@ -19,15 +19,19 @@ rounding of the renormalised top-M probabilities; they sum to `N`).
 Quantile cells (the PTP baseline): the bank is the `N` equal buckets of [0, 1) and token `v` owns the buckets whose
 midpoint lies in its CDF interval, vocabulary order.
 
+Training fits the offsets iteratively (`voronoi_owners`: the cells end within ~0.1% TV of their capacities, most of
+them exactly); decoding samples from the exact cells (`exact_voronoi_owners`: every cell holds its capacity, the
+one optimal assignment, which is the iterative fit's result wherever that ends exact).
+
 Auxiliaries are sampled, never differentiated: everything runs under `torch.no_grad()`. Everything is vectorised
-over positions; the only Python loops run over rounds, sweeps and chunks of positions. Ties are broken towards the
-lowest index (candidate rank, token id, auxiliary index), and every step is computed per position, so results are
-deterministic and do not depend on how positions are batched or chunked.
+over positions; the only Python loops run over rounds, sweeps, chunks of positions and the exact cells' moves.
+Ties are broken towards the lowest index (candidate rank, token id, auxiliary index), and every step is computed per
+position, so results are deterministic and do not depend on how positions are batched or chunked.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -42,6 +46,7 @@ DEFAULT_SWEEPS = 5  # Sinkhorn updates per round
 CHUNK_ELEMENTS = 32 * 128 * 512  # default chunk budget of `voronoi_owners` in scores (8 MB of float32)
 MIN_CHUNK = 32
 DEFAULT_SHORTLIST = 6  # candidates per auxiliary in the soft assignment
+DECODING_SWEEPS = 16  # dense updates of `exact_voronoi_owners` before its exact moves (then ~0.5 moves per position)
 TAU_START = 0.05  # first sweep: soft enough to move many boundaries at once, sharp enough that a shortlist of 6 holds
 #                   essentially all the soft mass
 TAU_END = 1e-3  # last sweep: far below the typical score gap at a cell boundary, so soft loads ~ hard cell sizes
@@ -462,6 +467,156 @@ def _two_cell_split(all_scores: torch.Tensor, cand: torch.Tensor, first_capacity
     rank = torch.empty_like(ranking).scatter_(1, ranking, torch.arange(diff.shape[1], device=diff.device)
                                               .expand_as(ranking).contiguous())
     return (rank >= first_capacity[:, None]).long()
+
+
+@torch.no_grad()
+def exact_voronoi_owners(
+    logits: torch.Tensor,
+    bank: torch.Tensor,
+    top_m: int,
+    scores: TokenScores,
+    sweeps: int = DECODING_SWEEPS,
+    *,
+    ranked: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fit: Callable[..., torch.Tensor] | None = None,
+) -> VoronoiAssignment:
+    """The Laguerre cells of `voronoi_owners` holding their capacities exactly: decoding's sampler.
+
+    Same inputs as `voronoi_owners` (the token `scores` required). Every cell holds exactly n_v auxiliaries, so the
+    owner of a uniform auxiliary is distributed exactly as the rounded top-M distribution, and `total_variation` is
+    0. The cells are the balanced assignment maximising the total score (Eq. 10 with exact capacities): for generic
+    scores there is one, so wherever `voronoi_owners` ends with exact cells (most rows) the owners are the same,
+    however they were reached. Found in two steps, both cheap at decode sizes, where the iterative fit's shortlist
+    machinery is hundreds of dispatched ops:
+      * `fit_dense_offsets`: `sweeps` dense annealed Sinkhorn updates over all open candidates, which leave cells
+        a few auxiliaries off their capacities;
+      * `hold_capacities`: successive shortest paths move those auxiliaries and end at the exact assignment.
+    Positions with at most two open candidates take the exact shortcuts of `voronoi_owners`. `fit`: what computes
+    the offsets instead of `fit_dense_offsets` (same arguments and result), e.g. a compiled fit: the moves end at the
+    one optimal assignment whatever offsets they start from, so the owners do not depend on it. The moves run eager
+    (their number is data-dependent).
+    """
+    num_pos, num_aux = logits.shape[0], bank.shape[0]
+    candidates, capacities = ranked_candidates(logits, top_m, num_aux) if ranked is None else ranked
+    all_scores, token_mean, token_std = scores
+    owners = candidates[:, :1].expand(num_pos, num_aux).clone()  # one open candidate: it owns the whole bank
+    open_count = (capacities > 0).sum(dim=1)
+    two = (open_count == 2).nonzero().squeeze(1)
+    if two.numel():
+        cand = candidates[two, :2]
+        owners[two] = cand.gather(1, _two_cell_split(all_scores, cand, capacities[two, 0]))
+    rows = (open_count > 2).nonzero().squeeze(1)
+    if rows.numel():
+        # Every candidate column, closed ones too (they never take an auxiliary): at decode sizes the op count is the
+        # cost, not the width.
+        cand, caps = candidates[rows], capacities[rows]
+        chunk_scores = all_scores.index_select(0, cand.reshape(-1)).view(*cand.shape, num_aux)
+        offsets = (fit or fit_dense_offsets)(chunk_scores, caps, token_mean[cand], token_std[cand], sweeps)
+        owners[rows] = cand.gather(1, hold_capacities(chunk_scores, offsets, caps))
+    return VoronoiAssignment(owners, candidates, capacities, torch.zeros(num_pos, device=logits.device))
+
+
+@torch.no_grad()
+def fit_dense_offsets(scores: torch.Tensor, capacities: torch.Tensor, score_mean: torch.Tensor,
+                      score_std: torch.Tensor, sweeps: int = DECODING_SWEEPS) -> torch.Tensor:
+    """Offsets `[P, M]` from `sweeps` annealed Sinkhorn updates over all candidates (no shortlists).
+
+    scores [P, M, N] (e_v . e_u, candidates by rank), capacities [P, M] (zero: closed), score_mean / score_std
+    [P, M] over the bank. The update, initialisation, schedule (TAU_START -> TAU_END sigma over the sweeps),
+    over-relaxation, clip and momentum are those of `fit_laguerre_offsets`; the soft assignment is a softmax over
+    every candidate instead of a shortlist, which at decode sizes (a few positions, M <= 128) is fewer ops.
+    """
+    num_aux = scores.shape[2]
+    is_open = capacities > 0
+    variance = score_std.double().square() * is_open
+    sigma = (variance.sum(1, keepdim=True) / is_open.sum(1, keepdim=True)).sqrt().float().clamp(min=1e-12)  # [P, 1]
+    share = (capacities.float() / num_aux).clamp(0.5 / num_aux, 1 - 0.5 / num_aux)
+    offsets = -(score_mean.float() + score_std.float() * torch.special.ndtri(1 - share))
+    offsets = torch.where(is_open, offsets, CLOSED_OFFSET * sigma)[:, :, None]  # [P, M, 1] throughout the loop
+    capacity = capacities.float()[:, :, None]
+    decay = (TAU_END / TAU_START) ** (1.0 / max(sweeps - 1, 1))
+    taus = (TAU_START * sigma) * torch.tensor([decay**k for k in range(sweeps)], device=sigma.device)  # [P, sweeps]
+    taus = taus.t().contiguous()[:, :, None, None]
+    schedule = zip((1.0 / taus).unbind(0), taus.unbind(0))  # (1 / tau, tau) of each update, [P, 1, 1] each
+    is_closed = None if bool(is_open.all()) else ~is_open[:, :, None]
+    previous = torch.zeros_like(offsets)
+    # ~17 ops per update: at decode sizes their count is the cost
+    for inv_tau, tau in schedule:
+        soft = torch.softmax(torch.add(scores, offsets).mul_(inv_tau), dim=1)  # pi(v | u) [P, M, N]
+        load = soft.sum(dim=2, keepdim=True)
+        squares = soft.square_().sum(dim=2, keepdim=True)
+        relaxation = torch.div(load, torch.sub(load, squares).clamp_(min=1e-12)).clamp_(min=1.0)
+        # log(n / l): +inf for an empty open cell, which the clip turns into the largest step
+        step = relaxation.mul_(torch.div(capacity, load).log_()).clamp_(-MAX_STEP, MAX_STEP)
+        step = step.mul_(tau).add_(previous, alpha=MOMENTUM)
+        if is_closed is not None:
+            step = step.masked_fill_(is_closed, 0.0)  # 0 / 0 there
+        offsets = offsets + step
+        previous = step
+    return offsets[:, :, 0]
+
+
+@torch.no_grad()
+def hold_capacities(scores: torch.Tensor, offsets: torch.Tensor, capacities: torch.Tensor) -> torch.Tensor:
+    """Local owners `[P, N]` (candidate index) of the balanced assignment: every candidate v holds exactly
+    capacities[p, v] auxiliaries and the total score is the largest such (for generic scores, the one assignment
+    whose cells are Laguerre cells of some offsets).
+
+    scores [P, M, N], offsets [P, M] (any; a near fit needs few moves), capacities [P, M] summing to N per row.
+    Starts from the cells of `offsets` (each auxiliary at its best candidate, which is optimal for those cell sizes)
+    and moves one auxiliary at a time by successive shortest paths, in float64: moving auxiliary u from its cell a
+    to b costs its reduced score r = (s_ua + w_a) - (s_ub + w_b) >= 0; the cheapest path from any overfull cell to
+    an underfull one (Bellman-Ford over the [M, M] matrix of cheapest single moves) is taken, one auxiliary per
+    edge, and the offsets are lowered by (D - min(dist_v, D)) so that the path's moves cost 0 and every reduced
+    score stays >= 0 (D: the path's length, dist_v: each cell's distance). The assignment stays optimal for its cell
+    sizes and reaches the capacities after as many moves as the cells had surplus auxiliaries.
+    """
+    num_pos, num_cand, num_aux = scores.shape
+    if not bool((capacities.sum(dim=1) == num_aux).all()):
+        raise ValueError(f"hold_capacities: every row's capacities must sum to the {num_aux} auxiliaries of the bank")
+    adjusted = scores.double() + offsets.double()[:, :, None]  # [P, M, N], s_uv + w_v
+    owner = _max_and_first_index(adjusted, torch.empty_like(adjusted))[1]  # [P, N]
+    inf = float("inf")
+    for _ in range(num_aux + 1):  # each pass moves one surplus auxiliary of every row that has one
+        counts = torch.zeros_like(capacities).scatter_add_(1, owner, torch.ones_like(owner))
+        rows = ((counts > capacities).any(dim=1)).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return owner
+        if rows.numel() == num_pos:  # every row: work on the tensors themselves (decoding's usual single row)
+            adj, own, surplus = adjusted, owner, counts - capacities
+        else:
+            adj, own, surplus = adjusted[rows], owner[rows], counts[rows] - capacities[rows]
+        reduced = (adj.gather(1, own[:, None, :]) - adj).clamp_(min=0.0)  # [R, M(to), N]
+        # cheapest single move from cell a to cell b: [R, M(from), M(to)]
+        moves = torch.full((rows.shape[0], num_cand, num_cand), inf, dtype=adj.dtype, device=adj.device)
+        moves.scatter_reduce_(1, own[:, :, None].expand(-1, -1, num_cand), reduced.transpose(1, 2), "amin")
+        dist = torch.where(surplus > 0, 0.0, inf).to(adj.dtype)  # [R, M]
+        parent = torch.full((rows.shape[0], num_cand), -1, dtype=torch.long, device=adj.device)
+        underfull = surplus < 0
+        # Bellman-Ford (costs >= 0: every pass only shortens paths), stopped once no cell nearer than the nearest
+        # underfull one improved: later passes could only find paths at least that long, and the cells that far
+        # keep their offsets (min(dist, D) = D), so the path found and the offsets are those of running it out.
+        while True:
+            through, via = (dist[:, :, None] + moves).min(dim=1)
+            shorter = through < dist
+            dist, parent = torch.where(shorter, through, dist), torch.where(shorter, via, parent)
+            length = torch.where(underfull, dist, inf).min(dim=1, keepdim=True)
+            if not bool((shorter & (through < length.values)).any()):
+                break
+        adj += (dist.clamp(max=length.values) - length.values)[:, :, None]
+        cell, row_index = length.indices[:, 0], torch.arange(rows.shape[0], device=adj.device)
+        for _ in range(num_cand):  # back along the path: each edge moves the auxiliary of its cheapest move
+            source = parent[row_index, cell]
+            moving = source >= 0
+            if not bool(moving.any()):
+                break
+            aux = torch.where(own == source[:, None], reduced[row_index, cell], inf).argmin(dim=1)
+            own[row_index, aux] = torch.where(moving, cell, own[row_index, aux])
+            cell = torch.where(moving, source, cell)
+        if rows.numel() < num_pos:
+            adjusted[rows], owner[rows] = adj, own
+    raise RuntimeError("hold_capacities: the cells still miss their capacities after one move per auxiliary "
+                       "(non-finite scores or offsets?)")
 
 
 def mean_total_variation(assignment: VoronoiAssignment) -> float:

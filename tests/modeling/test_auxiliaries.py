@@ -9,8 +9,11 @@ from hf_latentlm.modeling.auxiliaries import (
     VoronoiAssignment,
     decode_auxiliary,
     draw_auxiliary_in_cell,
+    exact_voronoi_owners,
+    fit_dense_offsets,
     fit_laguerre_offsets,
     fixed_uniforms,
+    hold_capacities,
     largest_remainder_capacities,
     mean_total_variation,
     quantile_owners,
@@ -308,6 +311,93 @@ def test_exact_cells_are_the_optimal_assignment_so_the_fit_may_stop_there(monkey
         assert torch.equal(a.owners, b.owners) and torch.equal(a.total_variation, b.total_variation)
         assert torch.equal(together.owners[p], a.owners[0])
         assert torch.equal(together.total_variation[p], a.total_variation[0])
+
+
+def _best_assignment(scores: torch.Tensor, capacities: list[int]) -> list[int]:
+    """Brute force: the local owners [N] of the assignment with exactly `capacities` [M] auxiliaries per candidate
+    that has the largest total score (scores [M, N], float64 sums)."""
+    import itertools
+
+    def assignments(free: tuple[int, ...], cand: int):
+        if cand == len(capacities):
+            yield {}
+            return
+        for cell in itertools.combinations(free, capacities[cand]):
+            rest = tuple(u for u in free if u not in cell)
+            for tail in assignments(rest, cand + 1):
+                yield {**{u: cand for u in cell}, **tail}
+
+    values = scores.double().tolist()
+    best = max(assignments(tuple(range(scores.shape[1])), 0),
+               key=lambda owner: sum(values[v][u] for u, v in owner.items()))
+    return [best[u] for u in range(scores.shape[1])]
+
+
+def test_hold_capacities_finds_the_optimal_assignment_from_any_offsets():
+    """Successive shortest paths from far-off offsets (zeros, random, the negated fit) end at the brute-force optimum
+    with exact capacities, at 8 rows of 4 open candidates over a 10-auxiliary bank fitted at once; the starting
+    cells miss their capacities, so every row needs several moves, some along paths of more than one edge."""
+    g = torch.Generator().manual_seed(11)
+    scores = torch.randn(8, 4, 10, generator=g)
+    capacities = torch.tensor([[4, 3, 2, 1], [3, 3, 2, 2], [5, 2, 2, 1], [7, 1, 1, 1],
+                               [4, 4, 1, 1], [2, 2, 3, 3], [6, 2, 1, 1], [3, 3, 3, 1]])
+    expected = [_best_assignment(scores[p], capacities[p].tolist()) for p in range(8)]
+    for offsets in (torch.zeros(8, 4), 2.0 * torch.randn(8, 4, generator=g), -torch.arange(4.0).expand(8, 4)):
+        start = (scores + offsets[:, :, None]).argmax(dim=1)
+        start_sizes = torch.zeros_like(capacities).scatter_add_(1, start, torch.ones_like(start))
+        assert (start_sizes != capacities).any(dim=1).sum() >= 6
+        owners = hold_capacities(scores, offsets, capacities)
+        assert owners.tolist() == expected
+        assert torch.equal(torch.zeros_like(capacities).scatter_add_(1, owners, torch.ones_like(owners)), capacities)
+
+
+def test_hold_capacities_leaves_exact_cells_alone_and_never_uses_closed_candidates():
+    """Cells that already hold their capacities are returned as they are (the argmax of the offsets); a closed
+    candidate (capacity 0, offset far below) takes no auxiliary even when its scores are the best."""
+    g = torch.Generator().manual_seed(12)
+    scores = torch.randn(3, 5, 12, generator=g)
+    offsets = 0.5 * torch.randn(3, 5, generator=g)
+    argmax = (scores + offsets[:, :, None]).argmax(dim=1)
+    sizes = torch.zeros(3, 5, dtype=torch.long).scatter_add_(1, argmax, torch.ones_like(argmax))
+    assert torch.equal(hold_capacities(scores, offsets, sizes), argmax)
+
+    scores[:, 4] += 10.0  # the closed candidate scores best everywhere
+    capacities = torch.tensor([[5, 4, 2, 1, 0], [3, 3, 3, 3, 0], [9, 1, 1, 1, 0]])
+    offsets = torch.cat([torch.zeros(3, 4), torch.full((3, 1), -1.0e4)], dim=1)
+    owners = hold_capacities(scores, offsets, capacities)
+    assert (owners != 4).all()
+    for p in range(3):
+        assert owners[p].tolist() == _best_assignment(scores[p, :4], capacities[p, :4].tolist())
+
+
+def test_exact_owners_are_the_iterative_fit_wherever_it_ends_exact(setup, assignment):
+    """`exact_voronoi_owners` (decoding's sampler) against `voronoi_owners` (training's fit) at 96 positions of four
+    regimes, N=512, M=128: every cell holds exactly its capacity; where the iterative fit ends exact the owners are
+    the same (one optimal assignment), and where it does not (most rows here) they differ in a few auxiliaries; the same
+    owners fitted one row at a time; the dense fit alone already lands within a few auxiliaries."""
+    head, bank, logits = setup
+    scores = token_scores(head, bank)
+    exact = exact_voronoi_owners(logits, bank, M, scores)
+    assert torch.equal(exact.candidates, assignment.candidates)
+    assert torch.equal(exact.total_variation, torch.zeros(logits.shape[0]))
+    sizes = (exact.owners[:, None, :] == exact.candidates[:, :, None]).sum(dim=2)
+    assert torch.equal(sizes, exact.capacities)
+    iterative_exact = assignment.total_variation == 0
+    assert 10 <= int(iterative_exact.sum()) < logits.shape[0]
+    assert torch.equal(exact.owners[iterative_exact], assignment.owners[iterative_exact])
+    moved = (exact.owners != assignment.owners).sum(dim=1)[~iterative_exact]
+    assert (moved > 0).all() and (moved < N // 16).all()  # a few chains of moves (here 1-22 of 512 auxiliaries)
+    for p in (0, 30, 55, 90):
+        alone = exact_voronoi_owners(logits[p:p + 1], bank, M, scores)
+        assert torch.equal(alone.owners[0], exact.owners[p])
+    candidates, capacities = assignment.candidates, assignment.capacities
+    open_rows = (capacities > 0).sum(dim=1) > 2
+    cand, caps = candidates[open_rows], capacities[open_rows]
+    chunk = scores.scores[cand]  # [P, M, N]
+    offsets = fit_dense_offsets(chunk, caps, scores.mean[cand], scores.std[cand])
+    local = (chunk + offsets[:, :, None]).argmax(dim=1)
+    dense_sizes = torch.zeros_like(caps).scatter_add_(1, local, torch.ones_like(local))
+    assert (dense_sizes - caps).abs().sum(dim=1).float().mean() / (2 * N) < 0.01  # mean TV under 1%
 
 
 def test_scores_use_unnormalised_lm_head_rows():

@@ -19,7 +19,12 @@ import torch.nn.functional as F
 
 from hf_latentlm.families import build_model
 from hf_latentlm.modeling import PLMForCausalLM
-from hf_latentlm.modeling.auxiliaries import sample_auxiliary_bank, voronoi_owners
+from hf_latentlm.modeling.auxiliaries import (
+    exact_voronoi_owners,
+    sample_auxiliary_bank,
+    token_scores,
+    voronoi_owners,
+)
 from hf_latentlm.training.loop import TrainConfig, train
 
 K_PRED = 4
@@ -94,7 +99,7 @@ class Call:
 def record_calls(model, patch) -> list[Call]:
     """Spy on every `_decoding_step` of `model` (patch: a pytest MonkeyPatch) and return the list it fills."""
     calls: list[Call] = []
-    step, owners_of = model._decoding_step, model.auxiliary_owners
+    step, owners_of = model._decoding_step, model.decoding_owners
     seen = {}
 
     def step_spy(state, new_tokens):
@@ -116,7 +121,7 @@ def record_calls(model, patch) -> list[Call]:
         # The owners of EVERY verify row, fitted here from the call's logits (decoding itself fits only the rows it
         # needs, up to each row's first rejection).
         verify = seen["logits"][:, :width]
-        owners = owners_of(verify.reshape(batch * width, -1))[0].view(batch, width, -1)
+        owners = owners_of(verify.reshape(batch * width, -1)).view(batch, width, -1)
         calls.append(Call(**before, logits=seen["logits"], owners=owners, tokens=result.tokens.clone(),
                           counts=counts.clone()))
         return result
@@ -320,7 +325,7 @@ def test_exact_decoding_reproduces_voronoi_sampling_by_hand(trained, tiny_rows, 
     seq, width = out.sequences, ids.shape[1]
     with torch.no_grad():
         q = trained(input_ids=seq, attention_mask=full_mask(seq, mask)).logits[:, width - 1:-1]  # q_t, t < max_new
-        owners = trained.auxiliary_owners(q.reshape(-1, q.shape[-1]))[0].view(2, max_new, -1)
+        owners = trained.decoding_owners(q.reshape(-1, q.shape[-1])).view(2, max_new, -1)
     for b, seed in enumerate(seeds):
         table = torch.randint(trained.config.num_auxiliaries, (max_new + 2 * K_PRED,),
                               generator=torch.Generator().manual_seed(seed))
@@ -336,13 +341,13 @@ def test_verify_rows_after_the_first_rejection_are_never_fitted(fresh, tiny_rows
     all W (the committed tokens themselves are checked against fits of every row in the tests above)."""
     ids, mask = left_pad(prompts(tiny_rows, (6, 9), first=1720), tokenizer.pad_token_id)
     calls = record_calls(fresh, monkeypatch)
-    fitted_rows, owners_of = [], fresh.auxiliary_owners
+    fitted_rows, owners_of = [], fresh.decoding_owners
 
     def count_rows(logits, ranked=None):
         fitted_rows.append(logits.shape[0])
         return owners_of(logits, ranked)
 
-    monkeypatch.setattr(fresh, "auxiliary_owners", count_rows)
+    monkeypatch.setattr(fresh, "decoding_owners", count_rows)
     fresh.generate(ids, attention_mask=mask, max_new_tokens=12, auxiliary_seeds=[5, 6], eos_token_id=None,
                    k_pred=K_PRED, acceptance="exact")
     assert len(calls) > 1 and fitted_rows
@@ -502,7 +507,8 @@ def test_voronoi_owners_use_unnormalised_lm_head_rows():
 
 
 def test_model_auxiliary_owners_use_the_raw_lm_head(trained, tiny_rows):
-    """The model's sampler (used by decoding) must fit cells on its raw LM-head weight, not a normalised copy."""
+    """The model's samplers (training's fit and decoding's exact cells) must fit cells on its raw LM-head weight, not
+    a normalised copy."""
     cfg = trained.config
     with torch.no_grad():
         logits = trained(input_ids=tiny_rows[1830:1831, :6]).logits[0]
@@ -513,3 +519,8 @@ def test_model_auxiliary_owners_use_the_raw_lm_head(trained, tiny_rows):
     assert weight.norm(dim=-1).std() > 0.01  # rows of unequal norm, so normalising would matter
     assert not torch.equal(got, voronoi_owners(logits, F.normalize(weight, dim=-1), bank, cfg.auxiliary_top_m,
                                                **kwargs).owners)
+    decoding = trained.decoding_owners(logits)
+    exact = exact_voronoi_owners(logits, bank, cfg.auxiliary_top_m, token_scores(weight, bank)).owners
+    assert torch.equal(decoding, exact)
+    assert not torch.equal(decoding, exact_voronoi_owners(logits, bank, cfg.auxiliary_top_m,
+                                                          token_scores(F.normalize(weight, dim=-1), bank)).owners)
