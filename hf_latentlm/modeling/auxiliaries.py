@@ -595,7 +595,8 @@ def hold_capacities(scores: torch.Tensor, offsets: torch.Tensor, capacities: tor
         underfull = surplus < 0
         # Bellman-Ford (costs >= 0: every pass only shortens paths), stopped once no cell nearer than the nearest
         # underfull one improved: later passes could only find paths at least that long, and the cells that far
-        # keep their offsets (min(dist, D) = D), so the path found and the offsets are those of running it out.
+        # keep their offsets (min(dist, D) = D), so the path found is a shortest one and the offsets are those of
+        # running it out.
         while True:
             through, via = (dist[:, :, None] + moves).min(dim=1)
             shorter = through < dist
