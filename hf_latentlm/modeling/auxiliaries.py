@@ -46,7 +46,7 @@ DEFAULT_SWEEPS = 5  # Sinkhorn updates per round
 CHUNK_ELEMENTS = 32 * 128 * 512  # default chunk budget of `voronoi_owners` in scores (8 MB of float32)
 MIN_CHUNK = 32
 DEFAULT_SHORTLIST = 6  # candidates per auxiliary in the soft assignment
-DECODING_SWEEPS = 16  # dense updates of `exact_voronoi_owners` before its exact moves (then ~0.5 moves per position)
+DECODING_SWEEPS = 16  # dense updates of `exact_voronoi_owners` before its exact moves (then ~0.3 moves per position)
 TAU_START = 0.05  # first sweep: soft enough to move many boundaries at once, sharp enough that a shortlist of 6 holds
 #                   essentially all the soft mass
 TAU_END = 1e-3  # last sweep: far below the typical score gap at a cell boundary, so soft loads ~ hard cell sizes
@@ -217,14 +217,7 @@ def fit_laguerre_offsets(
 
     if score_mean is None or score_std is None:
         score_mean, score_std = scores.mean(dim=2), scores.std(dim=2)
-    # sigma in float64: a tiny [P, M] reduction, kept exact so that it is bit-identical however positions are batched
-    # (a last-bit difference in tau could flip a near-tie at the end).
-    variance = score_std.double().square() * is_open
-    sigma = (variance.sum(1, keepdim=True) / is_open.sum(1, keepdim=True)).sqrt().float().clamp(min=1e-12)  # [P, 1]
-    share = (capacities.float() / num_aux).clamp(0.5 / num_aux, 1 - 0.5 / num_aux)
-    init = -(score_mean.float() + score_std.float() * torch.special.ndtri(1 - share))
-    closed = CLOSED_OFFSET * sigma
-    offsets = torch.where(is_open, init, closed)
+    offsets, sigma = _starting_offsets(capacities, score_mean, score_std, num_aux)
     log_capacity = torch.log(capacities.float().clamp(min=1e-30))
 
     total_updates = max(rounds * sweeps, 1)
@@ -295,6 +288,20 @@ def fit_laguerre_offsets(
         return offsets
     fitted[rows] = offsets
     return fitted
+
+
+def _starting_offsets(capacities: torch.Tensor, score_mean: torch.Tensor, score_std: torch.Tensor, num_aux: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both fits' start: offsets `[P, M]` from capacity shares and score scale (CLOSED_OFFSET sigma for closed
+    candidates) and the score scale sigma `[P, 1]` (see `fit_laguerre_offsets`)."""
+    is_open = capacities > 0
+    # sigma in float64: a tiny [P, M] reduction, kept exact so that it is bit-identical however positions are batched
+    # (a last-bit difference in tau could flip a near-tie at the end).
+    variance = score_std.double().square() * is_open
+    sigma = (variance.sum(1, keepdim=True) / is_open.sum(1, keepdim=True)).sqrt().float().clamp(min=1e-12)  # [P, 1]
+    share = (capacities.float() / num_aux).clamp(0.5 / num_aux, 1 - 0.5 / num_aux)
+    init = -(score_mean.float() + score_std.float() * torch.special.ndtri(1 - share))
+    return torch.where(is_open, init, CLOSED_OFFSET * sigma), sigma
 
 
 def _rows_holding_capacities(adjusted: torch.Tensor, capacities: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
@@ -526,13 +533,9 @@ def fit_dense_offsets(scores: torch.Tensor, capacities: torch.Tensor, score_mean
     over-relaxation, clip and momentum are those of `fit_laguerre_offsets`; the soft assignment is a softmax over
     every candidate instead of a shortlist, which at decode sizes (a few positions, M <= 128) is fewer ops.
     """
-    num_aux = scores.shape[2]
     is_open = capacities > 0
-    variance = score_std.double().square() * is_open
-    sigma = (variance.sum(1, keepdim=True) / is_open.sum(1, keepdim=True)).sqrt().float().clamp(min=1e-12)  # [P, 1]
-    share = (capacities.float() / num_aux).clamp(0.5 / num_aux, 1 - 0.5 / num_aux)
-    offsets = -(score_mean.float() + score_std.float() * torch.special.ndtri(1 - share))
-    offsets = torch.where(is_open, offsets, CLOSED_OFFSET * sigma)[:, :, None]  # [P, M, 1] throughout the loop
+    offsets, sigma = _starting_offsets(capacities, score_mean, score_std, scores.shape[2])
+    offsets = offsets[:, :, None]  # [P, M, 1] throughout the loop
     capacity = capacities.float()[:, :, None]
     decay = (TAU_END / TAU_START) ** (1.0 / max(sweeps - 1, 1))
     taus = (TAU_START * sigma) * torch.tensor([decay**k for k in range(sweeps)], device=sigma.device)  # [P, sweeps]
