@@ -19,7 +19,7 @@ class BlockLatentConfig(BackboneConfig):
     component_config_name = ""
     component_name = "component"
     time_samplers = TIME_SAMPLERS
-    keys_to_ignore_at_inference = ["cache"]
+    keys_to_ignore_at_inference = ["past_key_values"]
     has_token_likelihood = False
 
     def __init__(

@@ -173,7 +173,7 @@ class CALMConfig(BackboneConfig):
 
     model_type = "calm"
     sub_configs = {"autoencoder_config": CALMAutoencoderConfig}
-    keys_to_ignore_at_inference = ["cache"]
+    keys_to_ignore_at_inference = ["past_key_values"]
     has_token_likelihood = False
 
     def __init__(

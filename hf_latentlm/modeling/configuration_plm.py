@@ -51,7 +51,7 @@ class PLMConfig(BackboneConfig):
     """
 
     model_type = "plm"
-    keys_to_ignore_at_inference = ["cache"]
+    keys_to_ignore_at_inference = ["past_key_values"]
 
     def __init__(
         self,

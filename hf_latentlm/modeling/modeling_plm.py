@@ -20,7 +20,6 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import ModelOutput, can_return_tuple
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .auxiliaries import (
@@ -72,7 +71,7 @@ class PLMOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     decoder_logits: torch.Tensor | None = None
-    cache: DynamicCache | None = None
+    past_key_values: DynamicCache | None = None
     encoder_nll: torch.Tensor | None = None
     decoder_nll: torch.Tensor | None = None
     alignment_loss: torch.Tensor | None = None
@@ -204,7 +203,7 @@ class DecodingCallLayout:
 class PLMDecodingState:
     """What quadratic decoding carries from one call to the next, per row."""
 
-    cache: DynamicCache  # keys of the prompt and of the verify rows kept so far
+    past_key_values: DynamicCache  # keys of the prompt and of the verify rows kept so far
     key_valid: torch.Tensor  # [B, S] False for padding and for verify rows rejected in this row only
     last_token: torch.Tensor  # [B] last committed token (input of the first verify row)
     next_pos: torch.Tensor  # [B] position of the next token to commit
@@ -271,10 +270,9 @@ class PLMModel(PLMPreTrainedModel):
         embedded = e_u if self.auxiliary_proj is None else self.auxiliary_proj(e_u)
         return torch.where((aux_index >= 0)[..., None], embedded, self.mask_auxiliary.to(embedded.dtype))
 
-    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @capture_outputs
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
+                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                 capture_layers: tuple[int, ...] = (), **kwargs) -> PLMModelOutput:
         """The causal encoder over `input_ids` (or `inputs_embeds`), as transformers' base models.
@@ -288,9 +286,9 @@ class PLMModel(PLMPreTrainedModel):
         check_backbone_inputs(self, kwargs, input_ids=input_ids, inputs_embeds=inputs_embeds)
         embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, length = embeds.shape[:2]
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        past = cache.get_seq_length() if cache is not None else 0
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
         if attention_mask is not None and attention_mask.dim() == 4:
             mask = attention_mask.bool()
             if position_ids is None:
@@ -302,10 +300,10 @@ class PLMModel(PLMPreTrainedModel):
         captured = {}
         for index, layer in enumerate(self.layers):
             if index in capture_layers:
-                hidden, captured[index] = layer(hidden, cos, sin, mask, cache=cache, return_mid=True)
+                hidden, captured[index] = layer(hidden, cos, sin, mask, past_key_values=past_key_values, return_mid=True)
             else:
-                hidden = layer(hidden, cos, sin, mask, cache=cache)
-        return PLMModelOutput(last_hidden_state=self.norm(hidden), cache=cache,
+                hidden = layer(hidden, cos, sin, mask, past_key_values=past_key_values)
+        return PLMModelOutput(last_hidden_state=self.norm(hidden), past_key_values=past_key_values,
                               mid_residuals=tuple(captured[i] for i in capture_layers) or None)
 
 
@@ -339,10 +337,9 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
     # forward
     # ------------------------------------------------------------------------------------------------
 
-    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
+                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None, logits_to_keep: int = 0, **kwargs) -> PLMOutput:
         """Without `labels`: the causal encoder, `logits` [B, T, V] (the last `logits_to_keep` if set). With `labels`
@@ -350,13 +347,13 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         are in `decoder_logits`. Transformers' `output_hidden_states`, `output_attentions`, `return_dict` apply."""
         check_forward_kwargs(self, kwargs)
         if labels is not None:
-            if cache is not None or inputs_embeds is not None:
+            if past_key_values is not None or inputs_embeds is not None:
                 raise ValueError("the PLM training objective takes input_ids and labels only (no cache/inputs_embeds)")
             return self.plm_loss(input_ids, labels, attention_mask, **kwargs)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
                          inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         hidden = out.last_hidden_state[:, -logits_to_keep:] if logits_to_keep else out.last_hidden_state
-        return PLMOutput(logits=self.lm_head(hidden), cache=out.cache, hidden_states=out.hidden_states,
+        return PLMOutput(logits=self.lm_head(hidden), past_key_values=out.past_key_values, hidden_states=out.hidden_states,
                          attentions=out.attentions)
 
     def auxiliary_owners(self, logits: torch.Tensor, ranked: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -599,15 +596,15 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         dec_pos = layout[0]
         length = input_ids.shape[1]
         positions = self._token_positions(input_ids, attention_mask)
-        cache = DynamicCache(config=self.config)
-        enc = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
+        past_key_values = DynamicCache(config=self.config)
+        enc = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=past_key_values,
                          capture_layers=capture[:1] if capture else (), **kwargs)
         enc_logits = self.lm_head(enc.last_hidden_state)
         tv = None
         if aux is None:
             aux, tv = self.draw_auxiliaries(enc_logits[:, :-1].detach(), input_ids, dec_pos)
         dec = self.model(inputs_embeds=self.model.embed_auxiliaries(aux), position_ids=positions[:, dec_pos],
-                         attention_mask=self._objective_visibility(layout, attention_mask, length, False), cache=cache,
+                         attention_mask=self._objective_visibility(layout, attention_mask, length, False), past_key_values=past_key_values,
                          capture_layers=capture[1:] if capture else ())
         mids = (enc.mid_residuals[0], dec.mid_residuals[0]) if capture else None
         return ObjectivePasses(enc_logits, self.lm_head(dec.last_hidden_state), mids, aux, tv, enc)
@@ -688,13 +685,13 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
             torch.randint(cfg.num_auxiliaries, (request.max_new_tokens + 2 * width,),
                           generator=torch.Generator().manual_seed(seed))
             for seed in options.auxiliary_seeds]).to(device)
-        cache = DynamicCache(config=cfg)
+        past_key_values = DynamicCache(config=cfg)
         positions = make_padding_position_ids(request.attention_mask)
         if input_ids.shape[1] > 1:
             self(input_ids=input_ids[:, :-1], attention_mask=request.attention_mask[:, :-1],
-                 position_ids=positions[:, :-1], cache=cache)
+                 position_ids=positions[:, :-1], past_key_values=past_key_values)
         state = PLMDecodingState(
-            cache=cache, key_valid=request.attention_mask[:, :-1].bool(),
+            past_key_values=past_key_values, key_valid=request.attention_mask[:, :-1].bool(),
             last_token=input_ids[:, -1], next_pos=request.attention_mask.long().sum(1),
             pending=torch.zeros(batch, width - 1, dtype=torch.long, device=device),
             pending_ok=torch.zeros(batch, dtype=torch.bool, device=device),  # False forces m = 0 (first round)
@@ -772,7 +769,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         """One model call. Verify rows r = 0..width-1 read [last token, pending tokens] and give q_{i+r};
         proposal block m (if `state.propose`) decodes positions i+m .. i+m+width-1 from prefix x_<i+m and
         u_{i+m..}. Commits m + 1 tokens per row (m = accepted pending tokens) and updates the state."""
-        cache, num_new, width, layout = state.cache, new_tokens.count, state.width, state.call_layout
+        past_key_values, num_new, width, layout = state.past_key_values, new_tokens.count, state.width, state.call_layout
         batch = state.pending.shape[0]
         i = state.next_pos  # [B] position of the first token to commit
         embeds = self.model.embed_tokens(torch.cat([state.last_token[:, None], state.pending], dim=1))
@@ -783,7 +780,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         mask = torch.cat([state.key_valid[:, None, None, :].expand(-1, 1, num_rows, -1),
                           layout.local_mask[None, None].expand(batch, 1, -1, -1)], dim=-1)
         logits = self(inputs_embeds=embeds, attention_mask=mask, position_ids=i[:, None] + layout.offset,
-                      cache=cache).logits.float()
+                      past_key_values=past_key_values).logits.float()
 
         q = logits[:, :width]  # [B, width, V]: q(. | x_<i+r)
         index = num_new[:, None] + torch.arange(width, device=q.device)  # generated index of each verify row
@@ -795,7 +792,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         # verify keys rejected in every row, and mark those rejected in some rows only as invalid.
         kept = 1 + int(m_acc.max())
         if num_rows > kept:
-            cache.crop(-(num_rows - kept))
+            past_key_values.crop(-(num_rows - kept))
         state.key_valid = torch.cat([state.key_valid, torch.arange(kept, device=q.device) <= m_acc[:, None]], dim=1)
         state.last_token = committed.gather(1, m_acc[:, None]).squeeze(1)
         state.next_pos = i + m_acc + 1
