@@ -51,7 +51,7 @@ from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteria
 from ..families import family_of_model_type
 from ..training.scorers import stable_int
 from .nll import has_likelihood
-from .sampling import RowSampler
+from ..modeling.sampling import RowSampler
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +347,7 @@ ROW_SAMPLER_OPTIONS = {"do_sample", "temperature", "top_p", "top_k"}
 
 def per_row_sampling(generation_config, options: dict, seeds: Sequence[int]) -> dict:
     """`generate()` options for a model without per-row seeds (transformers' own generate: AR) that sample each row
-    from its own generator (`eval.sampling.RowSampler`), so that a request's text does not depend on its batch. The
+    from its own generator (`modeling.sampling.RowSampler`), so that a request's text does not depend on its batch. The
     task's temperature / top_p / top_k; unset ones as transformers fills them (the generation config's, else 1.0,
     1.0 and 50)."""
     def chosen(name: str, default: float):

@@ -5,7 +5,7 @@ Two kinds of model, told apart by `row_seeds_option` (never by family name):
   extra fields become the family's own options, resolved exactly as its `generate()` resolves them
   (`GenerationOptions.resolved`), so that what the family refuses comes back as a 400 with the family's own message;
   rows whose resolved options are equal share a batch, each with its own seed;
-- a model on transformers' `generate()` (the AR baseline), which has no per-row seeds: `eval.sampling.RowSampler`
+- a model on transformers' `generate()` (the AR baseline), which has no per-row seeds: `modeling.sampling.RowSampler`
   draws each row from its own `torch.Generator` at the row's own temperature and top-p and makes that draw the
   greedy pick (`do_sample=False`), so any rows can share a batch and each gets the tokens it would get alone.
 

@@ -9,7 +9,7 @@ its own `max_tokens`, at a stop sequence, or when its client has gone or the ser
 it stops taking steps.
 
 A row gets the tokens it would get alone: a multi-token family draws each row from its own seed
-(`model.row_seeds_option`), and the AR baseline samples through `eval.sampling.RowSampler`.
+(`model.row_seeds_option`), and the AR baseline samples through `modeling.sampling.RowSampler`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from ..eval.sampling import RowSampler
+from ..modeling.sampling import RowSampler
 from .protocol import OpenAIError
 from .sampling import RowSampling
 from .text import IncrementalText

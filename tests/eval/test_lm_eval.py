@@ -170,7 +170,7 @@ def test_sampling_leaves_the_seeds_of_later_calls_alone(adapters):
 
 def test_ar_samples_each_request_alike_at_any_batch_size(folders, adapters):
     """AR has no per-row seeds of its own: the adapter samples each row from its request's generator
-    (`eval.sampling.RowSampler`), so batch 3 gives the texts that batch 1 gives."""
+    (`modeling.sampling.RowSampler`), so batch 3 gives the texts that batch 1 gives."""
     requests = instances("generate_until", [(p, {**SAMPLED, "until": ["\n\n"], "max_gen_toks": 8})
                                             for p in PROMPTS])
     alone = HFLatentLM(pretrained=str(folders["ar"]), batch_size=1, device="cpu")

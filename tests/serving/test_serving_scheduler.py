@@ -10,7 +10,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from family_contract import build_tiny
 from hf_latentlm.serving.protocol import OpenAIError
-from hf_latentlm.eval.sampling import draw_token
+from hf_latentlm.modeling.sampling import draw_token
 from hf_latentlm.serving.sampling import resolve_sampling
 from hf_latentlm.serving.scheduler import BatchScheduler, Row, RowDone
 from hf_latentlm.serving.text import IncrementalText

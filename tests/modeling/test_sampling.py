@@ -1,9 +1,9 @@
-"""`eval.sampling.RowSampler` / `draw_token`: per-row sampling inside transformers' `generate()` (the AR baseline's
+"""`modeling.sampling.RowSampler` / `draw_token`: per-row sampling inside transformers' `generate()` (the AR baseline's
 path to batch-invariant samples, used by the server and the lm-eval adapter)."""
 
 import torch
 
-from hf_latentlm.eval.sampling import draw_token
+from hf_latentlm.modeling.sampling import draw_token
 
 
 def test_the_per_row_draw_follows_the_tempered_nucleus_law():
