@@ -350,14 +350,39 @@ def resume(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, schedul
     return checkpoint, state["step"]
 
 
+def optimizer_step(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, scheduler,
+                   train_rows: torch.Tensor | StreamingRows, step: int):
+    """One optimizer step over `grad_accum` micro-batches: the loss and its parts averaged over them (on the device),
+    and the gradient norm before clipping."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    losses: dict[str, torch.Tensor] = {}
+    for micro in range(cfg.grad_accum):
+        if isinstance(train_rows, StreamingRows):
+            rows = train_rows.take(cfg.batch_size).to(accelerator.device)
+        else:
+            rows = train_rows[sample_indices(step, micro, rank, world, cfg, len(train_rows))].to(accelerator.device)
+        # Gradients are all-reduced on the last micro-step only.
+        sync = nullcontext() if micro == cfg.grad_accum - 1 else accelerator.no_sync(model)
+        with sync, accelerator.autocast():
+            output = model(input_ids=rows, labels=rows)
+            accelerator.backward(output.loss / cfg.grad_accum)
+        for key, value in step_losses(output).items():
+            losses[key] = losses.get(key, 0.0) + value / cfg.grad_accum
+    # grad_clip 0 turns clipping off; an infinite threshold still measures the norm for the log.
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return losses, grad_norm
+
+
 def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, scheduler, tokenizer,
                 train_rows: torch.Tensor | StreamingRows, val_rows: torch.Tensor | None, start_step: int,
                 on_step: Callable[[int, dict], None] | None) -> dict:
     """Phase 4: optimizer steps `start_step`..end (stop_at_step or max_steps), with logging,
     evaluation and checkpoints; the final model is saved when max_steps is reached."""
     output_dir = Path(cfg.output_dir)
-    world, rank = accelerator.num_processes, accelerator.process_index
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * world
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * accelerator.num_processes
     end_step = cfg.stop_at_step if cfg.stop_at_step is not None else cfg.max_steps
     metrics_path = output_dir / "metrics.jsonl"
     # What a run stopped after its last checkpoint logged is about to be logged again (by the steps a resume
@@ -368,29 +393,11 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
                desc=f"{cfg.family}-{cfg.preset}", dynamic_ncols=True)
     last: dict = {}
     window_start, window_tokens = time.perf_counter(), 0
-    # grad_clip 0 turns clipping off; an infinite threshold still measures the norm for the log.
-    max_grad_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     hooks = training_hooks(accelerator.unwrap_model(model))
 
     try:  # the bar is closed however the loop ends, so that a Ctrl-C message after it starts its own line
         for step in range(start_step, end_step):
-            losses: dict[str, torch.Tensor] = {}  # loss and its parts, averaged over micro-steps, on the device
-            for micro in range(cfg.grad_accum):
-                if isinstance(train_rows, StreamingRows):
-                    rows = train_rows.take(cfg.batch_size).to(accelerator.device)
-                else:
-                    indices = sample_indices(step, micro, rank, world, cfg, len(train_rows))
-                    rows = train_rows[indices].to(accelerator.device)
-                sync = nullcontext() if micro == cfg.grad_accum - 1 else accelerator.no_sync(model)
-                with sync, accelerator.autocast():
-                    output = model(input_ids=rows, labels=rows)
-                    accelerator.backward(output.loss / cfg.grad_accum)
-                for key, value in step_losses(output).items():
-                    losses[key] = losses.get(key, 0.0) + value / cfg.grad_accum
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            losses, grad_norm = optimizer_step(cfg, accelerator, model, optimizer, scheduler, train_rows, step)
             hooks.on_optimizer_step()  # a model's own per-step state (AURORA's EMA copy and step count)
             window_tokens += tokens_per_step
             done = step + 1
@@ -399,9 +406,7 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
             last = {"step": done}
             if log_now or on_step is not None:
                 # The step's only device-to-host copy; without on_step it happens on log steps only.
-                values = to_floats({**losses, "grad_norm": grad_norm})
-                grad_norm_value = values.pop("grad_norm")
-                last.update(values, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm_value)
+                last.update(to_floats({**losses, "grad_norm": grad_norm}), lr=scheduler.get_last_lr()[0])
             if log_now:
                 elapsed = time.perf_counter() - window_start
                 last["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)
@@ -423,15 +428,19 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
         bar.close()
 
     if end_step == cfg.max_steps:
-        state_dict = gathered_state_dict(accelerator, model) if is_sharded(accelerator) else None  # every rank gathers
-        if accelerator.is_main_process:
-            _save_final(output_dir, accelerator.unwrap_model(model), tokenizer, state_dict)
+        save_final_model(accelerator, output_dir, model, tokenizer)
     # Accelerate's `end_training` would also destroy the process group, which the caller may still use (the CLI
     # ends it itself): only the trackers are closed here (they exist on the main process only).
     for tracker in accelerator.trackers:
         tracker.finish()
     accelerator.wait_for_everyone()
     return last
+
+
+def save_final_model(accelerator: Accelerator, output_dir: Path, model, tokenizer) -> None:
+    state_dict = gathered_state_dict(accelerator, model) if is_sharded(accelerator) else None  # every rank gathers
+    if accelerator.is_main_process:
+        _save_final(output_dir, accelerator.unwrap_model(model), tokenizer, state_dict)
 
 
 def _save(accelerator, output_dir, step, model, tokenizer, optimizer, scheduler, cfg, train_rows=None):
