@@ -150,6 +150,48 @@ def _resolve_num_buckets(num_buckets: int | str, n: int, m: int) -> int:
     return num_buckets
 
 
+def _check_sample_sizes(**texts: list[str]) -> None:
+    for name, values in texts.items():
+        if not values:
+            raise ValueError(f"{name} is empty: MAUVE compares two non-empty sets of texts")
+        if len(values) < MIN_TEXTS:
+            raise ValueError(
+                f"{name} has only {len(values)} texts; MAUVE needs at least {MIN_TEXTS} per side "
+                "(a few hundred for a stable score)"
+            )
+
+
+def _compute_mauve(human_feats: np.ndarray, model_feats: np.ndarray, buckets: int, seed: int):
+    import mauve
+
+    # Paper convention: P = human, Q = model (the score itself is symmetric).
+    # Settings, chosen for a few hundred 384-d MiniLM features per side:
+    # * num_buckets: mauve's n/10 rule (~10 texts per cluster on average), which
+    #   keeps the histograms populated at this sample size; more buckets would
+    #   make even same-distribution samples look different.
+    # * kmeans_explained_var=0.9 (default): PCA keeps the components explaining
+    #   90% of the variance of the pooled, L2-normalised features before k-means.
+    # * kmeans_num_redo=5, kmeans_max_iter=500 (defaults): k-means on a few
+    #   hundred points costs milliseconds, so keep the best of 5 restarts, which
+    #   reduces the dependence on the seed.
+    # * mauve_scaling_factor=5 (default): the paper's constant c; any change
+    #   rescales every score, so keep it fixed for comparability between runs.
+    # * pca_max_data=-1: fit PCA on all points (cheap at this size).
+    # * device_id / featurize_model_name / batch_size are unused: features are given.
+    return mauve.compute_mauve(
+        p_features=human_feats,
+        q_features=model_feats,
+        num_buckets=buckets,
+        pca_max_data=-1,
+        kmeans_explained_var=0.9,
+        kmeans_num_redo=5,
+        kmeans_max_iter=500,
+        mauve_scaling_factor=5,
+        seed=seed,
+        verbose=False,
+    )
+
+
 def mauve_score(
     model_texts: Sequence[str],
     human_texts: Sequence[str],
@@ -181,14 +223,7 @@ def mauve_score(
     """
     model_texts = _check_texts(model_texts, "model_texts")
     human_texts = _check_texts(human_texts, "human_texts")
-    for name, texts in (("model_texts", model_texts), ("human_texts", human_texts)):
-        if not texts:
-            raise ValueError(f"{name} is empty: MAUVE compares two non-empty sets of texts")
-        if len(texts) < MIN_TEXTS:
-            raise ValueError(
-                f"{name} has only {len(texts)} texts; MAUVE needs at least {MIN_TEXTS} per side "
-                "(a few hundred for a stable score)"
-            )
+    _check_sample_sizes(model_texts=model_texts, human_texts=human_texts)
     n, m = len(model_texts), len(human_texts)
     buckets = _resolve_num_buckets(num_buckets, n, m)
 
@@ -202,32 +237,7 @@ def mauve_score(
     model_feats = embed_texts(model_texts, encoder)
     human_feats = embed_texts(human_texts, encoder)
 
-    # Paper convention: P = human, Q = model (the score itself is symmetric).
-    # Settings, chosen for a few hundred 384-d MiniLM features per side:
-    # * num_buckets: mauve's n/10 rule (~10 texts per cluster on average), which
-    #   keeps the histograms populated at this sample size; more buckets would
-    #   make even same-distribution samples look different.
-    # * kmeans_explained_var=0.9 (default): PCA keeps the components explaining
-    #   90% of the variance of the pooled, L2-normalised features before k-means.
-    # * kmeans_num_redo=5, kmeans_max_iter=500 (defaults): k-means on a few
-    #   hundred points costs milliseconds, so keep the best of 5 restarts, which
-    #   reduces the dependence on the seed.
-    # * mauve_scaling_factor=5 (default): the paper's constant c; any change
-    #   rescales every score, so keep it fixed for comparability between runs.
-    # * pca_max_data=-1: fit PCA on all points (cheap at this size).
-    # * device_id / featurize_model_name / batch_size are unused: features are given.
-    out = mauve.compute_mauve(
-        p_features=human_feats,
-        q_features=model_feats,
-        num_buckets=buckets,
-        pca_max_data=-1,
-        kmeans_explained_var=0.9,
-        kmeans_num_redo=5,
-        kmeans_max_iter=500,
-        mauve_scaling_factor=5,
-        seed=seed,
-        verbose=False,
-    )
+    out = _compute_mauve(human_feats, model_feats, buckets, seed)
     return {
         "mauve": float(out.mauve),
         "mauve_star": float(out.mauve_star),

@@ -57,6 +57,20 @@ def synchronize(device: torch.device) -> None:
 
 
 @torch.no_grad()
+def timed_generate(model, prompts: torch.Tensor, seed: int, kwargs: dict):
+    """One seeded `generate()` of `prompts`: (seconds, model calls, new tokens per row, calls by network or None)."""
+    device = prompts.device
+    torch.manual_seed(seed)
+    with CallCounter(model) as counter:
+        synchronize(device)
+        start = time.perf_counter()
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), **kwargs)
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    return elapsed, counter.calls, sequences.shape[1] - prompts.shape[1], getattr(out, "calls_by_network", None)
+
+
 def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int = 64, repeats: int = 3,
                              seed: int = 0, generate_kwargs: dict | None = None) -> dict:
     """Time `model.generate` on a batch of equal-length prompts [B, T] (B rows generate in parallel).
@@ -77,15 +91,7 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
     model.eval()
 
     def run():
-        torch.manual_seed(seed)
-        with CallCounter(model) as counter:
-            synchronize(device)
-            start = time.perf_counter()
-            out = model.generate(prompts, attention_mask=torch.ones_like(prompts), **kwargs)
-            synchronize(device)
-            elapsed = time.perf_counter() - start
-        sequences = out.sequences if hasattr(out, "sequences") else out
-        return elapsed, counter.calls, sequences.shape[1] - prompts.shape[1], getattr(out, "calls_by_network", None)
+        return timed_generate(model, prompts, seed, kwargs)
 
     # Two warm-up runs. The first does a model's one-time work (allocator, lazy initialisation, PLM's token-auxiliary
     # scores, computed once per model), which is no cost of a generated token; the second is counted, and the timed
