@@ -66,13 +66,8 @@ def create_app(models: dict[str, tuple], max_batch_size: int = 8, max_queue: int
     app = FastAPI(title="hf-latentlm", lifespan=lifespan)
     app.state.schedulers = {name: entry.scheduler for name, entry in served.items()}
 
-    @app.exception_handler(OpenAIError)
-    async def openai_error(request, err: OpenAIError):
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(request, err: Exception):  # a bug answers 500 in OpenAI's form, the server lives on
-        return JSONResponse(OpenAIError(500, f"{type(err).__name__}: {err}", "server_error").body(), status_code=500)
+    app.add_exception_handler(OpenAIError, openai_error)
+    app.add_exception_handler(Exception, unexpected_error)
 
     @app.get("/health")
     async def health():
@@ -101,14 +96,27 @@ def create_app(models: dict[str, tuple], max_batch_size: int = 8, max_queue: int
     async def chat_completions(request: Request):
         body = parse(ChatCompletionRequest, await read_json(request))
         entry = pick(served, body.model)
-        if body.max_tokens is not None and body.max_completion_tokens is not None:
-            raise invalid("give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
-        if body.max_completion_tokens is not None:
-            body.max_tokens = body.max_completion_tokens
+        take_max_completion_tokens(body)
         prompt_ids = chat_prompt(entry.tokenizer, body.messages)
         return await run_request(request, entry, body, prompt_ids, None, seeds, chat=True)
 
     return app
+
+
+async def openai_error(request, err: OpenAIError):
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+async def unexpected_error(request, err: Exception):  # a bug answers 500 in OpenAI's form, the server lives on
+    return JSONResponse(OpenAIError(500, f"{type(err).__name__}: {err}", "server_error").body(), status_code=500)
+
+
+def take_max_completion_tokens(body: ChatCompletionRequest) -> None:
+    """The chat route's newer name for max_tokens, taken into max_tokens; both at once is refused."""
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise invalid("give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+    if body.max_completion_tokens is not None:
+        body.max_tokens = body.max_completion_tokens
 
 
 def model_card(entry: ServedModel) -> dict:
