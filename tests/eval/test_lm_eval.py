@@ -342,3 +342,15 @@ def test_hf_latentlm_lm_eval_passes_every_argument_to_lm_evals_command_line(run_
     argv = ["--model", "hf-latentlm", "--model_args", "pretrained=DIR", "--tasks", "t", "-h"]
     code, _, _ = run_cli("lm-eval", *argv)
     assert (code, seen) == (0, [argv])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_repeats_of_one_request_draw_their_own_samples(adapters, family):
+    """lm-eval runs a task with `repeats: N` by listing the same request object N times: each copy gets its own seed,
+    so a sampled request's copies are independent draws, not one text N times."""
+    lm = adapters[family]
+    (request,) = instances("generate_until", [(PROMPTS[1], {**SAMPLED, "until": ["<|endoftext|>"], "max_gen_toks": 12})])
+    first, second = lm.request_seeds([request, request])
+    assert first != second
+    texts = lm.generate_until([request, request])
+    assert len(texts) == 2 and texts[0] != texts[1]
