@@ -89,3 +89,33 @@ def test_tokens_used_counts_the_row_up_to_the_token_that_completes_the_stop(toke
     assert text.tokens_used == needed - 2 and not text.stopped
     text.add(ids[needed - 2:])  # the rest in one step, as a multi-token family commits them
     assert text.stopped and text.tokens_used == needed < len(ids)
+
+
+def byte_level_tokenizer_with_tokens_ending_mid_character():
+    """A GPT-2-style byte-level BPE whose tokens "ab" + the first byte of "é" and "c" + the first two bytes of "🙂"
+    hold whole characters followed by part of a multi-byte one (ours has no such token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    to_char = bytes_to_unicode()  # byte -> its printable stand-in
+    vocab = {char: index for index, char in enumerate(sorted(to_char.values()))}
+    e_first, smile = "é".encode()[0], "🙂".encode()
+    merges = [("a", "b"), ("ab", to_char[e_first]), ("c", to_char[smile[0]]), ("c" + to_char[smile[0]], to_char[smile[1]])]
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_a_token_ending_in_part_of_a_character_streams_its_whole_characters_once(step):
+    tokenizer = byte_level_tokenizer_with_tokens_ending_mid_character()
+    whole = "abé c🙂 abé"
+    ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids[:1]) == "ab\ufffd", "the first token must hold 'ab' and part of 'é'"
+    pieces, _ = stream(tokenizer, ids, step=step)
+    assert "".join(pieces) == tokenizer.decode(ids) == whole
+    assert not any("\ufffd" in piece for piece in pieces)
