@@ -23,7 +23,7 @@ def test_quickstart_has_two_commands_and_ci_runs_the_test_one_verbatim():
 
 
 def test_readme_stays_a_front_door():
-    """At most 200 lines; family detail lives in docs/families/, measurements in docs/benchmarks.md."""
+    """At most 200 lines; family detail lives in docs/families/, measurements in results/."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
 
 

@@ -8,7 +8,7 @@ learning rate (AdamW, betas 0.9 / 0.95, constant after nothing: the probe measur
 seed 0; at every `--eval-at` step it measures the eval-mode reconstruction accuracy of the first 20,000 validation
 tokens in rows of 256 (`eval.components.autoencoder_accuracy`). Decoding the standardised latent gives the same
 tokens: standardisation is an invertible per-channel affine map the denoiser's side undoes before decoding. Writes
-`results.json` and prints the Markdown table of docs/aurora.md.
+`results.json` and prints the Markdown table of docs/families/aurora.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How well AURORA denoisers predict the clean latent block, at fixed noise levels, on validation rows.
 
     python scripts/experiments/aurora_denoising_probe.py --model base=runs/aurora-abl-base --model no-stc=runs/aurora-abl-no-stc \
-        [--rows 32] [--sigmas 0.1,0.3,0.5,0.7,0.9] [--output docs/aurora_denoising_probe.json]
+        [--rows 32] [--sigmas 0.1,0.3,0.5,0.7,0.9] [--output results/aurora_vs_ar/aurora_denoising_probe.json]
 
 For every model and σ: one dual-stream pass over validation rows (every block noised to σ with the same ε for every
 model, its clean history visible, a zero self-conditioning draft), then
@@ -71,7 +71,7 @@ def main():
     parser.add_argument("--sigmas", default="0.1,0.3,0.5,0.7,0.9")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--generate-steps", default="", help="e.g. 4,8,16,32: few-step sampling as well")
-    parser.add_argument("--output", default="docs/aurora_denoising_probe.json")
+    parser.add_argument("--output", default="results/aurora_vs_ar/aurora_denoising_probe.json")
     args = parser.parse_args()
     sigmas = [float(s) for s in args.sigmas.split(",")]
     results = {"settings": vars(args), "models": {}}

@@ -2,7 +2,7 @@
 
     python scripts/experiments/bench_post_training.py --model ar=runs/ar-small-120 --model plm=runs/plm-small \
         --out runs/post --sft-steps 300 --dpo-steps 60 --dpo-pairs 400 --test-size 100 \
-        --output docs/post_training.json
+        --output results/post_training_verse_repeat/post_training.json
 
 A stage whose output folder already holds a finished model is reused and an interrupted one resumes, so a long run
 can be split over several sessions; `--sft-only` stops after SFT.
@@ -88,7 +88,7 @@ def main():
     parser.add_argument("--sft-learning-rate", type=float, default=None)
     parser.add_argument("--dpo-learning-rate", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default="docs/post_training.json")
+    parser.add_argument("--output", default="results/post_training_verse_repeat/post_training.json")
     parser.add_argument("--sft-only", action="store_true", help="stop after SFT and its evaluation (no DPO)")
     parser.add_argument("--policy-rejections", action="store_true",
                         help="two more DPO runs (normalised and not) whose rejected answers are the SFT model's own "

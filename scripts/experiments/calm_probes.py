@@ -1,4 +1,5 @@
-"""Small CALM measurements quoted in docs/benchmarks.md and in tests, each reproducible from here.
+"""Small CALM measurements quoted in results/calm_vs_ar/, results/calm_equal_compute/ and in tests, each
+reproducible from here.
 
     python scripts/experiments/calm_probes.py params                       # parameter counts of the `small` CALM, both heads
     python scripts/experiments/calm_probes.py ae-init --steps 80           # autoencoder: embedding init std 0.02 vs 1.0

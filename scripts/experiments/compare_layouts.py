@@ -1,6 +1,6 @@
 """Batch-1 generate() time and Python call count of tiny Cola, AURORA, CALM and PLM models (the seeded builders of
 tests/modeling/previous_layout.py) under whichever hf_latentlm is importable, so that two layouts of the package are
-compared on one machine (docs/benchmarks.md, "Issue 27"):
+compared on one machine (results/refactor_decoding_cost/):
 
     git worktree add /tmp/old 9549185
     PYTHONPATH=/tmp/old python scripts/experiments/compare_layouts.py old

@@ -4,7 +4,8 @@ plus tokens/s at batch 1 and its ratio to the AR model of the same stage name.
 
     python scripts/experiments/eval_post_training_stages.py --task count-tens --test-size 298 \
         --model ar:sft=runs/grpo/ar/sft --model ar:grpo=runs/grpo/ar/grpo \
-        --model plm:sft=runs/grpo/plm/sft --model plm:grpo=runs/grpo/plm/grpo --base sft --output docs/grpo.json
+        --model plm:sft=runs/grpo/plm/sft --model plm:grpo=runs/grpo/plm/grpo --base sft \
+        --output results/post_training_grpo/grpo.json
 
 Each model answers every test prompt through its own generate() (plain sampling at temperature 1, batch 8, per-row
 seeds: `hf_latentlm.eval.task.evaluate_task`); batch-1 speed is the first 8 prompts one at a time, timed once per

@@ -9,10 +9,10 @@ folder with `optimum.json`) are kept, so a rerun after an interruption continues
     python scripts/experiments/generated_equal_compute.py --level medium --ar-steps 400 \
         --families ar,plm,calm,cola,aurora --multipliers 1 --output runs/generated-medium
 
-writes `runs/generated-medium/results.json` and prints the Markdown table (docs/generated_language.md).
+writes `runs/generated-medium/results.json` and prints the Markdown table (results/generated_equal_compute/).
 
 `--corpus shakespeare` trains the same budgets on the embedded corpus and writes the runs' budgets only (no
-optimum exists there): `hf-latentlm report` then measures the models (docs/report/).
+optimum exists there): `hf-latentlm report` then measures the models (results/equal_compute_report/report/).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The papers' ablations, measured on a generated language where the optimum is known.
 
-Findings (docs/generated_language.md, "The papers' findings"):
+Findings (results/generated_findings/):
 
 - `plm`: auxiliaries none < quantile < Voronoi in R (reconstructed tokens of the objective on validation rows), and
   R as the block stride falls (paper 002, Tables 4-5); each decodable variant also as tokens per call (exact

@@ -1,7 +1,7 @@
 """Issue 33, item 5: every language-model family's training and decoding speed on one GPU, next to the AR baseline
 and to the same AR model under transformers' static cache + compile. Prepared to run within one device call.
 
-    python scripts/experiments/gpu_speed.py --peak-tflops 989 --output docs/gpu_speed.json \
+    python scripts/experiments/gpu_speed.py --peak-tflops 989 --output results/gpu_speed/gpu_speed.json \
         [--presets small base] [--batch-sizes 1 8 64] [--plm runs/plm-small]
 
 (989 TFLOP/s: an H200's dense bf16 peak; give the device's own.) For each preset and each family of the registry

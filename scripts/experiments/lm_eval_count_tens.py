@@ -1,6 +1,6 @@
 """The post-training task `count-tens` through lm-evaluation-harness (`hf-latentlm` model), next to the project's own
-harness (`eval.task.evaluate_task`, docs/post_training_grpo.json) on the same 298 test prompts: does lm-eval give
-the same exact match?
+harness (`eval.task.evaluate_task`, results/post_training_grpo/post_training_grpo.json) on the same 298 test
+prompts: does lm-eval give the same exact match?
 
 Writes the task (its documents as JSONL, a YAML, and a small module whose `process_results` is the project's
 `tasks.exact_match`) into a temporary folder, then runs `lm_eval.simple_evaluate` with only that folder indexed.
@@ -10,7 +10,8 @@ plus 8 tokens. The seeds differ (lm-eval's per-request seeds, the harness's seed
 accuracy with independent draws: compare the intervals.
 
     python scripts/experiments/lm_eval_count_tens.py --model ar:grpo-4e-5=runs/grpo/ar/grpo-4e-5 ... \
-        --reference docs/post_training_grpo.json --output docs/lm_eval_count_tens.json
+        --reference results/post_training_grpo/post_training_grpo.json \
+        --output results/lm_eval_count_tens/lm_eval_count_tens.json
 """
 
 from __future__ import annotations

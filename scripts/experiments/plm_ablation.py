@@ -1,7 +1,7 @@
 """PLM ablations: auxiliary type (none / quantile / voronoi), representation alignment on / off, and the
 auxiliaries read in directly (paper) or through a learned projection.
 
-    python scripts/experiments/plm_ablation.py --preset small --max-steps 80 --output docs/plm_ablation.json
+    python scripts/experiments/plm_ablation.py --preset small --max-steps 80 --output results/plm_ablations/plm_ablation.json
 
 Each variant trains from the same seed on the same data for the same number of steps, then reports
 on 64 validation rows: encoder NLL, decoder NLL, R (reconstructed tokens per block), the share of
@@ -39,7 +39,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--max-steps", type=int, default=80)
-    parser.add_argument("--output", default="docs/plm_ablation.json")
+    parser.add_argument("--output", default="results/plm_ablations/plm_ablation.json")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                         help="which variants to train (default: all)")
     args = parser.parse_args()

@@ -1,4 +1,4 @@
-"""Small measurements behind docs/post_training.md ("The count-tens task"), one sub-command each.
+"""Small measurements behind results/post_training_count_tens/, one sub-command each.
 
     python scripts/experiments/post_training_probes.py dpo runs/tens/ar/sft OUT 5e-5 sigmoid ['{"policy_rejections": true}']
         # run_dpo with the bench's DPO settings (120 steps, 960 pairs, batch 8), then exact match on the 298 test

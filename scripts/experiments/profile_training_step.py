@@ -1,6 +1,6 @@
 """cProfile of training steps of saved models (a copy each, fresh optimizer, `small` batches), top functions by
-cumulative and by own time: where a family's step spends the time its counted FLOPs do not explain (docs/benchmarks.md,
-"Training: achieved FLOP/s against AR").
+cumulative and by own time: where a family's step spends the time its counted FLOPs do not explain
+(results/training_flops/).
 
     python scripts/experiments/profile_training_step.py --model ar=runs/real-small/ar-x1 --model plm=... --top 15
 """

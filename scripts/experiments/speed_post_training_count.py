@@ -1,6 +1,6 @@
 """AR vs PLM (k_pred=8) after SFT on a counting task, batch 1, in one process (first 8 test prompts, as the bench).
 
-    python scripts/experiments/speed_post_training_count.py   # needs runs/count2/{ar,plm}/sft (docs/post_training.md)
+    python scripts/experiments/speed_post_training_count.py   # needs runs/count2/{ar,plm}/sft (results/post_training_count)
     python scripts/experiments/speed_post_training_count.py --task count-tens --ar runs/tens/ar/sft --plm runs/tens/plm/sft \
         --repeats 3
 

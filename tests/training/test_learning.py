@@ -20,7 +20,7 @@ CORPUS = "generated:easy"
 STEPS = {"ar": 60, "plm": 60, "calm": 80, "cola": 300, "aurora": 400, "calm-ae": 80, "cola-vae": 80, "aurora-ae": 100}
 # The test checks the training objective, not guidance: the papers' guidance amplifies the error of a prior this
 # undertrained (Cola, CFG w = 7: Brier-1 0.150 against 0.211 at w = 1 after 400 steps; AURORA, SC-CFG 4 and CFG:
-# 0.101 against 0.220 without either after 600; docs/generated_language.md).
+# 0.101 against 0.220 without either after 600; results/generated_findings/).
 DECODING = {"cola": {"guidance_scale": 1.0}, "aurora": {"self_condition_guidance": 1.0, "guidance_scale": 1.0}}
 
 
