@@ -403,10 +403,10 @@ def scorer_for(model) -> ResponseScorer:
 
 
 #: TRL `DPOConfig` options the latent loss does not implement, with the default that is allowed (refused otherwise;
-#: an option a TRL version lacks, e.g. `rpo_alpha` in TRL 1.16, is skipped). `DPO_OPTION_EQUIVALENTS`: other values
+#: an option the installed TRL lacks, e.g. `rpo_alpha`, is skipped). `DPO_OPTION_EQUIVALENTS`: other values
 #: that mean the default (`loss_weights=[1.0]`, `router_aux_loss_coef=0.0`), accepted.
 #:
-#: TRL 1.16's `DPOConfig` fields, one by one:
+#: TRL's `DPOConfig` fields, one by one:
 #: * honoured as TRL does (TRL's own `__init__`, dataset preparation, collator or `Trainer`): learning_rate,
 #:   model_init_kwargs, trust_remote_code, disable_dropout, dataset_num_proc, max_length, pad_to_multiple_of,
 #:   precompute_ref_batch_size (the batch size of the draws/reference pass), beta, activation_offloading (TRL wraps
@@ -424,7 +424,7 @@ DPO_OPTION_EQUIVALENTS = {"loss_weights": ([1.0],), "router_aux_loss_coef": (0.0
 
 
 def trl_dpo_default(name: str):
-    """The default of `DPOConfig` field `name` in the installed TRL (1.16: loss_type ["sigmoid"], beta 0.1)."""
+    """The default of `DPOConfig` field `name` in the installed TRL (loss_type ["sigmoid"], beta 0.1)."""
     field = next(f for f in dataclasses.fields(DPOConfig) if f.name == name)
     return field.default_factory() if field.default is dataclasses.MISSING else field.default
 

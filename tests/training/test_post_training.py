@@ -1,4 +1,4 @@
-"""Post-training (issue 13): SFT and DPO trainers on TRL, the response-score abstraction and PLM's DPO score.
+"""Post-training: SFT and DPO trainers on TRL, the response-score abstraction and PLM's DPO score.
 
 What is checked, against independent computations where there is a number to compute:
 - PLM's score s(x, u) = -(L_enc^r + L_dec^r) / N_terms equals a hand computation from raw encoder logits and one
@@ -1104,7 +1104,7 @@ def test_a_rejection_that_cannot_be_made_is_a_value_error(tokenizer, monkeypatch
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# (issue 31) Cola: DPO trains the prior on the reference's latents, never the VAE
+# Cola: DPO trains the prior on the reference's latents, never the VAE
 # ---------------------------------------------------------------------------------------------------------------------
 
 def perturbed(model, prefixes: tuple[str, ...], scale: float, seed: int, inside: bool = True):
@@ -1191,7 +1191,7 @@ def test_a_plain_dpo_config_warns_that_it_trains_trls_defaults_not_the_papers_lo
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# (issue 31) conversational datasets through the packaged chat template
+# conversational datasets through the packaged chat template
 # ---------------------------------------------------------------------------------------------------------------------
 
 def instruction_for(line: str) -> str:
@@ -1284,7 +1284,7 @@ def test_a_conversational_preference_dataset_trains_in_latent_dpo_as_its_text_fo
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# (issue 31) TRL's metrics in the latent trainers
+# TRL's metrics in the latent trainers
 # ---------------------------------------------------------------------------------------------------------------------
 
 def hand_token_metrics(model, ids, mask, scored) -> tuple[list[float], list[float], list[float], list[int]]:
@@ -1403,7 +1403,7 @@ def test_latent_sft_logs_num_tokens_and_plms_token_accuracy_and_entropy(tmp_path
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# (issue 31) a family's learning-rate scales (Cola's VAE:DiT ratio) in the TRL trainers' optimizers
+# a family's learning-rate scales (Cola's VAE:DiT ratio) in the TRL trainers' optimizers
 # ---------------------------------------------------------------------------------------------------------------------
 
 RATIO = 0.25
