@@ -97,15 +97,14 @@ def sft_config(output_dir, *, learning_rate: float = SFT_LEARNING_RATE, batch_si
                         **overrides})
 
 
-def dpo_config(output_dir, *, autoregressive: bool = False, beta: float = DPO_BETA,
+def dpo_config(output_dir, *, beta: float = DPO_BETA,
                learning_rate: float = DPO_LEARNING_RATE, batch_size: int = 8, max_steps: int | None = None,
                seed: int = 0, **overrides) -> DPOConfig:
     """TRL's `DPOConfig` with the paper's DPO optimisation (β = γ = 5, 10% warmup) and CPU-safe defaults;
     `overrides` win. The reference is precomputed (`precompute_ref_log_probs=True`): it is the frozen starting
     model, never reloaded from disk. The loss is TRL's length-normalised `sigmoid_norm` for every family (the stock
     `DPOTrainer` computes it for AR, `LatentDPOTrainer` with the family's score); `loss_type=["sigmoid"]` is the
-    unnormalised ablation (summed log-ratios / summed response terms). `autoregressive` is kept for callers that
-    name the family kind; both kinds get the same loss type."""
+    unnormalised ablation (summed log-ratios / summed response terms)."""
     return DPOConfig(**{**trainer_arguments(output_dir, learning_rate, batch_size, max_steps, seed, DPO_WARMUP),
                         "beta": beta, "loss_type": ["sigmoid_norm"],
                         "precompute_ref_log_probs": True, **overrides})

@@ -503,7 +503,7 @@ def test_ar_dpo_is_stock_sigmoid_norm_and_scores_the_terminal_eos(tmp_path, toke
     from trl import DPOTrainer
 
     model = build_tiny("ar", tokenizer)
-    args = dpo_args(tmp_path, autoregressive=True)
+    args = dpo_args(tmp_path)
     assert args.loss_type == ["sigmoid_norm"] and args.beta == 5.0 and args.precompute_ref_log_probs
     trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(toy_preference_rows(4)),
                          processing_class=tokenizer)
@@ -991,7 +991,7 @@ def test_every_dpo_config_field_is_either_honoured_refused_or_inert():
 
     own = {f.name for f in dataclasses.fields(DPOConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
     source = inspect.getsource(post_training)
-    comment = source[source.index("#: TRL 1.16's `DPOConfig` fields"):source.index("UNSUPPORTED_DPO_OPTIONS = {")]
+    comment = source[source.index("#: TRL's `DPOConfig` fields"):source.index("UNSUPPORTED_DPO_OPTIONS = {")]
     sorted_names = set(re.findall(r"[a-z_]+", comment)) | set(post_training.UNSUPPORTED_DPO_OPTIONS)
     assert "f_divergence_type" in post_training.UNSUPPORTED_DPO_OPTIONS
     assert len(own) > 20 and not (own - sorted_names), sorted(own - sorted_names)
