@@ -965,7 +965,7 @@ def test_reference_and_policy_scores_run_under_the_same_autocast(tmp_path, token
                                                ("router_aux_loss_coef", 0.01)])
 def test_latent_dpo_refuses_trl_options_it_would_ignore(tmp_path, tokenizer, option, value):
     args = dpo_args(tmp_path)
-    setattr(args, option, value)  # rpo_alpha is gone from TRL 1.16's DPOConfig; still refused where it is set
+    setattr(args, option, value)  # rpo_alpha is gone from the installed TRL's DPOConfig; still refused where it is set
     with pytest.raises(ValueError, match=rf"does not support {option}="):
         dpo_trainer(tmp_path, tokenizer, args=args)
 
