@@ -1,5 +1,5 @@
-"""PEFT (LoRA) and TRL (`SFTTrainer`) on every multi-token language-model family of the registry (issue 9, items 8
-and 10), as they work today with PEFT 0.21 / TRL 1.16 (see ../shared/notes/hf-stack-facts.md).
+"""PEFT (LoRA) and TRL (`SFTTrainer`) on every multi-token language-model family of the registry, as they work with
+the installed PEFT and TRL (see ../shared/notes/hf-stack-facts.md).
 
 What these tests establish, per family:
 - LoRA: which `target_modules` wrap the backbone and nothing else (the registry's `lora_target_modules`); the bare projection

@@ -22,8 +22,7 @@ The log-likelihood of a completion y given a prompt x:
   prefix, up to the rounding), so the on-policy gradient A·∇log q adds A·∇log Z_M to the policy gradient of q̃,
   which moves mass into the top M on prefixes with high advantage; with stale samples (`num_iterations > 1`) the
   ratio q_θ / q_old differs from the sampler's by Z_M(θ) / Z_M(old) as well as the rounding. Both vanish as
-  Z_M → 1: the `count-tens` SFT model of docs/post_training.md has Z_32 ≥ 0.9908 at every one of 1433 reference
-  answer positions (mean 0.99969; scripts/experiments/plm_top_m_mass.py).
+  Z_M → 1, as it does for a trained model (scripts/experiments/plm_top_m_mass.py measures it).
 * CALM, Cola DLM, AURORA-LM (no token likelihood): a SURROGATE built on the family's DPO response score
   (`hf_latentlm.training.scorers`): s_θ(x, y) = −(1/M) Σ_m L_θ(x, y; u_m) / n_terms, the family's own training
   loss restricted to the response (an ELBO-like fit term: the energy loss per chunk for CALM, the flow-matching
@@ -153,18 +152,18 @@ class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
         self._last_rollout = (None, -1)  # ((mode, optimizer step), index of the last rollout made at it)
         #: [B] draw nonce of the rows being scored (one per generation round; see `surrogate_scores`).
         self._draw_nonces: torch.Tensor | None = None
-        # TRL would reload the reference from config.name_or_path; build it from the model as passed instead (TRL
-        # builds none while β = 0, and then refuses sync_ref_model, so both are restored after its __init__).
-        beta, sync, frozen = args.beta, args.sync_ref_model, None
-        if beta != 0.0 and kwargs.get("peft_config") is None and not hasattr(model, "peft_config"):
+        # TRL would reload the reference from config.name_or_path, which an in-memory model does not have: TRL
+        # is built from a copy of the config that asks for no reference, and the reference is the model as passed.
+        frozen = None
+        if args.beta != 0.0 and kwargs.get("peft_config") is None and not hasattr(model, "peft_config"):
             frozen = copy.deepcopy(model).eval().requires_grad_(False)
-            args.beta, args.sync_ref_model = 0.0, False
-        try:
-            super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
-                             eval_dataset=eval_dataset, **kwargs)
-        finally:
-            args.beta, args.sync_ref_model = beta, sync
-        self.beta = beta
+        trl_args = args
+        if frozen is not None:  # a shallow copy: the caller's config keeps its β
+            trl_args = copy.copy(args)
+            trl_args.beta, trl_args.sync_ref_model = 0.0, False
+        super().__init__(model=model, reward_funcs=reward_funcs, args=trl_args, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, **kwargs)
+        self.args, self.beta = args, args.beta
         if frozen is not None:  # prepared as TRL prepares its own reference
             if self.is_deepspeed_enabled:
                 self.ref_model = prepare_deepspeed(frozen, self.accelerator)
@@ -172,7 +171,7 @@ class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
                 self.ref_model = prepare_fsdp(frozen, self.accelerator)
             else:
                 self.ref_model = self.accelerator.prepare_model(frozen, evaluation_mode=True)
-            if sync:
+            if args.sync_ref_model:
                 self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
 
     # -- rollouts -------------------------------------------------------------------------------------------------
@@ -229,10 +228,10 @@ class LatentGRPOTrainer(FamilyLearningRates, GRPOTrainer):
             self._draw_nonces = None
         return output
 
-    def _compute_loss(self, model, inputs):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self._draw_nonces = inputs.get("draw_nonce")
         try:
-            return super()._compute_loss(model, inputs)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             self._draw_nonces = None
 

@@ -97,15 +97,14 @@ def sft_config(output_dir, *, learning_rate: float = SFT_LEARNING_RATE, batch_si
                         **overrides})
 
 
-def dpo_config(output_dir, *, autoregressive: bool = False, beta: float = DPO_BETA,
+def dpo_config(output_dir, *, beta: float = DPO_BETA,
                learning_rate: float = DPO_LEARNING_RATE, batch_size: int = 8, max_steps: int | None = None,
                seed: int = 0, **overrides) -> DPOConfig:
     """TRL's `DPOConfig` with the paper's DPO optimisation (β = γ = 5, 10% warmup) and CPU-safe defaults;
     `overrides` win. The reference is precomputed (`precompute_ref_log_probs=True`): it is the frozen starting
     model, never reloaded from disk. The loss is TRL's length-normalised `sigmoid_norm` for every family (the stock
     `DPOTrainer` computes it for AR, `LatentDPOTrainer` with the family's score); `loss_type=["sigmoid"]` is the
-    unnormalised ablation (summed log-ratios / summed response terms). `autoregressive` is kept for callers that
-    name the family kind; both kinds get the same loss type."""
+    unnormalised ablation (summed log-ratios / summed response terms)."""
     return DPOConfig(**{**trainer_arguments(output_dir, learning_rate, batch_size, max_steps, seed, DPO_WARMUP),
                         "beta": beta, "loss_type": ["sigmoid_norm"],
                         "precompute_ref_log_probs": True, **overrides})
@@ -403,10 +402,10 @@ def scorer_for(model) -> ResponseScorer:
 
 
 #: TRL `DPOConfig` options the latent loss does not implement, with the default that is allowed (refused otherwise;
-#: an option a TRL version lacks, e.g. `rpo_alpha` in TRL 1.16, is skipped). `DPO_OPTION_EQUIVALENTS`: other values
+#: an option the installed TRL lacks, e.g. `rpo_alpha`, is skipped). `DPO_OPTION_EQUIVALENTS`: other values
 #: that mean the default (`loss_weights=[1.0]`, `router_aux_loss_coef=0.0`), accepted.
 #:
-#: TRL 1.16's `DPOConfig` fields, one by one:
+#: TRL's `DPOConfig` fields, one by one:
 #: * honoured as TRL does (TRL's own `__init__`, dataset preparation, collator or `Trainer`): learning_rate,
 #:   model_init_kwargs, trust_remote_code, disable_dropout, dataset_num_proc, max_length, pad_to_multiple_of,
 #:   precompute_ref_batch_size (the batch size of the draws/reference pass), beta, activation_offloading (TRL wraps
@@ -424,7 +423,7 @@ DPO_OPTION_EQUIVALENTS = {"loss_weights": ([1.0],), "router_aux_loss_coef": (0.0
 
 
 def trl_dpo_default(name: str):
-    """The default of `DPOConfig` field `name` in the installed TRL (1.16: loss_type ["sigmoid"], beta 0.1)."""
+    """The default of `DPOConfig` field `name` in the installed TRL (loss_type ["sigmoid"], beta 0.1)."""
     field = next(f for f in dataclasses.fields(DPOConfig) if f.name == name)
     return field.default_factory() if field.default is dataclasses.MISSING else field.default
 

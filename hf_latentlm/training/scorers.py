@@ -171,7 +171,7 @@ class ResponseScorer(Protocol):
         (a value the scorer treats as "nothing drawn here"); keys not listed pad with 0.
     draws_from_keys: True when `draws` depends only on the pair keys, the config and the rows' layout (seeded noise,
         not the reference model's outputs): the trainer then redraws them at every step instead of storing them
-        (CALM's posterior samples, 100 x 128 floats per chunk, would take gigabytes as dataset columns). Optional;
+        (CALM's posterior samples, many floats per chunk, would be far too large as dataset columns). Optional;
         a scorer without it has its draws stored.
     reference_draws: with `draws_from_keys`, the names of the draws that DO come from the reference model's outputs
         (Cola: `latents`, the reference VAE's z0). The trainer stores those as columns and, at every step, redraws

@@ -1,4 +1,4 @@
-"""GRPO (issue 31): `LatentGRPOTrainer` on TRL's `GRPOTrainer`, rollouts from each family's generate(), the family
+"""GRPO: `LatentGRPOTrainer` on TRL's `GRPOTrainer`, rollouts from each family's generate(), the family
 log-likelihoods and the latent families' surrogate, and the task rewards.
 
 What is checked, against independent computations where there is a number to compute:

@@ -1,4 +1,4 @@
-"""Post-training (issue 13): SFT and DPO trainers on TRL, the response-score abstraction and PLM's DPO score.
+"""Post-training: SFT and DPO trainers on TRL, the response-score abstraction and PLM's DPO score.
 
 What is checked, against independent computations where there is a number to compute:
 - PLM's score s(x, u) = -(L_enc^r + L_dec^r) / N_terms equals a hand computation from raw encoder logits and one
@@ -503,7 +503,7 @@ def test_ar_dpo_is_stock_sigmoid_norm_and_scores_the_terminal_eos(tmp_path, toke
     from trl import DPOTrainer
 
     model = build_tiny("ar", tokenizer)
-    args = dpo_args(tmp_path, autoregressive=True)
+    args = dpo_args(tmp_path)
     assert args.loss_type == ["sigmoid_norm"] and args.beta == 5.0 and args.precompute_ref_log_probs
     trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(toy_preference_rows(4)),
                          processing_class=tokenizer)
@@ -965,7 +965,7 @@ def test_reference_and_policy_scores_run_under_the_same_autocast(tmp_path, token
                                                ("router_aux_loss_coef", 0.01)])
 def test_latent_dpo_refuses_trl_options_it_would_ignore(tmp_path, tokenizer, option, value):
     args = dpo_args(tmp_path)
-    setattr(args, option, value)  # rpo_alpha is gone from TRL 1.16's DPOConfig; still refused where it is set
+    setattr(args, option, value)  # rpo_alpha is gone from the installed TRL's DPOConfig; still refused where it is set
     with pytest.raises(ValueError, match=rf"does not support {option}="):
         dpo_trainer(tmp_path, tokenizer, args=args)
 
@@ -991,7 +991,7 @@ def test_every_dpo_config_field_is_either_honoured_refused_or_inert():
 
     own = {f.name for f in dataclasses.fields(DPOConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
     source = inspect.getsource(post_training)
-    comment = source[source.index("#: TRL 1.16's `DPOConfig` fields"):source.index("UNSUPPORTED_DPO_OPTIONS = {")]
+    comment = source[source.index("#: TRL's `DPOConfig` fields"):source.index("UNSUPPORTED_DPO_OPTIONS = {")]
     sorted_names = set(re.findall(r"[a-z_]+", comment)) | set(post_training.UNSUPPORTED_DPO_OPTIONS)
     assert "f_divergence_type" in post_training.UNSUPPORTED_DPO_OPTIONS
     assert len(own) > 20 and not (own - sorted_names), sorted(own - sorted_names)
@@ -1104,7 +1104,7 @@ def test_a_rejection_that_cannot_be_made_is_a_value_error(tokenizer, monkeypatch
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# (issue 31) Cola: DPO trains the prior on the reference's latents, never the VAE
+# Cola: DPO trains the prior on the reference's latents, never the VAE
 # ---------------------------------------------------------------------------------------------------------------------
 
 def perturbed(model, prefixes: tuple[str, ...], scale: float, seed: int, inside: bool = True):
@@ -1191,7 +1191,7 @@ def test_a_plain_dpo_config_warns_that_it_trains_trls_defaults_not_the_papers_lo
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# (issue 31) conversational datasets through the packaged chat template
+# conversational datasets through the packaged chat template
 # ---------------------------------------------------------------------------------------------------------------------
 
 def instruction_for(line: str) -> str:
@@ -1284,7 +1284,7 @@ def test_a_conversational_preference_dataset_trains_in_latent_dpo_as_its_text_fo
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# (issue 31) TRL's metrics in the latent trainers
+# TRL's metrics in the latent trainers
 # ---------------------------------------------------------------------------------------------------------------------
 
 def hand_token_metrics(model, ids, mask, scored) -> tuple[list[float], list[float], list[float], list[int]]:
@@ -1403,7 +1403,7 @@ def test_latent_sft_logs_num_tokens_and_plms_token_accuracy_and_entropy(tmp_path
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# (issue 31) a family's learning-rate scales (Cola's VAE:DiT ratio) in the TRL trainers' optimizers
+# a family's learning-rate scales (Cola's VAE:DiT ratio) in the TRL trainers' optimizers
 # ---------------------------------------------------------------------------------------------------------------------
 
 RATIO = 0.25
