@@ -318,7 +318,7 @@ register_family(FamilySpec(
     bench_measurements=f"{BENCH}:plm_measurements",
     # The paper's N_aux = 512 / M = 128 are the config defaults (used by `base`). On 2 CPU cores fitting them at
     # every position of a `small` step (4080 positions) still costs about three AR steps, against ~0.5 of one
-    # for N_aux = 128 / M = 32 (docs/benchmarks.md, "PLM second pass"), so the CPU presets use the latter.
+    # for N_aux = 128 / M = 32 (results/plm_second_pass/), so the CPU presets use the latter.
     preset_overrides={
         "tiny": {"block_size": 4, "k_pred": 4, "num_auxiliaries": 128, "auxiliary_top_m": 32},
         "small": {"block_size": 8, "k_pred": 4, "num_auxiliaries": 128, "auxiliary_top_m": 32},

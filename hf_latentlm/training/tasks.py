@@ -21,7 +21,7 @@ Ado), so test prompts are unseen; any split name of the corpus can be requested.
 before it and the stopping number in the prompt. Its (start, length) pairs are split between "train",
 "validation" and "test" by a stable hash, so test prompts never appear in training (the numbers in them do; the
 answer is the same rule everywhere). A count too short for ``min_response_tokens`` grows one number at a time.
-Measured (docs/post_training.md): small models learn to count exactly but not where to stop.
+Measured (results/post_training_count_tens/): small models learn to count exactly but not where to stop.
 
 ``count-tens`` asks the same question, but every count starts on a number ending in 1, 2 or 3 and stops at the
 first multiple of ten after it ("Count from 2131 to 2140:"), so where to stop can also be read off the last digit
