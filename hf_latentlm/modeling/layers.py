@@ -17,13 +17,10 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.utils import is_torch_greater_or_equal
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.generic import is_flash_attention_requested
 
 from .configuration_backbone import STATIC_ROPE_TYPES
-
-# `enable_gqa` appeared in torch 2.5; the package allows torch>=2.4, so keep a fallback.
-_SDPA_HAS_GQA = is_torch_greater_or_equal("2.5")
-
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned scale; computed in float32, result cast back to the input dtype."""
@@ -145,24 +142,63 @@ def apply_rotary(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                            **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ · scaling) v written out, so that the probabilities exist: they go through
+    `module.attention_probs`, where `output_attentions` records them. Takes the boolean mask as given (True = may
+    attend); a row with no visible key gets all-zero probabilities. Returns ([B, Tq, H, D], probabilities)."""
+    key = key.repeat_interleave(module.num_key_value_groups, dim=1)
+    value = value.repeat_interleave(module.num_key_value_groups, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    probs = scores.softmax(-1)
+    if attention_mask is not None:
+        probs = probs.masked_fill(~attention_mask.any(dim=-1, keepdim=True), 0.0)
+    probs = module.attention_probs(probs.to(query.dtype))
+    attn_output = torch.matmul(F.dropout(probs, p=dropout, training=module.training), value)
+    return attn_output.transpose(1, 2).contiguous(), probs
+
+
+def flex_block_mask(attention_mask: torch.Tensor, shape: tuple[int, int, int, int]):
+    """A flex-attention `BlockMask` of a 4-D boolean mask broadcastable to `shape` = [B, H, Tq, Tk]: flex attention skips
+    the blocks of the score matrix where nothing is visible, which is what makes block-causal masks cheap."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    # The kernel calls `may_attend` with every (batch, head) index, so the mask is indexed through a broadcast view;
+    # the block summary itself needs only the mask's own batch and head sizes.
+    dense = attention_mask.expand(shape)
+
+    def may_attend(b, h, q_idx, kv_idx):
+        return dense[b, h, q_idx, kv_idx]
+
+    batch, heads = attention_mask.shape[:2]
+    return create_block_mask(may_attend, batch, heads, shape[2], shape[3], device=dense.device)
+
+
 class Attention(nn.Module):
-    """Grouped-query self-attention on `F.scaled_dot_product_attention` with an arbitrary boolean mask.
+    """Grouped-query self-attention with an arbitrary boolean mask, computed by the attention function that
+    `config._attn_implementation` names (looked up at every call in transformers' `ALL_ATTENTION_FUNCTIONS`, as
+    Llama does; "eager" is `eager_attention_forward`, no config means "sdpa").
 
     forward(hidden_states [B, T, hidden], cos, sin [B, T, head_dim], attention_mask, past_key_values=None) -> [B, T, hidden]
 
     - `attention_mask`: bool, True = may attend, broadcastable to [B, H, T, Tk] where Tk = cached + T keys.
-      `None` means every query sees every key (no causality!).
+      `None` means every query sees every key (no causality!). For "flex_attention" it becomes a `BlockMask`.
+      Flash attention takes no such masks: with it, attention is causal and `attention_mask` is None or the padding
+      mask [B, Tk] (1 = real key), which only a family whose masks are plain causal ones passes.
     - `past_key_values`: a `transformers.cache_utils.Cache` (e.g. `DynamicCache`); the new keys/values are appended with
       `cache.update(k, v, layer_idx)` and attention runs over all cached keys. Keys are cached AFTER rotary, so the
       cos/sin passed in must be those of the current call's positions only.
     - Fully masked query rows (no visible key) return exactly ZERO attention output (before `o_proj`, so the
-      layer output is o_proj's bias-free projection of 0 = 0). SDPA alone would give NaN there, which would also
-      poison gradients; we let such rows see every key and zero their output afterwards.
+      layer output is o_proj's bias-free projection of 0 = 0). SDPA alone would give NaN there on some kernels, which
+      would also poison gradients; such rows see every key and their output is zeroed afterwards.
     - `qk_norm=True` applies a per-head RMSNorm over head_dim to q and k before rotary.
-    - `config`: the model config whose `_attn_implementation` picks the kernel at every call, as transformers'
-      models do: "eager" computes the softmax explicitly and passes the probabilities through `attention_probs`
-      (where `output_attentions` records them); anything else uses SDPA. The two agree to float rounding.
     """
+
+    # Causality lives in the masks; `None` means full attention, so the kernels must not add their own.
+    is_causal = False
 
     def __init__(
         self,
@@ -183,8 +219,9 @@ class Attention(nn.Module):
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.num_kv_groups = num_heads // num_kv_heads
+        self.num_key_value_groups = num_heads // num_kv_heads
         self.head_dim = head_dim if head_dim is not None else hidden_size // num_heads
+        self.scaling = self.head_dim**-0.5
         self.attention_dropout = attention_dropout
         self.layer_idx = layer_idx
         self.config = config
@@ -220,48 +257,31 @@ class Attention(nn.Module):
                 raise ValueError("Attention needs a layer_idx to use a cache")
             k, v = past_key_values.update(k, v, self.layer_idx)
 
-        row_has_key = None
-        if attention_mask is not None:
+        implementation = getattr(self.config, "_attn_implementation", None) or "sdpa"
+        flash_kwargs, row_has_key = {}, None
+        if is_flash_attention_requested(requested_attention_implementation=implementation):
+            if attention_mask is not None and attention_mask.dim() != 2:
+                raise ValueError(f"{implementation} takes only causal attention with a [batch, keys] padding mask, got "
+                                 f"a mask of shape {tuple(attention_mask.shape)}")
+            flash_kwargs["is_causal"] = True
+        elif attention_mask is not None:
             if attention_mask.dtype != torch.bool:
                 raise TypeError(f"attention_mask must be bool (True = may attend), got {attention_mask.dtype}")
-            # Rows with no visible key: let them see everything (finite softmax, finite grads), zero them below.
-            # Done unconditionally, without a data-dependent branch, to avoid a host sync per layer.
+            attention_mask = attention_mask.view((1,) * (4 - attention_mask.dim()) + attention_mask.shape)
+            # Computed without a data-dependent branch, to avoid a host sync per layer.
             row_has_key = attention_mask.any(dim=-1, keepdim=True)
-            attention_mask = attention_mask | ~row_has_key
+            if implementation == "flex_attention":
+                attention_mask = flex_block_mask(attention_mask, (bsz, self.num_heads, q_len, k.shape[-2]))
+            elif implementation != "eager":
+                # Rows with no visible key see everything (finite softmax, finite grads) and are zeroed below.
+                attention_mask = attention_mask | ~row_has_key
 
-        dropout = self.attention_dropout if self.training else 0.0
-        if getattr(self.config, "_attn_implementation", None) == "eager":
-            out = self.eager_attention(q, k, v, attention_mask, row_has_key, dropout)
-        else:
-            # SDPA's `enable_gqa` is only served by the flash and math kernels; on GPU flash takes no mask, so with a
-            # mask it would fall back to the slow math kernel there, and we repeat the kv heads instead. The CPU
-            # kernels take a mask with `enable_gqa`, which saves the copy of every cached key.
-            use_gqa_flag = (self.num_kv_groups > 1 and _SDPA_HAS_GQA
-                            and (attention_mask is None or q.device.type == "cpu"))
-            if self.num_kv_groups > 1 and not use_gqa_flag:
-                k = k.repeat_interleave(self.num_kv_groups, dim=1)
-                v = v.repeat_interleave(self.num_kv_groups, dim=1)
-            sdpa_kwargs = {"enable_gqa": True} if use_gqa_flag else {}
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout, **sdpa_kwargs)
+        attention_function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        out, _ = attention_function(self, q, k, v, attention_mask, scaling=self.scaling,
+                                    dropout=self.attention_dropout if self.training else 0.0, **flash_kwargs)
         if row_has_key is not None:
-            out = out.masked_fill(~row_has_key, 0.0)
-
-        out = out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
-        return self.o_proj(out)
-
-    def eager_attention(self, q, k, v, attention_mask, row_has_key, dropout: float) -> torch.Tensor:
-        """softmax(q kᵀ / √d) v written out, so that the probabilities exist (and go through `attention_probs`)."""
-        k = k.repeat_interleave(self.num_kv_groups, dim=1)
-        v = v.repeat_interleave(self.num_kv_groups, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.head_dim**-0.5
-        if attention_mask is not None:
-            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-        probs = scores.softmax(-1)
-        if row_has_key is not None:
-            probs = probs.masked_fill(~row_has_key, 0.0)
-        probs = self.attention_probs(probs.to(q.dtype))
-        probs = F.dropout(probs, p=dropout, training=self.training)
-        return torch.matmul(probs, v)
+            out = out.masked_fill(~row_has_key.transpose(1, 2), 0.0)
+        return self.o_proj(out.reshape(bsz, q_len, self.num_heads * self.head_dim))
 
 
 class AttentionProbs(nn.Identity):

@@ -187,12 +187,24 @@ class BackbonePreTrainedModel(PreTrainedModel, TrainingHooks):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DecoderBlock"]
+    # `layers.Attention` takes any boolean mask through sdpa, eager and flex attention (as a BlockMask); flash
+    # attention takes causality as a flag and padding as [batch, keys] only, so a family whose masks are just that
+    # (CALM) turns it on.
     _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_flash_attn = False
     base_model_class: type | None = None
 
     @torch.no_grad()
     def _init_weights(self, module):
         init_backbone_weights(module, self.config.initializer_range)
+
+    def _flash_attn_can_dispatch(self, flash_attn_version: int, is_init_check: bool = False) -> bool:
+        if not self._supports_flash_attn:
+            raise ValueError(f"{type(self).__name__} cannot use flash_attention_{flash_attn_version}: flash attention "
+                             "takes only causal masks with padding, and this model's attention masks are not; use "
+                             "attn_implementation='sdpa' or 'flex_attention'")
+        return super()._flash_attn_can_dispatch(flash_attn_version, is_init_check)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         # Each class records only its own Auto class; write them all, so that every Auto class loads the folder where

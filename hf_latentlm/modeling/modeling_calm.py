@@ -21,6 +21,7 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils.generic import is_flash_attention_requested
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_calm import TEMPERATURE_SAMPLERS, CALMAutoencoderConfig, CALMConfig
@@ -195,7 +196,8 @@ class CALMAutoencoder(BackbonePreTrainedModel):
     _no_split_modules = None
     main_input_name = "input_ids"
     _can_compile_fullgraph = True  # MLPs only; eval and training forwards compile (tests/modeling/test_compile.py)
-    _supports_sdpa = False  # no attention at all
+    # No attention at all: any implementation is fine, so the CALM around it can switch freely.
+    _supports_sdpa = _supports_flex_attn = _supports_flash_attn = True
     # Hidden states: the embeddings, then the output of every residual block, encoder then decoder.
     _can_record_outputs = {"hidden_states": ResidualMLP}
     # `resize_token_embeddings` is supported as is: the output logits read `embed_tokens.weight` and token
@@ -434,6 +436,7 @@ def context_spread(hidden: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
 
 class CALMPreTrainedModel(BackbonePreTrainedModel):
     config_class = CALMConfig
+    _supports_flash_attn = True  # the backbone's masks are causal + padding (CALMModel passes flash the padding)
     _can_record_outputs = {"hidden_states": DecoderBlock, "attentions": OutputRecorder(AttentionProbs)}
     # The inference forward compiles with fullgraph=True, and so does the energy objective (tests/modeling/
     # test_compile.py).
@@ -514,6 +517,8 @@ class CALMModel(CALMPreTrainedModel):
                                  f"{(past + length) * K}")
             chunk_mask = attention_mask.view(batch, past + length, K).any(-1)  # a chunk with a real token counts
         position_ids, mask = causal_layout(chunk_mask, batch, length, past, hidden.device, position_ids)
+        if is_flash_attention_requested(self.config):  # causal by its own flag: it takes the padding mask alone
+            mask = chunk_mask
         cos, sin = self.rotary(position_ids, dtype=hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, mask, past_key_values=past_key_values)

@@ -736,7 +736,10 @@ def test_autoencoder_follows_the_transformers_output_conventions(tokenizer, tiny
     torch.testing.assert_close(as_tuple[0], out.logits)
     with pytest.raises(TypeError, match="foo"):
         ae(ids, foo=1)
-    assert not ae._supports_sdpa  # no attention: nothing for transformers to dispatch
+    # No attention: every implementation is accepted and none changes the outputs.
+    for implementation in ("eager", "flex_attention", "sdpa"):
+        ae.set_attn_implementation(implementation)
+        torch.testing.assert_close(ae(ids).logits, out.logits, atol=0, rtol=0)
 
 
 def test_from_pretrained_keeps_the_autoencoder_frozen(tmp_path, tokenizer):
