@@ -19,7 +19,7 @@ from trl import TrlParser
 
 from .families import FAMILIES, check_components, component_names, get_family
 from .presets import get_preset
-from .training.config import TrainConfig
+from .training.config import REPORT_TO_HELP, TrainConfig
 
 
 class CommandParser(TrlParser):
@@ -51,8 +51,7 @@ class PostTrainingArguments:
                 "also saved at the last step)"})
     resume: bool = field(default=False, metadata={
         "help": "continue from the newest checkpoint in --output-dir (give the interrupted run's options)"})
-    report_to: str = field(default="none", metadata={"help": TrainConfig.__dataclass_fields__["report_to"]
-                                                     .metadata["help"]})
+    report_to: str = field(default="none", metadata={"help": REPORT_TO_HELP})
 
 
 @dataclass

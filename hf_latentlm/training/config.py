@@ -17,6 +17,8 @@ from ..presets import PRESETS, get_preset
 
 #: The experiment trackers `report_to` names, each with the package it needs (the `track` extra installs them all).
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+REPORT_TO_HELP = ("experiment trackers that get the logged metrics (docs/tracking.md): none, tensorboard, wandb, "
+                  "trackio, a comma-separated list, or all (every installed one); pip install 'hf-latentlm[track]'")
 
 
 def parse_report_to(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
@@ -122,10 +124,7 @@ class TrainConfig:
                 "(the registry says which); each is frozen and copied into the model"})
     model_kwargs: dict[str, Any] | str | None = field(default_factory=dict, metadata={
         "help": "overrides of the family's config fields, e.g. {\"block_size\": 8}"})
-    report_to: list[str] | str | None = field(default="none", metadata={
-        "help": "experiment trackers that get the metrics metrics.jsonl gets (docs/tracking.md): none, tensorboard, "
-                "wandb, trackio, a comma-separated list, or all (every installed one); pip install "
-                "'hf-latentlm[track]'"})
+    report_to: list[str] | str | None = field(default="none", metadata={"help": REPORT_TO_HELP})
 
     def __post_init__(self):
         for name in ("components", "model_kwargs"):
@@ -182,4 +181,4 @@ class TrainConfig:
         return cfg
 
 
-__all__ = ["TRACKERS", "TrainConfig", "parse_report_to"]
+__all__ = ["REPORT_TO_HELP", "TRACKERS", "TrainConfig", "parse_report_to"]
