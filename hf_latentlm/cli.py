@@ -1,7 +1,9 @@
-"""`hf-latentlm` command line: train, generate, eval, bench, sft, dpo, grpo, report, push.
+"""`hf-latentlm` command line: train, generate, eval, bench, sft, dpo, grpo, report, push, serve, lm-eval.
 
-Every user mistake (bad argument, missing folder, empty prompt, unknown preset or family)
-ends with ONE line on stderr and exit status 2.
+`train`'s options are `TrainConfig`'s fields and `sft` / `dpo` / `grpo`'s those of `PostTrainingArguments`, built by
+TRL's dataclass parser, which imports neither torch nor transformers: `--help` and argument errors answer at once.
+Every user mistake (bad argument, missing folder, empty prompt, unknown preset or family) ends with ONE line on
+stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -10,62 +12,90 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .families import BASELINE_FAMILY, FAMILIES, check_components, component_names, get_family
-from .presets import PRESETS
+from trl import TrlParser
 
-DEFAULT_SAMPLE_PROMPT = "ROMEO.\n"
-OPTIMUM_POSITIONS = 1000  # windows of the quick measurement `train` prints after a run on a generated language
-REPORT_TO_HELP = ("experiment trackers that get the logged metrics (docs/tracking.md): none, tensorboard, wandb, "
-                  "trackio, a comma-separated list, or all (every installed one); pip install 'hf-latentlm[track]' "
-                  "(default: %(default)s)")
+from .families import FAMILIES, check_components, component_names, get_family
+from .presets import get_preset
+from .training.config import REPORT_TO_HELP, TrainConfig
 
 
-class OneLineParser(argparse.ArgumentParser):
+class CommandParser(TrlParser):
+    """TRL's dataclass parser (each option's default shown in its help) whose errors are one line."""
+
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+@dataclass
+class PostTrainingArguments:
+    """`sft`, `dpo` and `grpo`: the arguments of `recipes.run_sft` / `run_dpo` / `run_grpo`."""
+
+    model: str = field(metadata={"help": "model folder written by train (dpo, grpo: by sft)"})
+    output_dir: str = field(metadata={"help": "where checkpoints and the tuned model go"})
+    task: str | None = field(default=None, metadata={
+        "help": "task of hf_latentlm.training.tasks (None: its DEFAULT_TASK)"})
+    max_steps: int | None = field(default=None, metadata={"help": "optimizer steps (None: one epoch)"})
+    lora: bool = field(default=False, metadata={"help": "train a LoRA adapter, then save the merged model"})
+    learning_rate: float | None = field(default=None, metadata={
+        "help": "None: 1e-4 (sft) / 5e-6 (dpo) / 1e-5 (grpo), 10x with --lora"})
+    batch_size: int = field(default=8, metadata={
+        "help": "pairs (dpo), examples (sft) or completions (grpo) per device"})
+    train_size: int | None = field(default=None, metadata={
+        "help": "training examples drawn from the task (None: the task's)"})
+    seed: int = field(default=0, metadata={"help": "data order, sampling and initialisation"})
+    save_every: int = field(default=100, metadata={
+        "help": "optimizer steps between resumable checkpoints (output-dir/checkpoint-<step>, the newest 2 kept; "
+                "also saved at the last step)"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue from the newest checkpoint in --output-dir (give the interrupted run's options)"})
+    report_to: str = field(default="none", metadata={"help": REPORT_TO_HELP})
+
+
+@dataclass
+class DPOArguments(PostTrainingArguments):
+    policy_rejections: bool = field(default=False, metadata={
+        "help": "reject the model's own wrong answers (sampled once, before training) instead of the task's "
+                "made-up ones, wherever the model answers wrong"})
+
+
+@dataclass
+class GRPOArguments(PostTrainingArguments):
+    batch_size: int = field(default=16, metadata={"help": "completions per device"})
+    num_generations: int = field(default=8, metadata={
+        "help": "completions per prompt (a group); --batch-size must be a multiple of it"})
+    beta: float = field(default=0.0, metadata={
+        "help": "weight of the KL to the reference (TRL's default 0: no reference model)"})
+    num_score_draws: int = field(default=2, metadata={
+        "help": "CALM, Cola, AURORA: draw sets per response in the likelihood surrogate"})
+
+
+POST_TRAINING = {
+    "sft": (PostTrainingArguments, "supervised fine-tuning of a trained model on an instruction task"),
+    "dpo": (DPOArguments, "preference optimisation (DPO) of a fine-tuned model on an instruction task"),
+    "grpo": (GRPOArguments, "reinforcement learning (GRPO) of a fine-tuned model on an instruction task, rewarded "
+                            "by exact match plus partial credit"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     # The commands listed from the table itself, so the top-level --help names every one.
-    parser = OneLineParser(prog="hf-latentlm", description=f"`hf-latentlm` command line: {', '.join(COMMANDS)}.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    parser = CommandParser(prog="hf-latentlm", description=f"`hf-latentlm` command line: {', '.join(COMMANDS)}.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
+    add_train_command(sub)
+    add_model_commands(sub)
+    add_comparison_commands(sub)
+    for name, (arguments, help_text) in POST_TRAINING.items():
+        sub.add_parser(name, dataclass_types=[arguments], help=help_text)
+    add_push_and_serve_commands(sub)
+    return parser
 
-    t = sub.add_parser("train", help="train a model on the embedded corpus (or your text files)")
-    t.add_argument("--family", default="ar",
-                   help=f"model family: {', '.join(sorted(FAMILIES))} (default: %(default)s)")
-    t.add_argument("--preset", default="small", help=f"model size: {', '.join(PRESETS)} (default: %(default)s)")
-    t.add_argument("--output-dir", required=True, help="where checkpoints, metrics.jsonl and the final model go")
-    t.add_argument("--max-steps", type=int, help="optimizer steps (default: the preset's)")
-    t.add_argument("--stop-at-step", type=int, help="stop early after this step; continue later with --resume")
-    t.add_argument("--resume", nargs="?", const="latest", choices=["latest", "previous"],
-                   help="continue from the latest checkpoint in --output-dir; `--resume previous`: from the complete "
-                        "checkpoint before it, the fallback when the latest is damaged")
-    t.add_argument("--batch-size", type=int, help="rows per process per micro-step (default: the preset's)")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default: %(default)s)")
-    t.add_argument("--seq-len", type=int, help="tokens per training row; at least one block or chunk of the family "
-                                               "(default: the preset's)")
-    t.add_argument("--learning-rate", type=float, help="peak learning rate of AdamW (default: the preset's)")
-    t.add_argument("--schedule", choices=["cosine", "wsd"], default="cosine",
-                   help="after warmup: cosine decay, or warmup-stable-decay (default: %(default)s)")
-    t.add_argument("--warmup-steps", type=int, help="linear warmup steps (default: the preset's, at most a tenth "
-                                                    "of --max-steps)")
-    t.add_argument("--eval-every", type=int, default=100,
-                   help="validation loss every N steps, 0 for none (default: %(default)s)")
-    t.add_argument("--save-every", type=int, default=100,
-                   help="a resumable checkpoint every N steps, and at the last (default: %(default)s)")
-    t.add_argument("--seed", type=int, default=0, help="model initialisation and data order (default: %(default)s)")
-    t.add_argument("--corpus", help="'shakespeare' (default: the embedded corpus) or 'generated:LEVEL', a generated "
-                                     "language with a known optimum (LEVEL: easy, medium, hard; docs/generated_language.md)")
-    t.add_argument("--train-file", action="append", help="your own text file (repeatable; one document each)")
-    t.add_argument("--validation-file", action="append",
-                   help="your own validation text (repeatable; default: the embedded corpus's validation split)")
-    t.add_argument("--dataset", help="a corpus too large for memory, streamed: a folder written by datasets' "
-                                      "save_to_disk (its train split; validation split if any), a text file or a "
-                                      "folder of *.txt files")
-    t.add_argument("--text-column", help="--dataset's text column (default: 'text', or its only string column)")
-    t.add_argument("--tokenizer", help="tokenizer folder or hub id (default: the embedded BPE)")
+
+def add_train_command(sub) -> None:
+    t = sub.add_parser("train", dataclass_types=[TrainConfig],
+                       help="train a model on the embedded corpus (or your text files)")
     for name in component_names():  # one option per trained component a family needs (e.g. --autoencoder)
         users = {s.name: s.components[name] for s in FAMILIES.values() if name in s.components}
         t.add_argument(f"--{name}", help="; ".join(f"--family {user}: folder of a trained {name} (from --family "
@@ -73,11 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                    help="override one field of the family's config (repeatable); VALUE is read as JSON "
                         "(64, 0.5, null, true, \"x0\") or else taken as a string, e.g. --config loss_space=velocity")
-    t.add_argument("--sample-prompt", help="prompt for the sample printed at the end (default: "
-                                           f"{DEFAULT_SAMPLE_PROMPT!r}, or a generated language's first validation words)")
-    t.add_argument("--no-sample", action="store_true", help="do not print a sample after training")
-    t.add_argument("--report-to", default="none", help=REPORT_TO_HELP)
+    t.add_argument("--sample-prompt", help="prompt of the summary's sample (default: 'ROMEO.\\n', or a generated "
+                                           "language's first validation words)")
+    t.add_argument("--no-summary", "--no-sample", dest="no_summary", action="store_true",
+                   help="train and save only: no summary after training (speed against a fresh AR baseline, the "
+                        "optimum of a generated language, the family's own report, a sample); --no-sample is its "
+                        "older name")
 
+
+def add_model_commands(sub) -> None:
     g = sub.add_parser("generate", help="continue a prompt with a trained model")
     g.add_argument("--model", required=True, help="model folder written by train")
     g.add_argument("--prompt", required=True)
@@ -102,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "with the hf-latentlm model registered; pip install 'hf-latentlm[eval]' (docs/lm_eval.md)")
     le.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
 
+
+def add_comparison_commands(sub) -> None:
     b = sub.add_parser("bench", help="several models side by side in one run, ratios to a baseline")
     b.add_argument("--model", action="append", required=True, metavar="NAME=DIR",
                    help="a model to measure (repeatable)")
@@ -112,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--mauve", action="store_true")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--output", default="docs/benchmarks.json")
-    b.add_argument("--markdown", default="docs/benchmarks_table.md")
+    b.add_argument("--output", default="results/bench/benchmarks.json", help="the JSON record")
+    b.add_argument("--markdown", default="results/bench/benchmarks_table.md", help="the table")
     # Extras: each model measured further, next to the baseline, after the table.
     b.add_argument("--extras", action="store_true", help="each model's family decoding settings and own "
                    "measurements (the registry's bench_decodings / bench_measurements)")
@@ -127,45 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compile", action="store_true", help="each model's decoding eager and compiled at batch 1 and 8 "
                    "(generate(compile_config=...); the AR baseline with transformers' static cache + compile)")
 
-    for name, help_text in (("sft", "supervised fine-tuning of a trained model on an instruction task"),
-                            ("dpo", "preference optimisation (DPO) of a fine-tuned model on an instruction task"),
-                            ("grpo", "reinforcement learning (GRPO) of a fine-tuned model on an instruction task, "
-                                     "rewarded by exact match plus partial credit")):
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("--model", required=True, help="model folder written by train (dpo, grpo: by sft)")
-        p.add_argument("--output-dir", required=True)
-        p.add_argument("--task", default=None, help="task of hf_latentlm.training.tasks (default: its DEFAULT_TASK)")
-        p.add_argument("--max-steps", type=int, help="optimizer steps (default: one epoch)")
-        p.add_argument("--lora", action="store_true", help="train a LoRA adapter, then save the merged model")
-        p.add_argument("--learning-rate", type=float,
-                       help="default: 1e-4 (sft) / 5e-6 (dpo) / 1e-5 (grpo), 10x with --lora")
-        p.add_argument("--batch-size", type=int, default=16 if name == "grpo" else 8,
-                       help="pairs (dpo), examples (sft) or completions (grpo) per device")
-        p.add_argument("--train-size", type=int, help="training examples drawn from the task (default: the task's)")
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--save-every", type=int, default=100,
-                       help="optimizer steps between resumable checkpoints (output-dir/checkpoint-<step>, the newest "
-                            "2 kept; also saved at the last step)")
-        p.add_argument("--resume", action="store_true",
-                       help="continue from the newest checkpoint in --output-dir (give the interrupted run's options)")
-        p.add_argument("--report-to", default="none", help=REPORT_TO_HELP)
-        if name == "dpo":
-            p.add_argument("--policy-rejections", action="store_true",
-                           help="reject the model's own wrong answers (sampled once, before training) instead of "
-                                "the task's made-up ones, wherever the model answers wrong")
-        if name == "grpo":
-            p.add_argument("--num-generations", type=int, default=8,
-                           help="completions per prompt (a group); --batch-size must be a multiple of it")
-            p.add_argument("--beta", type=float, default=0.0,
-                           help="weight of the KL to the reference (TRL's default 0: no reference model)")
-            p.add_argument("--num-score-draws", type=int, default=2,
-                           help="CALM, Cola, AURORA: draw sets per response in the likelihood surrogate")
-
     r = sub.add_parser("report", help="every model and decoding setting against the AR baseline in one run: "
                                       "Markdown table, JSON and a speed-versus-quality plot")
     r.add_argument("--model", action="append", required=True, metavar="NAME=DIR",
                    help="a model to report (repeatable); one must be ar=DIR, the baseline")
-    r.add_argument("--output", default="docs/report", help="folder for report.md, report.json, speed_quality.png")
+    r.add_argument("--output", default="results/report", help="folder for report.md, report.json, speed_quality.png")
     r.add_argument("--num-positions", type=int, default=2000, help="BrierLM-2 positions per entry")
     r.add_argument("--context-len", type=int, default=128)
     r.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per timed generate()")
@@ -174,13 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-mauve", action="store_true", help="skip MAUVE")
     r.add_argument("--seed", type=int, default=0)
 
+
+def add_push_and_serve_commands(sub) -> None:
     h = sub.add_parser("push", help="upload a model folder (weights, config, remote code, tokenizer) with a model "
                                     "card to the Hugging Face Hub")
     h.add_argument("--model", required=True, help="model folder written by train / sft / dpo")
     h.add_argument("--repo-id", required=True, metavar="OWNER/NAME")
     h.add_argument("--private", action="store_true", help="create the repository as private")
     h.add_argument("--revision", help="branch to push to (created if missing; default: main)")
-    h.add_argument("--license", default="apache-2.0", help="license in the model card (default: apache-2.0)")
+    h.add_argument("--license", default="apache-2.0", help="license in the model card")
     h.add_argument("--eval-results", metavar="FILE",
                    help="the model's `hf-latentlm eval` JSON, for the card's results and model-index (default: "
                         "eval_results.json in the model folder, if there is one)")
@@ -195,19 +199,24 @@ def build_parser() -> argparse.ArgumentParser:
                                      "concurrent requests; pip install 'hf-latentlm[serve]' (docs/serving.md)")
     s.add_argument("--model", action="append", required=True, metavar="DIR|NAME=DIR",
                    help="a model folder to serve (repeatable); requests name it by NAME (default: the folder's name)")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
-    s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
-    s.add_argument("--max-batch-size", type=int, default=8, help="requests per generate() call (default: %(default)s)")
-    s.add_argument("--max-queue", type=int, default=64,
-                   help="requests waiting per model before the server answers 429 (default: %(default)s)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (this machine only by default)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--max-batch-size", type=int, default=8, help="requests per generate() call")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting per model before the server answers 429")
     s.add_argument("--batch-wait-ms", type=float, default=5.0,
-                   help="how long a batch waits for more requests after its first (default: %(default)s)")
-    s.add_argument("--seed", type=int, default=0,
-                   help="first seed of the requests that give none (each takes the next; default: %(default)s)")
+                   help="how long a batch waits for more requests after its first")
+    s.add_argument("--seed", type=int, default=0, help="first seed of the requests that give none (each takes the next)")
     s.add_argument("--device", help="torch device for the models (default: where they load, the CPU)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn's log level (default: %(default)s)")
-    return parser
+                   help="uvicorn's log level")
+
+
+def check_at_least_one(args, *names: str) -> None:
+    """ValueError naming the first of the integer options `names` set below 1."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
 def config_overrides(items: list[str]) -> dict:
@@ -235,111 +244,37 @@ def check_config_keys(spec, overrides: dict) -> None:
         raise ValueError(f"--config: the {spec.name} family's config has no field(s) {unknown}")
 
 
-def cmd_train(args) -> int:
-    from .data.generated import parse_corpus
-    from .presets import get_preset
-    from .training.config import TrainConfig  # no torch: every check up to check_config_keys answers in a second
-
-    cfg = TrainConfig(
-        family=args.family, preset=args.preset, output_dir=args.output_dir, max_steps=args.max_steps,
-        stop_at_step=args.stop_at_step, resume=args.resume or False, batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        seq_len=args.seq_len, learning_rate=args.learning_rate, schedule=args.schedule,
-        warmup_steps=args.warmup_steps, eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
-        corpus=args.corpus, train_files=args.train_file, validation_files=args.validation_file, tokenizer=args.tokenizer,
-        dataset=args.dataset, text_column=args.text_column,
-        components={name: getattr(args, name) for name in component_names() if getattr(args, name) is not None},
-        model_kwargs=config_overrides(args.config), report_to=args.report_to,
-    )
+def train_config(args) -> TrainConfig:
+    """The resolved `TrainConfig` of `train`'s arguments (the component options and `--config` items merged in),
+    checked without torch up to the family's config keys."""
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    cfg.components.update({name: getattr(args, name) for name in component_names() if getattr(args, name)})
+    cfg.model_kwargs.update(config_overrides(args.config))
     spec = get_family(cfg.family)
     get_preset(cfg.preset)
     check_components(cfg.family, cfg.components)
     for name, folder in cfg.components.items():  # (the registry checks the folder's contents when it loads it)
         if not Path(folder).is_dir():
             raise FileNotFoundError(f"--{name} {folder!r} does not exist: not a saved {name} folder")
-    cfg.resolved()  # fail on bad values before loading any data
+    cfg = cfg.resolved()  # fail on bad values before loading any data
     check_config_keys(spec, cfg.model_kwargs)  # the config classes come with torch
+    return cfg
+
+
+def cmd_train(args) -> int:
+    """Train and save; then, on the main process of a finished run, the eval layer's summary."""
+    cfg = train_config(args)
+    args.output_dir = cfg.output_dir  # resolved: the Ctrl-C hint names its checkpoints
     from .training.loop import train
-    if args.sample_prompt is None:
-        args.sample_prompt = sample_prompt(cfg.corpus)
+
     metrics = train(cfg)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
-    finished = cfg.stop_at_step is None or cfg.stop_at_step == cfg.resolved().max_steps
-    main_process = int(os.environ.get("RANK", "0")) == 0
-    language = parse_corpus(cfg.corpus)  # None for the embedded corpus or the user's text
-    if finished and spec.training_report is not None and main_process:
-        from .eval.optimum import evaluation_stream
-        from .loading import load_model_and_tokenizer
+    finished = cfg.stop_at_step is None or cfg.stop_at_step == cfg.max_steps
+    if finished and not args.no_summary and int(os.environ.get("RANK", "0")) == 0:
+        from .eval.summary import print_training_summary
 
-        stream = None if language is None else evaluation_stream(language)  # measured on what it trained on
-        print(spec.training_report(*load_model_and_tokenizer(args.output_dir, language_model=False), stream=stream))
-    if finished and spec.language_model and not args.no_sample and main_process:
-        from .eval.speed import measure_generation_speed, speed_versus_fresh_baseline
-        from .loading import load_model_and_tokenizer
-
-        model, tokenizer = load_model_and_tokenizer(args.output_dir)
-        text, _ = generate_text(model, tokenizer, args.sample_prompt, max_new_tokens=100, seed=args.seed)
-        ids = tokenizer(args.sample_prompt, return_tensors="pt", add_special_tokens=False).input_ids
-        options = dict(max_new_tokens=64, repeats=1)
-        if cfg.family == BASELINE_FAMILY:
-            speed = measure_generation_speed(model, ids, **options)
-            lines = [f"{cfg.family}: {speed['tokens_per_s']:.0f} tokens/s, "
-                     f"{1 / speed['model_calls_per_token']:.2f} tokens per model call"]
-        else:
-            lines = []
-            for label, kwargs in {"": {}, **spec.speed_variants}.items():
-                # The matched reference: a fresh baseline of the same preset, timed on the same prompt in this
-                # process next to each variant.
-                compared = speed_versus_fresh_baseline(model, cfg.preset, tokenizer, ids, generate_kwargs=dict(kwargs),
-                                                       **options)
-                speed, ar = compared["model"]["batch_1"], compared["baseline"]["batch_1"]
-                lines.append(f"{cfg.family}{f' ({label})' if label else ''}: {speed['tokens_per_s']:.0f} tokens/s, "
-                             f"{1 / speed['model_calls_per_token']:.2f} tokens per model call"
-                             f" | AR baseline ({cfg.preset}): {ar['tokens_per_s']:.0f} tokens/s, "
-                             f"{1 / ar['model_calls_per_token']:.2f} tokens per call"
-                             f" | speed ratio {compared['ratio']['batch_1']:.2f}x")
-        print("\n--- speed (batch 1, 64 new tokens, this process) ---\n" + "\n".join(lines))
-        if language is not None:  # what the run reached, as a share of what the language allows
-            from .eval.optimum import evaluate_against_optimum, optimum_headline
-
-            context_len = min(128, cfg.resolved().seq_len - 4)  # windows inside the rows it was trained at
-            optimum = evaluate_against_optimum(model.eval(), language, OPTIMUM_POSITIONS, context_len, seed=args.seed)
-            print(f"--- against the optimum of generated:{language.name} ({OPTIMUM_POSITIONS} validation windows, "
-                  f"context {context_len}; `hf-latentlm eval` measures more) ---\n{optimum_headline(optimum)}")
-        print(f"--- sample ---\n{args.sample_prompt}{text}\n---")
+        print_training_summary(cfg, args.sample_prompt)
     return 0
-
-
-def sample_prompt(corpus: str | None) -> str:
-    """The default prompt of the sample `train` prints: a generated language's first eight validation words (its
-    word-level tokenizer knows no other text), else the embedded corpus's ROMEO."""
-    from .data.generated import parse_corpus
-
-    language = parse_corpus(corpus)
-    if language is None:
-        return DEFAULT_SAMPLE_PROMPT
-    words = language.document("validation", 0, 0)[:-1][:8]  # without its end-of-document id
-    return " ".join(language.tokenizer().convert_ids_to_tokens(words)) + " "
-
-
-def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, seed: int = 0, **sampling) -> tuple[str, int]:
-    import torch
-
-    if not prompt or not prompt.strip():
-        raise ValueError("the prompt is empty")
-    if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and ids.shape[1] + max_new_tokens > limit:
-        raise ValueError(f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                         f"position limit {limit}")
-    torch.manual_seed(seed)
-    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-    kwargs.update(sampling)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kwargs)
-    new = out[0, ids.shape[1]:]
-    return tokenizer.decode(new, skip_special_tokens=True), new.numel()
 
 
 def cmd_generate(args) -> int:
@@ -351,7 +286,9 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--temperature must be positive, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    model, tokenizer = load_model_and_tokenizer(args.model)  # a bad folder is refused before torch loads
+    from .eval.summary import generate_text
+
     sampling = {"do_sample": False} if args.greedy else dict(temperature=args.temperature, top_k=args.top_k,
                                                              top_p=args.top_p)
     text, _ = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.seed, **sampling)
@@ -362,8 +299,7 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     from .folders import check_model_folder
 
-    if args.num_positions < 1:
-        raise ValueError(f"--num-positions must be at least 1, got {args.num_positions}")
+    check_at_least_one(args, "num_positions")
     check_model_folder(args.model, f"model folder {args.model!r}")
     from .data.generated import GeneratedLanguage
     from .eval.harness import evaluate_model  # torch: after every argument check
@@ -389,7 +325,6 @@ def cmd_lm_eval(args) -> int:
 
 def cmd_bench(args) -> int:
     from .eval.arguments import named_models, parse_sweeps
-    from .presets import get_preset
 
     models = named_models(args.model)
     baseline = args.baseline or next(iter(models))
@@ -431,9 +366,7 @@ def cmd_report(args) -> int:
     from .eval.arguments import named_models
 
     models = named_models(args.model)
-    for option in ("num_positions", "max_new_tokens", "repeats", "context_len"):
-        if getattr(args, option) < 1:
-            raise ValueError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
+    check_at_least_one(args, "num_positions", "max_new_tokens", "repeats", "context_len")
     if not args.no_mauve and args.mauve_samples < 10:
         raise ValueError(f"--mauve-samples must be at least 10 (MAUVE's minimum), got {args.mauve_samples}")
     from .eval.report import build_report, write_report  # torch: after every argument check
@@ -455,19 +388,17 @@ def cmd_post_train(args) -> int:
     """`sft`, `dpo` and `grpo`: TRL's stock trainers for the AR baseline, the hf_latentlm subclasses for the other
     families."""
     from .folders import POST_TRAINING_RECORD, check_model_folder
+    from .training.config import parse_report_to
     from .training.tasks import TASKS
 
-    for option in ("max_steps", "batch_size", "train_size", "save_every", "num_generations", "num_score_draws"):
-        value = getattr(args, option, None)
-        if value is not None and value < 1:
-            raise ValueError(f"--{option.replace('_', '-')} must be at least 1, got {value}")
+    options = {f.name: getattr(args, f.name) for f in fields(POST_TRAINING[args.command][0])}
+    check_at_least_one(args, "max_steps", "batch_size", "train_size", "save_every", "num_generations",
+                       "num_score_draws")
     if args.learning_rate is not None and args.learning_rate <= 0:
         raise ValueError(f"--learning-rate must be positive, got {args.learning_rate}")
     if args.task is not None and args.task not in TASKS:
         raise ValueError(f"unknown task {args.task!r}; known tasks: {', '.join(TASKS)}")
-    from .training.config import parse_report_to
-
-    report_to = parse_report_to(args.report_to)  # before the model folder is read
+    options["report_to"] = parse_report_to(args.report_to)  # before the model folder is read
     if args.command == "grpo":
         if args.num_generations < 2 or args.batch_size % args.num_generations:
             raise ValueError(f"--num-generations must be at least 2 (advantages compare completions of one prompt) "
@@ -480,17 +411,10 @@ def cmd_post_train(args) -> int:
         # answer format gives the preference loss little to work with. Allowed (a model may be tuned elsewhere).
         print(f"hf-latentlm {args.command}: warning: {args.model} was not fine-tuned by `hf-latentlm sft` (no "
               f"{POST_TRAINING_RECORD}); {args.command.upper()} is meant to start from an SFT model", file=sys.stderr)
-    from .recipes import run_dpo, run_grpo, run_sft  # torch: after every argument check
+    from . import recipes  # torch: after every argument check
 
-    run, options = run_sft, {}
-    if args.command == "dpo":
-        run, options = run_dpo, {"policy_rejections": args.policy_rejections}
-    elif args.command == "grpo":
-        run, options = run_grpo, {"num_generations": args.num_generations, "beta": args.beta,
-                                  "num_score_draws": args.num_score_draws}
-    summary = run(args.model, args.output_dir, task=args.task, max_steps=args.max_steps, lora=args.lora,
-                  learning_rate=args.learning_rate, batch_size=args.batch_size, train_size=args.train_size,
-                  seed=args.seed, save_every=args.save_every, resume=args.resume, report_to=report_to, **options)
+    run = getattr(recipes, f"run_{args.command}")
+    summary = run(options.pop("model"), options.pop("output_dir"), **options)
     if not summary.get("losses"):  # a run shorter than the Trainer's logging period logs none: no empty list
         summary.pop("losses", None)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -499,8 +499,73 @@ def test_top_level_help_names_every_command_and_train_options_say_what_they_do_a
     parser = build_parser()
     assert parser.description == f"`hf-latentlm` command line: {', '.join(COMMANDS)}." and "report" in COMMANDS
     train = parser._subparsers._group_actions[0].choices["train"]
+    formatter = train._get_formatter()  # the formatter appends each default to its option's help
     for action in train._actions:
         assert action.help, f"train {action.option_strings} has no help"
-        text = action.help % vars(action)
+        text = formatter._get_help_string(action) % vars(action)
         if action.default not in (None, False, [], argparse.SUPPRESS):
             assert f"(default: {action.default})" in text, (action.option_strings, text)
+
+
+# Every TrainConfig field, the command-line words that set it, and the value they give.
+EVERY_TRAIN_FIELD = {
+    "family": (["--family", "plm"], "plm"), "preset": (["--preset", "tiny"], "tiny"),
+    "output_dir": (["--output-dir", "out"], "out"), "max_steps": (["--max-steps", "7"], 7),
+    "stop_at_step": (["--stop-at-step", "3"], 3), "resume": (["--resume", "previous"], "previous"),
+    "batch_size": (["--batch-size", "2"], 2), "grad_accum": (["--grad-accum", "4"], 4),
+    "seq_len": (["--seq-len", "32"], 32), "learning_rate": (["--learning-rate", "0.01"], 0.01),
+    "schedule": (["--schedule", "wsd"], "wsd"), "warmup_steps": (["--warmup-steps", "1"], 1),
+    "min_lr_ratio": (["--min-lr-ratio", "0"], 0.0), "decay_fraction": (["--decay-fraction", "0.5"], 0.5),
+    "weight_decay": (["--weight-decay", "0.05"], 0.05), "adam_beta1": (["--adam-beta1", "0.8"], 0.8),
+    "adam_beta2": (["--adam-beta2", "0.99"], 0.99), "adam_eps": (["--adam-eps", "1e-6"], 1e-6),
+    "grad_clip": (["--grad-clip", "0"], 0.0), "eval_every": (["--eval-every", "0"], 0),
+    "eval_batches": (["--eval-batches", "3"], 3), "save_every": (["--save-every", "5"], 5),
+    "keep_checkpoints": (["--keep-checkpoints", "0"], 0), "log_every": (["--log-every", "1"], 1),
+    "seed": (["--seed", "9"], 9), "corpus": (["--corpus", "generated:easy"], "generated:easy"),
+    "train_files": (["--train-file", "a.txt", "--train-file", "b.txt"], ["a.txt", "b.txt"]),
+    "validation_files": (["--validation-file", "v.txt"], ["v.txt"]), "tokenizer": (["--tokenizer", "tok"], "tok"),
+    "dataset": (["--dataset", "corpus"], "corpus"), "text_column": (["--text-column", "body"], "body"),
+    "mixed_precision": (["--mixed-precision", "bf16"], "bf16"), "progress_bar": (["--no-progress-bar"], False),
+    "components": (["--components", '{"autoencoder": "ae"}'], {"autoencoder": "ae"}),
+    "model_kwargs": (["--model-kwargs", '{"k_pred": 3}'], {"k_pred": 3}),
+    "report_to": (["--report-to", "tensorboard,wandb"], "tensorboard,wandb"),
+}
+
+
+def test_every_train_config_field_is_an_option_with_the_dataclass_default():
+    from dataclasses import MISSING, fields
+
+    from hf_latentlm.cli import build_parser
+    from hf_latentlm.training.config import TrainConfig
+
+    assert sorted(EVERY_TRAIN_FIELD) == sorted(f.name for f in fields(TrainConfig)), "a field without a test row"
+    defaults = build_parser().parse_args(["train"])
+    for f in fields(TrainConfig):
+        assert f.metadata["help"], f"TrainConfig.{f.name} has no help"
+        assert getattr(defaults, f.name) == (f.default if f.default is not MISSING else f.default_factory()), f.name
+    args = build_parser().parse_args(["train", *(word for words, _ in EVERY_TRAIN_FIELD.values() for word in words)])
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    for name, (words, value) in EVERY_TRAIN_FIELD.items():
+        assert getattr(cfg, name) == value, (words, getattr(cfg, name))
+    assert build_parser().parse_args(["train", "--resume"]).resume == "latest"
+
+
+def test_train_config_reads_mappings_as_json_and_names_its_output_folder():
+    from hf_latentlm.training.config import TrainConfig
+
+    assert TrainConfig(model_kwargs='{"block_size": 8}').model_kwargs == {"block_size": 8}
+    with pytest.raises(ValueError, match="model_kwargs: not a JSON object"):
+        TrainConfig(model_kwargs="block_size=8")
+    with pytest.raises(ValueError, match="components must be a mapping"):
+        TrainConfig(components="[1, 2]")
+    assert TrainConfig(family="plm", preset="tiny").resolved().output_dir == "runs/plm-tiny"
+
+
+def test_no_summary_trains_and_saves_only(tmp_path, run_cli):
+    for flag in ("--no-summary", "--no-sample"):  # --no-sample: its older name
+        out = tmp_path / flag
+        code, stdout, err = run_cli("train", "--family", "ar", "--preset", "tiny", "--output-dir", str(out),
+                                    "--max-steps", "1", "--eval-every", "0", "--batch-size", "2", flag)
+        assert code == 0, err
+        assert (out / "model.safetensors").is_file() and json.loads(stdout.strip().splitlines()[-1])
+        assert "--- speed" not in stdout and "--- sample" not in stdout

@@ -1,17 +1,24 @@
 """`TrainConfig`, every knob of a training run, and its checks. Kept apart from the loop and free of torch, so that
-`hf-latentlm train` refuses a bad value in a second, before the slow imports."""
+`hf-latentlm train` refuses a bad value in a second, before the slow imports.
+
+Each field's `metadata["help"]` is its documentation and its `--help` line: `hf-latentlm train` builds one option per
+field with TRL's dataclass parser (`trl.TrlParser`), so a default lives only here."""
 
 from __future__ import annotations
 
 import importlib.util
-import warnings
+import json
 from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 from ..data.generated import parse_corpus
-from ..presets import get_preset
+from ..families import FAMILIES
+from ..presets import PRESETS, get_preset
 
 #: The experiment trackers `report_to` names, each with the package it needs (the `track` extra installs them all).
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+REPORT_TO_HELP = ("experiment trackers that get the logged metrics (docs/tracking.md): none, tensorboard, wandb, "
+                  "trackio, a comma-separated list, or all (every installed one); pip install 'hf-latentlm[track]'")
 
 
 def parse_report_to(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
@@ -45,96 +52,98 @@ def parse_report_to(value: str | list[str] | tuple[str, ...] | None) -> list[str
 
 @dataclass
 class TrainConfig:
-    """Every knob of a training run. `None` means "take the preset's default".
+    """Every knob of a training run; `None` takes the preset's value (`resolved()` fills it in and checks the
+    rest). The global batch is batch_size × grad_accum × number of processes."""
 
-    family / preset: what to build (`hf_latentlm.families`, `hf_latentlm.presets`).
-    output_dir: checkpoints (`checkpoint-<step>`), `metrics.jsonl` and the final model.
-    max_steps: optimizer steps; the learning-rate schedule spans exactly this many.
-    stop_at_step: stop early after this step (checkpoint written) as if interrupted;
-        continue later with `resume=True`. The schedule still spans `max_steps`.
-    resume: False (a fresh run), True or "latest" (continue from the newest `checkpoint-<step>`; a damaged one is
-        refused, naming the file), or "previous" (from the newest complete checkpoint before it: the fallback).
-    batch_size: sequences per device per micro-step; grad_accum: micro-steps per optimizer
-        step; the global batch is batch_size × grad_accum × number of processes.
-    seq_len: packed sequence length in tokens.
-    learning_rate, schedule ("cosine" | "wsd"), warmup_steps (default: the preset's, capped at
-        a tenth of max_steps), min_lr_ratio (floor of the decay
-        as a fraction of the peak), decay_fraction (WSD: share of steps spent decaying).
-    weight_decay, adam_beta1, adam_beta2, adam_eps: AdamW settings (decay is not applied to norms,
-        biases or other 1-D parameters); grad_clip: global gradient-norm clip (0 turns it off; the
-        norm is logged either way).
-    eval_every / eval_batches: validation loss every N steps over the first N batches of the
-        validation split (eval_every 0 disables). save_every: checkpoint period (the last step
-        always saves); keep_checkpoints: how many to keep (0 keeps all). log_every: metrics period
-        (loss values leave the device only on log steps).
-    corpus: "shakespeare" (the embedded corpus, the default) or "generated:LEVEL", a generated language with an
-        exact likelihood (`hf_latentlm.data.generated`): endless training documents from stream `seed` (every rank
-        its own documents), fixed validation documents, the language's word-level tokenizer, and the language
-        recorded in `output_dir` (`generated_language.json`) for `eval` / `bench` to measure against its optimum.
-    train_files / validation_files: the user's own text files instead of the embedded corpus;
-        tokenizer: a tokenizer folder or hub id instead of the embedded one.
-    dataset: a corpus too large for memory, streamed (`data.dataset_documents`): a folder written by
-        `save_to_disk`, a text file or a folder of `*.txt` files. Rows come in corpus order, each rank reading every
-        world-th document; validation is the dataset's `validation` split or `validation_files` (else none).
-        text_column: its text column (default "text", or its only string column).
-    mixed_precision: passed to Accelerate ("no", "bf16", "fp16"); None takes the launch config's
-        (`accelerate launch --config_file ...`), else "no".
-    components: the trained components the family needs, name -> folder (e.g. `{"autoencoder": DIR}` for
-        `calm`; the family registry says which); each is frozen and copied into the model.
-    autoencoder: deprecated spelling of `components={"autoencoder": DIR}`.
-    model_kwargs: overrides for the family's config.
-    report_to: experiment trackers that get the metrics `metrics.jsonl` gets, at the same steps, through Accelerate's
-        tracker API: "none" (the default, as `TrainingArguments`'), "tensorboard", "wandb", "trackio", a
-        comma-separated list or a list of them, or "all" (every installed one). `resolved()` turns it into a list
-        (`parse_report_to`). docs/tracking.md says where each writes and how a resumed run continues.
-    """
+    family: str = field(default="ar", metadata={"help": f"model family: {', '.join(sorted(FAMILIES))}"})
+    preset: str = field(default="small", metadata={"help": f"model size: {', '.join(PRESETS)}"})
+    output_dir: str | None = field(default=None, metadata={
+        "help": "where checkpoints (checkpoint-<step>), metrics.jsonl and the final model go (None: "
+                "runs/<family>-<preset>)"})
+    max_steps: int | None = field(default=None, metadata={
+        "help": "optimizer steps, which the learning-rate schedule spans (None: the preset's)"})
+    stop_at_step: int | None = field(default=None, metadata={
+        "help": "stop early after this step, checkpoint written, as if interrupted; continue later with --resume "
+                "(the schedule still spans --max-steps)"})
+    resume: Literal[False, True, "latest", "previous"] = field(default=False, metadata={
+        "nargs": "?", "const": "latest", "metavar": "{latest,previous}",
+        "help": "continue from the newest checkpoint-<step> in --output-dir (a damaged one is refused, naming the "
+                "file); `--resume previous`: from the complete checkpoint before it, the fallback"})
+    batch_size: int | None = field(default=None, metadata={
+        "help": "rows per process per micro-step (None: the preset's)"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
+    seq_len: int | None = field(default=None, metadata={
+        "help": "tokens per packed training row; at least one block or chunk of the family (None: the preset's)"})
+    learning_rate: float | None = field(default=None, metadata={"help": "peak learning rate of AdamW (None: the "
+                                                                        "preset's)"})
+    schedule: Literal["cosine", "wsd"] = field(default="cosine", metadata={
+        "help": "after warmup: cosine decay, or warmup-stable-decay"})
+    warmup_steps: int | None = field(default=None, metadata={
+        "help": "linear warmup steps (None: the preset's, at most a tenth of --max-steps)"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "floor of the decay, as a fraction of the peak"})
+    decay_fraction: float = field(default=0.2, metadata={"help": "wsd: the share of steps spent decaying"})
+    weight_decay: float = field(default=0.1, metadata={
+        "help": "AdamW's weight decay, not applied to norms, biases or other 1-D parameters"})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW's beta1"})
+    adam_beta2: float = field(default=0.95, metadata={"help": "AdamW's beta2"})
+    adam_eps: float = field(default=1e-8, metadata={"help": "AdamW's epsilon"})
+    grad_clip: float = field(default=1.0, metadata={
+        "help": "global gradient-norm clip, 0 for none (the norm is logged either way)"})
+    eval_every: int = field(default=100, metadata={"help": "validation loss every N steps, 0 for none"})
+    eval_batches: int = field(default=20, metadata={"help": "validation batches per evaluation (the split's first)"})
+    save_every: int = field(default=100, metadata={"help": "a resumable checkpoint every N steps, and at the last"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept, the newest; 0 keeps all"})
+    log_every: int = field(default=10, metadata={
+        "help": "metrics every N steps (loss values leave the device only then)"})
+    seed: int = field(default=0, metadata={"help": "model initialisation and data order"})
+    corpus: str | None = field(default=None, metadata={
+        "help": "'shakespeare' (None: the embedded corpus) or 'generated:LEVEL', a generated language with a known "
+                "optimum (LEVEL: easy, medium, hard; docs/generated_language.md): its own documents and word-level "
+                "tokenizer, recorded in --output-dir for `eval` and `bench`"})
+    train_files: list[str] | None = field(default=None, metadata={
+        "aliases": ["--train-file"], "action": "extend", "metavar": "FILE",
+        "help": "your own text files instead of the embedded corpus (repeatable; one document each)"})
+    validation_files: list[str] | None = field(default=None, metadata={
+        "aliases": ["--validation-file"], "action": "extend", "metavar": "FILE",
+        "help": "your own validation texts (repeatable; None: the embedded corpus's validation split)"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "tokenizer folder or hub id (None: the embedded BPE)"})
+    dataset: str | None = field(default=None, metadata={
+        "help": "a corpus too large for memory, streamed: a folder written by datasets' save_to_disk (its train "
+                "split; its validation split or --validation-file, else none), a text file or a folder of *.txt "
+                "files; each rank reads every world-th document"})
+    text_column: str | None = field(default=None, metadata={
+        "help": "--dataset's text column (None: 'text', or its only string column)"})
+    mixed_precision: Literal["no", "bf16", "fp16"] | None = field(default=None, metadata={
+        "help": "Accelerate's mixed precision (None: the launch config's, `accelerate launch --config_file`, else "
+                "'no')"})
+    progress_bar: bool = field(default=True, metadata={"help": "a progress bar on the main process"})
+    # A mapping is one JSON object on the command line, as in `TrainingArguments`' dict fields.
+    components: dict[str, str] | str | None = field(default_factory=dict, metadata={
+        "help": "the trained components the family needs, name -> folder, e.g. {\"autoencoder\": DIR} for calm "
+                "(the registry says which); each is frozen and copied into the model"})
+    model_kwargs: dict[str, Any] | str | None = field(default_factory=dict, metadata={
+        "help": "overrides of the family's config fields, e.g. {\"block_size\": 8}"})
+    report_to: list[str] | str | None = field(default="none", metadata={"help": REPORT_TO_HELP})
 
-    family: str = "ar"
-    preset: str = "small"
-    output_dir: str = "runs/ar-small"
-    max_steps: int | None = None
-    stop_at_step: int | None = None
-    batch_size: int | None = None
-    grad_accum: int = 1
-    seq_len: int | None = None
-    learning_rate: float | None = None
-    schedule: str = "cosine"
-    warmup_steps: int | None = None
-    min_lr_ratio: float = 0.1
-    decay_fraction: float = 0.2
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    eval_every: int = 100
-    eval_batches: int = 20
-    save_every: int = 100
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 0
-    resume: bool | str = False
-    corpus: str | None = None
-    train_files: list[str] | None = None
-    validation_files: list[str] | None = None
-    tokenizer: str | None = None
-    dataset: str | None = None
-    text_column: str | None = None
-    mixed_precision: str | None = None
-    progress_bar: bool = True
-    components: dict[str, str] = field(default_factory=dict)
-    autoencoder: str | None = None
-    model_kwargs: dict = field(default_factory=dict)
-    report_to: str | list[str] = "none"
+    def __post_init__(self):
+        for name in ("components", "model_kwargs"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{name}: not a JSON object: {value!r} ({err})") from None
+            if not isinstance(value or {}, dict):
+                raise ValueError(f"{name} must be a mapping (or a JSON object), got {value!r}")
+            setattr(self, name, dict(value or {}))
 
     def resolved(self) -> "TrainConfig":
         """A copy with every `None` filled from the preset, checked for bad values."""
         preset = get_preset(self.preset)
         values = asdict(self)
-        if values.pop("autoencoder") is not None:
-            warnings.warn("TrainConfig.autoencoder is deprecated; use components={'autoencoder': DIR}",
-                          FutureWarning, stacklevel=2)
-            values["components"] = {**values["components"], "autoencoder": self.autoencoder}
+        if values["output_dir"] is None:
+            values["output_dir"] = f"runs/{self.family}-{self.preset}"
         for name in ("max_steps", "batch_size", "seq_len", "learning_rate"):
             if values[name] is None:
                 values[name] = getattr(preset, name)
@@ -172,4 +181,4 @@ class TrainConfig:
         return cfg
 
 
-__all__ = ["TRACKERS", "TrainConfig", "parse_report_to"]
+__all__ = ["REPORT_TO_HELP", "TRACKERS", "TrainConfig", "parse_report_to"]

@@ -1,0 +1,92 @@
+"""What `hf-latentlm train` prints after a finished run: the family's own training report, then for a language model
+its decoding speed next to a fresh AR baseline, how close it came to a generated language's optimum, and a sample."""
+
+from __future__ import annotations
+
+import torch
+
+from ..data.generated import parse_corpus
+from ..families import BASELINE_FAMILY, FamilySpec, get_family
+from ..loading import load_model_and_tokenizer
+from .optimum import evaluate_against_optimum, evaluation_stream, optimum_headline
+from .speed import measure_generation_speed, speed_versus_fresh_baseline
+
+DEFAULT_SAMPLE_PROMPT = "ROMEO.\n"
+OPTIMUM_POSITIONS = 1000  # windows of the quick measurement against a generated language's optimum
+SPEED_OPTIONS = dict(max_new_tokens=64, repeats=1)
+
+
+def sample_prompt(corpus: str | None) -> str:
+    """The default prompt of the sample: a generated language's first eight validation words (its word-level
+    tokenizer knows no other text), else the embedded corpus's ROMEO."""
+    language = parse_corpus(corpus)
+    if language is None:
+        return DEFAULT_SAMPLE_PROMPT
+    words = language.document("validation", 0, 0)[:-1][:8]  # without its end-of-document id
+    return " ".join(language.tokenizer().convert_ids_to_tokens(words)) + " "
+
+
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, seed: int = 0, **sampling) -> tuple[str, int]:
+    """`prompt`'s continuation (sampled at temperature 1 unless `sampling` says otherwise) and its length in tokens."""
+    if not prompt or not prompt.strip():
+        raise ValueError("the prompt is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                         f"position limit {limit}")
+    torch.manual_seed(seed)
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    kwargs.update(sampling)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kwargs)
+    new = out[0, ids.shape[1]:]
+    return tokenizer.decode(new, skip_special_tokens=True), new.numel()
+
+
+def speed_lines(spec: FamilySpec, preset: str, model, tokenizer, ids: torch.Tensor) -> list[str]:
+    """One line per decoding variant of the family: tokens/s and tokens per model call, next to a fresh baseline of
+    the same preset timed on the same prompt in this process (the baseline itself: its own line)."""
+    if spec.name == BASELINE_FAMILY:
+        speed = measure_generation_speed(model, ids, **SPEED_OPTIONS)
+        return [f"{spec.name}: {speed['tokens_per_s']:.0f} tokens/s, "
+                f"{1 / speed['model_calls_per_token']:.2f} tokens per model call"]
+    lines = []
+    for label, kwargs in {"": {}, **spec.speed_variants}.items():
+        compared = speed_versus_fresh_baseline(model, preset, tokenizer, ids, generate_kwargs=dict(kwargs),
+                                               **SPEED_OPTIONS)
+        speed, ar = compared["model"]["batch_1"], compared["baseline"]["batch_1"]
+        lines.append(f"{spec.name}{f' ({label})' if label else ''}: {speed['tokens_per_s']:.0f} tokens/s, "
+                     f"{1 / speed['model_calls_per_token']:.2f} tokens per model call"
+                     f" | AR baseline ({preset}): {ar['tokens_per_s']:.0f} tokens/s, "
+                     f"{1 / ar['model_calls_per_token']:.2f} tokens per call"
+                     f" | speed ratio {compared['ratio']['batch_1']:.2f}x")
+    return lines
+
+
+def print_training_summary(cfg, prompt: str | None = None) -> None:
+    """The summary of the finished run `cfg` (a resolved `TrainConfig`), read back from its output folder.
+    `prompt`: the sample's (default: `sample_prompt(cfg.corpus)`)."""
+    spec = get_family(cfg.family)
+    language = parse_corpus(cfg.corpus)  # None for the embedded corpus or the user's text
+    if spec.training_report is not None:
+        stream = None if language is None else evaluation_stream(language)  # measured on what it trained on
+        print(spec.training_report(*load_model_and_tokenizer(cfg.output_dir, language_model=False), stream=stream))
+    if not spec.language_model:
+        return
+    prompt = sample_prompt(cfg.corpus) if prompt is None else prompt
+    model, tokenizer = load_model_and_tokenizer(cfg.output_dir)
+    text, _ = generate_text(model, tokenizer, prompt, max_new_tokens=100, seed=cfg.seed)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    lines = speed_lines(spec, cfg.preset, model, tokenizer, ids)
+    print(f"\n--- speed (batch 1, {SPEED_OPTIONS['max_new_tokens']} new tokens, this process) ---\n" + "\n".join(lines))
+    if language is not None:  # what the run reached, as a share of what the language allows
+        context_len = min(128, cfg.seq_len - 4)  # windows inside the rows it was trained at
+        optimum = evaluate_against_optimum(model.eval(), language, OPTIMUM_POSITIONS, context_len, seed=cfg.seed)
+        print(f"--- against the optimum of generated:{language.name} ({OPTIMUM_POSITIONS} validation windows, "
+              f"context {context_len}; `hf-latentlm eval` measures more) ---\n{optimum_headline(optimum)}")
+    print(f"--- sample ---\n{prompt}{text}\n---")
+
+
+__all__ = ["DEFAULT_SAMPLE_PROMPT", "generate_text", "print_training_summary", "sample_prompt"]
