@@ -1,6 +1,12 @@
 import dataclasses
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -423,6 +429,42 @@ def test_ctrl_c_during_train_is_one_line_naming_the_checkpoint_and_the_resume_fl
         assert last == (f"hf-latentlm train: interrupted; no checkpoint in {out} yet, so nothing to resume: rerun the "
                         f"command to start over")
     assert not [p.name for p in out.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_a_real_sigint_ends_train_with_one_line_and_no_traceback(tmp_path, small_text):
+    """The real thing, not a raised KeyboardInterrupt: `hf-latentlm train` in its own process gets SIGINT once its
+    first checkpoint exists; it exits 130, and stderr ends with the line naming a complete checkpoint and --resume.
+
+    It must never hang: output goes to files (a full pipe would block the child), the child runs in its own process
+    group with a bounded number of steps, every wait has a timeout, and teardown kills the whole group."""
+    from hf_latentlm.training.checkpoint import is_complete_checkpoint
+
+    out, log = tmp_path / "ar", tmp_path / "stderr.txt"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "hf_latentlm.cli", "train", "--family", "ar", "--preset", "tiny", "--output-dir",
+               str(out), "--max-steps", "2000", "--save-every", "1", "--eval-every", "0", "--batch-size", "2",
+               "--no-summary", "--train-file", str(small_text)]
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(is_complete_checkpoint(folder) for folder in out.glob("checkpoint-*")):
+            assert process.poll() is None, f"train ended before its first checkpoint:\n{log.read_text()}"
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+    err = log.read_text()
+    assert code == 130 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    match = re.fullmatch(r"hf-latentlm train: interrupted; the last complete checkpoint is (\S+): continue from it "
+                         r"with the same command plus --resume", last)
+    assert match, last
+    assert is_complete_checkpoint(Path(match.group(1)))
 
 
 # One fresh interpreter runs every refused command line in turn and reports, after each, its exit status, stderr and
