@@ -126,7 +126,7 @@ def add_model_commands(sub) -> None:
     e.add_argument("--model", required=True)
     e.add_argument("--split", default="validation", choices=["validation", "test"])
     e.add_argument("--num-positions", type=int, default=20000)
-    e.add_argument("--context-len", type=int, default=128)
+    e.add_argument("--context-len", type=int, help="tokens of context before each scored window (default: the largest up to 128 that keeps every window inside the positions the model was trained at)")
     e.add_argument("--batch-size", type=int, default=64)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--mauve", action="store_true", help="also MAUVE (needs `pip install hf-latentlm[eval]`)")
@@ -143,7 +143,7 @@ def add_comparison_commands(sub) -> None:
                    help="a model to measure (repeatable)")
     b.add_argument("--baseline", help="NAME of the baseline (default: the first model)")
     b.add_argument("--num-positions", type=int, default=20000)
-    b.add_argument("--context-len", type=int, default=128)
+    b.add_argument("--context-len", type=int, help="tokens of context before each scored window (default: the largest up to 128 that keeps every window inside the positions the model was trained at)")
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--mauve", action="store_true")
@@ -169,7 +169,7 @@ def add_comparison_commands(sub) -> None:
                    help="a model to report (repeatable); one must be ar=DIR, the baseline")
     r.add_argument("--output", default="results/report", help="folder for report.md, report.json, speed_quality.png")
     r.add_argument("--num-positions", type=int, default=2000, help="BrierLM-2 positions per entry")
-    r.add_argument("--context-len", type=int, default=128)
+    r.add_argument("--context-len", type=int, help="tokens of context before each scored window (default: the largest up to 128 that keeps every window inside the positions the model was trained at)")
     r.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per timed generate()")
     r.add_argument("--repeats", type=int, default=3, help="timed runs per speed (median)")
     r.add_argument("--mauve-samples", type=int, default=400, help="continuations per entry for MAUVE")
@@ -209,6 +209,17 @@ def add_push_and_serve_commands(sub) -> None:
     s.add_argument("--device", help="torch device for the models (default: where they load, the CPU)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
+
+
+def resolve_context_len(context_len: int | None, configs: list[dict]) -> int:
+    """The given context, or the default: the largest up to 128 whose Brier windows stay inside the positions every
+    model of `configs` (config.json dicts) was trained at. The results record the context used."""
+    if context_len is not None:
+        return context_len
+    from .eval.brier import MAX_N
+    from .eval.sampling import fitting_context_len
+
+    return fitting_context_len(configs, MAX_N)
 
 
 def check_at_least_one(args, *names: str) -> None:
@@ -299,8 +310,9 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     from .folders import check_model_folder
 
-    check_at_least_one(args, "num_positions")
-    check_model_folder(args.model, f"model folder {args.model!r}")
+    check_at_least_one(args, "num_positions", "context_len")
+    config = check_model_folder(args.model, f"model folder {args.model!r}")
+    context_len = resolve_context_len(args.context_len, [config])
     from .data.generated import GeneratedLanguage
     from .eval.harness import evaluate_model  # torch: after every argument check
     from .eval.optimum import optimum_headline
@@ -308,7 +320,7 @@ def cmd_eval(args) -> int:
 
     model, tokenizer = load_model_and_tokenizer(args.model)
     language = GeneratedLanguage.from_folder(args.model)  # None unless it was trained on a generated language
-    result = evaluate_model(model, tokenizer, args.split, args.num_positions, args.context_len, args.batch_size,
+    result = evaluate_model(model, tokenizer, args.split, args.num_positions, context_len, args.batch_size,
                             args.seed, mauve=args.mauve, progress=True, language=language)
     result["model"] = args.model
     print(json.dumps(result, indent=1))
@@ -333,9 +345,14 @@ def cmd_bench(args) -> int:
     if baseline not in models:
         raise ValueError(f"--baseline {baseline!r} is none of the models {sorted(models)}")
     check_bench_baseline(baseline, models[baseline])
+    check_at_least_one(args, "num_positions", "context_len", "max_new_tokens", "repeats")
+    from .folders import check_model_folder
+
+    context_len = resolve_context_len(args.context_len, [check_model_folder(path, f"--model {name}={path}")
+                                                         for name, path in models.items()])
     from .eval.bench import bench_extras, benchmark_models, write_report  # torch: after every argument check
 
-    report = benchmark_models(models, baseline, args.num_positions, args.context_len,
+    report = benchmark_models(models, baseline, args.num_positions, context_len,
                               max_new_tokens=args.max_new_tokens, repeats=args.repeats, mauve=args.mauve,
                               seed=args.seed)
     if args.extras or sweeps or args.train_steps or args.profile or args.compile:
@@ -369,6 +386,10 @@ def cmd_report(args) -> int:
     check_at_least_one(args, "num_positions", "max_new_tokens", "repeats", "context_len")
     if not args.no_mauve and args.mauve_samples < 10:
         raise ValueError(f"--mauve-samples must be at least 10 (MAUVE's minimum), got {args.mauve_samples}")
+    from .folders import check_model_folder
+
+    args.context_len = resolve_context_len(args.context_len, [check_model_folder(path, f"--model {name}={path}")
+                                                              for name, path in models.items()])
     from .eval.report import build_report, write_report  # torch: after every argument check
     # The command as run, every option spelled out, so that report.md says exactly how to rerun it.
     options = [*(("--model", m) for m in args.model), ("--output", args.output),

@@ -72,9 +72,14 @@ def test_train_generate_eval_round_trip(tmp_path, run_cli):
     code, _, err = run_cli("generate", "--model", str(out), "--prompt", "x", "--max-new-tokens", "5000")
     assert code == 2 and "position limit" in err
 
-    # Trained at tiny's 64-token rows: the default 128-token contexts are refused, naming both lengths.
-    code, _, err = run_cli("eval", "--model", str(out), "--num-positions", "64", "--batch-size", "32")
+    # Trained at tiny's 64-token rows: by default the context is the longest that fits (60 + Brier's 4 draws), as the
+    # result records; an explicit context that does not fit is refused, naming both lengths.
+    code, stdout, err = run_cli("eval", "--model", str(out), "--num-positions", "64", "--batch-size", "32")
+    assert code == 0 and json.loads(stdout)["brier"]["context_len"] == 60
+    code, _, err = run_cli("eval", "--model", str(out), "--num-positions", "64", "--context-len", "128")
     assert code == 2 and "reach 132 positions, beyond the 64 the model was trained at" in err
+    code, _, err = run_cli("eval", "--model", str(out), "--context-len", "-5")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--context-len must be at least 1, got -5" in err
     code, stdout, _ = run_cli("eval", "--model", str(out), "--num-positions", "64", "--batch-size", "32",
                               "--context-len", "32")
     assert code == 0

@@ -154,7 +154,9 @@ def bench_table(report: dict) -> str:
                      f"{row['nll']['nll']:.3f}" if "nll" in row else "—",
                      *(format_ci(b[f"brier_{n}"], 4) for n in range(1, 5)), format_ci(b["brierlm_2"], 2),
                      f"{row['mauve']['mauve']:.3f}" if "mauve" in row else "—", *([gap_cell(row)] if optimum else [])])
-    return markdown_table(head, rows)
+    settings = report["settings"]
+    return (markdown_table(head, rows) + f"\nBrier windows: {settings['context_len']} tokens of context, "
+            f"{settings['num_positions']} positions.\n")
 
 
 def write_report(report: dict, json_path: str | os.PathLike, markdown_path: str | os.PathLike | None = None) -> str:

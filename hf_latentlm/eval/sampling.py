@@ -34,6 +34,13 @@ def trained_length(config) -> int | None:
     return config.get("trained_seq_len") if isinstance(config, dict) else getattr(config, "trained_seq_len", None)
 
 
+def fitting_context_len(configs, num_tokens: int, longest: int = 128) -> int:
+    """The longest context, up to `longest`, after which `num_tokens` more tokens stay inside the
+    positions every one of `configs` was trained at (at least 1: a shorter model is then refused by the check)."""
+    trained = [length for length in map(trained_length, configs) if length is not None]
+    return max(1, min([longest, *(length - num_tokens for length in trained)]))
+
+
 def trained_row_length(config, default: int) -> int:
     """`default`, or the length the model was trained at when that is shorter: rows for measurements that read
     whole rows (NLL, likelihood, reconstruction) stay inside the trained positions."""
