@@ -19,8 +19,8 @@ rounding of the renormalised top-M probabilities; they sum to `N`).
 Quantile cells (the PTP baseline): the bank is the `N` equal buckets of [0, 1) and token `v` owns the buckets whose
 midpoint lies in its CDF interval, vocabulary order.
 
-Training fits the offsets iteratively (`voronoi_owners`: the cells end within ~0.1% TV of their capacities, most of
-them exactly); decoding samples from the exact cells (`exact_voronoi_owners`: every cell holds its capacity, the
+Training fits the offsets iteratively (`voronoi_owners`: the cells end close to their capacities, most of them
+exactly); decoding samples from the exact cells (`exact_voronoi_owners`: every cell holds its capacity, the
 one optimal assignment, which is the iterative fit's result wherever that ends exact).
 
 Auxiliaries are sampled, never differentiated: everything runs under `torch.no_grad()`. Everything is vectorised
@@ -38,23 +38,22 @@ import torch
 
 # Offset-fit constants (`fit_laguerre_offsets`). Temperatures are in units of the per-position score scale `sigma`
 # (RMS over the candidates of the std of e_v . e_u over the bank), so the fit is the same whatever the norm of the
-# LM-head rows. Chosen with scripts/experiments/time_voronoi.py on LM-head-like inputs (d=256, V=4096, row norms
-# 1-3, N=512, M=128, entropies 0.5-6 nats): with the defaults 4 rounds x 5 sweeps x shortlist 6 the mean TV is
-# ~0.1% (paper: < 0.3%), at a fraction of the cost of the paper's 2 x 12 x 8.
+# LM-head rows. Chosen with scripts/experiments/time_voronoi.py on LM-head-like inputs: the defaults stay within the
+# paper's TV bound at a fraction of the cost of its 2 rounds x 12 sweeps x shortlist 8.
 DEFAULT_ROUNDS = 4  # shortlist selections: one full selection, then 3 cheap refreshes (`_refresh_shortlist`)
 DEFAULT_SWEEPS = 5  # Sinkhorn updates per round
 CHUNK_ELEMENTS = 32 * 128 * 512  # default chunk budget of `voronoi_owners` in scores (8 MB of float32)
 MIN_CHUNK = 32
 DEFAULT_SHORTLIST = 6  # candidates per auxiliary in the soft assignment
-DECODING_SWEEPS = 16  # dense updates of `exact_voronoi_owners` before its exact moves (then ~0.3 moves per position)
+DECODING_SWEEPS = 16  # dense updates of `exact_voronoi_owners`: enough that few exact moves are left to make
 TAU_START = 0.05  # first sweep: soft enough to move many boundaries at once, sharp enough that a shortlist of 6 holds
 #                   essentially all the soft mass
 TAU_END = 1e-3  # last sweep: far below the typical score gap at a cell boundary, so soft loads ~ hard cell sizes
 MAX_STEP = 4.0  # clip of one update in units of the current tau: log(n / load) explodes for an (almost) empty cell
-MOMENTUM = 0.3  # heavy-ball over-relaxation: add 0.3 x the previous update (0 -> ~0.45% TV, 0.3 -> ~0.07%, 0.6 diverges)
+MOMENTUM = 0.3  # heavy-ball over-relaxation: add 0.3 x the previous update (no momentum converges slower, 0.6 diverges)
 CLOSED_OFFSET = -1.0e4  # offset of zero-capacity candidates, in units of sigma: they can never win an auxiliary
 LOG_FLOOR = -80.0  # softmax logits are clamped here before exp: exp(-80) is still a normal float32, and denormal
-#                    results make torch's CPU exp ~10x slower
+#                    results make torch's CPU exp far slower
 
 
 class VoronoiAssignment(NamedTuple):
@@ -111,7 +110,7 @@ def sample_auxiliary_bank(num_auxiliaries: int, dim: int, seed: int) -> torch.Te
 def top_candidates(logits: torch.Tensor, top_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-M token ids `[P, M]` (descending logit, equal logits: lower token id first) and their renormalised probs.
 
-    `torch.topk` picks the set (a full stable sort of the vocabulary costs ~7x more); the selected ids are then put
+    `torch.topk` picks the set (a full stable sort of the vocabulary costs far more); the selected ids are then put
     in a canonical order: sorted by id, then stably by descending logit. Only an exact tie AT the M-th logit is left
     to topk (deterministic for a given input, but not necessarily the lowest id). Renormalising the top-M
     probabilities is the same as a softmax over the M selected logits.
@@ -184,7 +183,7 @@ def fit_laguerre_offsets(
       * Scale: sigma = RMS over open candidates of the per-candidate std of s_uv over the bank.
       * Init from capacity shares and score scale: w_v = -(mean_v + std_v * Phi^-1(1 - n_v / N)), the offset at
         which a Gaussian approximation of candidate v's scores alone would put n_v auxiliaries above the others'
-        typical level (the fit then starts at ~15% TV on flat distributions).
+        typical level.
       * Schedule: tau decreases geometrically from TAU_START * sigma to TAU_END * sigma over all rounds * sweeps
         updates (one continuous schedule; rounds only mark shortlist refreshes).
       * Over-relaxation: each Sinkhorn step is scaled per cell by l_v / sum_u pi(v|u)(1 - pi(v|u)) >= 1, the inverse
@@ -198,16 +197,13 @@ def fit_laguerre_offsets(
         part of the bank.
       * Shortlists: the soft assignment of each auxiliary only looks at its `shortlist` best candidates (by
         s_uv + w_v), selected at the start of the first round (`_top_candidates_per_auxiliary`: repeated max; no
-        `torch.topk`, which costs ~10x more over the candidate dimension on CPU) and refreshed at every later round:
+        `torch.topk`, which is slow over the candidate dimension on CPU) and refreshed at every later round:
         the best candidate outside the shortlist replaces the worst member when it now scores higher
         (`_refresh_shortlist`). More rounds of fewer sweeps beat the paper's 2 x 12: each refresh lets the
-        shortlists follow the offsets (flat distributions: ~0.25% -> ~0.15% TV at about the same cost).
+        shortlists follow the offsets, for a lower TV at about the same cost.
       * Early exit: at the start of each later round, the rows whose hard cells hold their capacities exactly keep
         their offsets and leave the fit (`_rows_holding_capacities`), once they are at least a quarter of the rows
         still fitted; the fit ends when no row is left.
-    Cost (CPU): the dense [P, M_open, N] passes (one selection, the refreshes, the caller's final argmax) and the
-    sweeps over [P, K, N] take about half each at P=4080; at decode sizes (a few positions) the ~25 torch ops of
-    each sweep dominate.
     The caller takes the final hard argmax over all M candidates.
     """
     scores = scores.transpose(1, 2).float()  # [P, M, N]: contiguous when the caller passed a transposed view
@@ -243,8 +239,8 @@ def fit_laguerre_offsets(
         else:
             # A row whose hard cells hold its capacities exactly is already the balanced assignment, which further
             # sweeps would only reproduce: its offsets are final and it can leave the fit. Rows leave once at least a
-            # quarter of them are done: leaving copies the [P, M, N] scores, which a few finished rows do not repay
-            # (N=512, M=128: 5-17% slower when every finished row left). Not under torch.compile: which rows leave is
+            # quarter of them are done: leaving copies the [P, M, N] scores, which a few finished rows do not repay.
+            # Not under torch.compile: which rows leave is
             # data-dependent (a graph break), and the full schedule gives the same owners.
             if not torch.compiler.is_compiling():
                 done = _rows_holding_capacities(adjusted, capacities, work)
@@ -268,7 +264,7 @@ def fit_laguerre_offsets(
         flat_idx = short_idx.view(short_idx.shape[0], -1)
         members = torch.zeros_like(offsets).scatter_add_(1, flat_idx, torch.ones_like(flat_idx, dtype=offsets.dtype))
         target = torch.minimum(log_capacity, torch.log((members - 0.5).clamp(min=1e-30)))
-        # Each sweep is ~25 torch ops whatever P: at decode sizes (a few positions) the op count is the cost.
+        # Each sweep is a fixed number of torch ops whatever P: at decode sizes (a few positions) that is the cost.
         for _ in range(sweeps):
             # pi(v | u) = softmax over the shortlist (dim 1), in place: clamped before exp (see LOG_FLOOR)
             logits = torch.add(short_scores, offsets.gather(1, flat_idx).view_as(short_scores))
@@ -333,7 +329,7 @@ def _top_candidates_per_auxiliary(adjusted: torch.Tensor, k: int, work: torch.Te
     """Indices `[P, k, N]` of the k largest `adjusted [P, M, N]` over dim 1 per auxiliary (ties: lowest index first).
 
     Overwrites `adjusted` and the float buffer `work`. Each pick is `_max_and_first_index`, then the picked entry is
-    set to -inf; `torch.topk` over a non-innermost dimension is ~10x slower on CPU.
+    set to -inf; `torch.topk` over a non-innermost dimension is far slower on CPU.
     """
     picks = []
     for j in range(k):
@@ -349,7 +345,7 @@ def _max_and_first_index(values: torch.Tensor, work: torch.Tensor) -> tuple[torc
 
     Three vectorised passes (amax, compare into the float buffer `work`, which may be `values` itself, and a
     weighted amax) instead of torch's max-with-indices over a non-innermost dimension, which is not vectorised on
-    CPU (~4x slower). The weights M - m are exact small integers in float32.
+    CPU. The weights M - m are exact small integers in float32.
     """
     width = values.shape[1]
     best = values.amax(dim=1, keepdim=True)
@@ -381,7 +377,7 @@ def voronoi_owners(
     chunk_size:        positions fitted at once; the scores of a chunk take chunk_size * N * M floats. Default: as
                        many positions as keep a chunk near CHUNK_ELEMENTS scores (at least 32), from the chunk's
                        number of open candidates: small chunks keep large fits in cache, large ones keep small fits
-                       from paying the ~25 ops per sweep for a handful of positions.
+                       from paying every sweep's ops for a handful of positions.
     scores:            optional `token_scores(output_embeddings, bank)`, e.g. cached per LM-head weight version; the
                        result is identical, without the [V, d] x [d, N] product.
     ranked:            optional `ranked_candidates(logits, top_m, N)` of these rows, when the caller has them.
@@ -543,7 +539,7 @@ def fit_dense_offsets(scores: torch.Tensor, capacities: torch.Tensor, score_mean
     schedule = zip((1.0 / taus).unbind(0), taus.unbind(0))  # (1 / tau, tau) of each update, [P, 1, 1] each
     is_closed = None if bool(is_open.all()) else ~is_open[:, :, None]
     previous = torch.zeros_like(offsets)
-    # ~17 ops per update: at decode sizes their count is the cost
+    # a fixed number of ops per update: at decode sizes their count is the cost
     for inv_tau, tau in schedule:
         soft = torch.softmax(torch.add(scores, offsets).mul_(inv_tau), dim=1)  # pi(v | u) [P, M, N]
         load = soft.sum(dim=2, keepdim=True)
@@ -623,11 +619,6 @@ def hold_capacities(scores: torch.Tensor, offsets: torch.Tensor, capacities: tor
                        "(non-finite scores or offsets?)")
 
 
-def mean_total_variation(assignment: VoronoiAssignment) -> float:
-    """Mean over positions of the TV between fitted and target cell masses (paper App. 12: < 0.3%)."""
-    return float(assignment.total_variation.mean())
-
-
 @torch.no_grad()
 def quantile_owners(logits: torch.Tensor, num_auxiliaries: int) -> torch.Tensor:
     """Quantile-bucket owners `[P, N]` (the PTP baseline).
@@ -687,3 +678,91 @@ def decode_auxiliary(owners: torch.Tensor, aux_index: torch.Tensor) -> torch.Ten
     """Token `[P]` owning auxiliary `aux_index` at each position, f(u; q); -1 where `aux_index` is -1 (mask)."""
     token = owners.gather(1, aux_index.clamp(min=0)[:, None]).squeeze(1)
     return torch.where(aux_index >= 0, token, torch.full_like(token, -1))
+
+
+class VoronoiSampler:
+    """The auxiliary cells of one PLM, for training and decoding alike, with the settings of its config (read at every
+    call). The sites are passed in: the LM-head weight [V, d] and the bank [N, d], saved with the model's weights.
+    "quantile" auxiliaries use the quantile buckets; "none" has no cells (owners None: the mask auxiliary everywhere).
+
+    The token scores e_v . e_u are cached here, keyed by the identity and in-place version of both sites: recomputed
+    once per optimizer step in training and once per model in decoding instead of once per fit."""
+
+    def __init__(self, config):
+        self.config = config
+        self._scores_key, self._scores = None, None
+
+    def token_scores(self, head: torch.Tensor, bank: torch.Tensor) -> TokenScores:
+        """`token_scores(head, bank)`, cached while neither tensor changes."""
+        if torch.compiler.is_compiling():  # no Python-side cache inside a graph
+            return token_scores(head.detach().float(), bank.float())
+        key = (head.data_ptr(), head._version, head.device, head.dtype, bank.data_ptr(), bank._version)
+        if key != self._scores_key:
+            self._scores_key, self._scores = key, token_scores(head.detach().float(), bank.float())
+        return self._scores
+
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`ranked_candidates` of the rows of `logits` [P, V] for Voronoi cells (None for other types)."""
+        cfg = self.config
+        if cfg.auxiliary_type != "voronoi":
+            return None
+        return ranked_candidates(logits, cfg.auxiliary_top_m, cfg.num_auxiliaries)
+
+    def training_cells(self, logits: torch.Tensor, head: torch.Tensor, bank: torch.Tensor,
+                       observed: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Training's cells: the owner token of every auxiliary for each row of `logits` [P, V] -> ([P, N], TV [P]).
+
+        Voronoi: the iterative fit (`voronoi_owners`). observed [P]: the token each row describes; only rows where it
+        has a cell (an open top-M candidate) are fitted, since elsewhere the decoder reads the mask auxiliary whatever
+        the cells are. The others get owner -1 (no cell is drawn there) and the TV is that of the fitted rows. A row's
+        cells depend only on its own logits, so the fitted rows are those of fitting every row. Under torch.compile
+        every row is fitted (which ones need it is data-dependent: a graph break)."""
+        cfg = self.config
+        logits = logits.detach().float()
+        if cfg.auxiliary_type == "quantile":
+            return quantile_owners(logits, cfg.num_auxiliaries), None
+        if cfg.auxiliary_type != "voronoi":
+            return None, None
+        ranked = self.candidates(logits)
+        if observed is None or torch.compiler.is_compiling():
+            fit = self._fit(logits, head, bank, ranked)
+            return fit.owners, fit.total_variation
+        candidates, capacities = ranked
+        rows = ((candidates == observed[:, None]) & (capacities > 0)).any(dim=1).nonzero().squeeze(1)
+        fit = self._fit(logits[rows], head, bank, (candidates[rows], capacities[rows]))
+        owners = fit.owners.new_full((logits.shape[0], fit.owners.shape[1]), -1)
+        owners[rows] = fit.owners
+        return owners, fit.total_variation
+
+    def _fit(self, logits, head, bank, ranked) -> VoronoiAssignment:
+        cfg = self.config
+        return voronoi_owners(logits, head, bank, cfg.auxiliary_top_m, rounds=cfg.sinkhorn_rounds,
+                              sweeps=cfg.sinkhorn_sweeps, shortlist=cfg.sinkhorn_shortlist,
+                              scores=self.token_scores(head, bank), ranked=ranked)
+
+    def decoding_cells(self, logits: torch.Tensor, head: torch.Tensor, bank: torch.Tensor,
+                       ranked: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Decoding's cells: the owner token of every auxiliary [P, N] for each row of `logits` [P, V].
+
+        Voronoi: the exact cells (`exact_voronoi_owners`): every cell holds its capacity, so a token drawn through a
+        uniform auxiliary follows the rounded top-M q exactly; they are the cells training's fit reaches wherever it
+        ends exact, found with fewer ops at decode sizes. Other types: `training_cells`. `ranked`: the rows'
+        `candidates`, when the caller computed them already."""
+        cfg = self.config
+        if cfg.auxiliary_type != "voronoi":
+            return self.training_cells(logits, head, bank)[0]
+        return exact_voronoi_owners(logits.detach().float(), bank, cfg.auxiliary_top_m, self.token_scores(head, bank),
+                                    ranked=ranked, fit=self.fit_decoding_offsets).owners
+
+    def fit_decoding_offsets(self, scores: torch.Tensor, capacities: torch.Tensor, score_mean: torch.Tensor,
+                             score_std: torch.Tensor, sweeps: int) -> torch.Tensor:
+        """The offsets `decoding_cells` starts its exact moves from: eager, the dense sweeps (`fit_dense_offsets`, the
+        fewest ops); compiled (the model lists this method in `compiled_methods`), training's iterative fit, whose
+        static schedule compiles into fewer, fused kernels and ends nearer the exact cells. Either way the moves end
+        at the same exact cells."""
+        if not torch.compiler.is_compiling():
+            return fit_dense_offsets(scores, capacities, score_mean, score_std, sweeps)
+        cfg = self.config
+        return fit_laguerre_offsets(scores.transpose(1, 2), capacities, rounds=cfg.sinkhorn_rounds,
+                                    sweeps=cfg.sinkhorn_sweeps, shortlist=cfg.sinkhorn_shortlist,
+                                    score_mean=score_mean, score_std=score_std)

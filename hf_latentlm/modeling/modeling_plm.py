@@ -23,24 +23,15 @@ from transformers.utils import ModelOutput, can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .auxiliaries import (
+    VoronoiSampler,
     decode_auxiliary,
     draw_auxiliary_in_cell,
-    exact_voronoi_owners,
-    fit_dense_offsets,
-    fit_laguerre_offsets,
     fixed_uniforms,
-    quantile_owners,
-    ranked_candidates,
-    TokenScores,
-    VoronoiAssignment,
     sample_auxiliary_bank,
-    token_scores,
-    voronoi_owners,
 )
 from .configuration_plm import PLMConfig, check_acceptance
 from .generation import (
     DecodingStep,
-    GenerateOutput,
     GenerationOptions,
     MultiTokenGenerationMixin,
     row_seeds,
@@ -102,10 +93,6 @@ class ObjectivePasses(NamedTuple):
     auxiliaries: torch.Tensor
     auxiliary_tv: torch.Tensor | None
     encoder_output: PLMModelOutput
-
-
-# One output class for every multi-token family; the family name is kept for existing imports.
-PLMGenerateOutput = GenerateOutput
 
 
 @dataclass
@@ -190,16 +177,6 @@ class PLMGenerationOptions(GenerationOptions):
 
 
 @dataclass
-class DecodingCallLayout:
-    """The query rows of one quadratic-decoding call (`PLMForCausalLM.decoding_call_layout`), relative to the
-    position i of the first token the call commits: width verify rows, then width² proposal rows (m, k)."""
-
-    offset: torch.Tensor  # [W] position of each row minus i (verify r: r - 1; proposal (m, k): m + k)
-    proposal_offset: torch.Tensor  # [width²] generated-index offset of each proposal row's auxiliary (m + k)
-    local_mask: torch.Tensor  # [W, W] bool: which of the call's own rows each row sees
-
-
-@dataclass
 class PLMDecodingState:
     """What quadratic decoding carries from one call to the next, per row."""
 
@@ -210,10 +187,112 @@ class PLMDecodingState:
     pending: torch.Tensor  # [B, width - 1] proposed tokens awaiting verification
     pending_ok: torch.Tensor  # [B] False until a proposal exists (first round)
     aux_table: torch.Tensor  # [B, max_new_tokens + 2 width] auxiliary index u_t per generated index t
-    width: int  # K_pred for quadratic decoding, 1 for Voronoi decoding
-    propose: bool  # quadratic decoding: also run the proposal blocks
-    acceptance: AcceptanceRule
-    call_layout: DecodingCallLayout
+    decoder: "QuadraticDecoder"  # what stays the same for every call
+
+
+class QuadraticDecoder:
+    """Quadratic decoding (paper Algorithm 1), one model call at a time: the rows of a call (`call_inputs`), the
+    verification of the pending tokens (`verify`) and what a call commits (`advance`). It holds what is fixed for
+    one `generate()`; what changes between calls is the `PLMDecodingState`.
+
+    width: K_pred verify rows per call (1 for one-token-per-call Voronoi decoding); propose: also run the width²
+    proposal rows. sites: (LM-head weight, auxiliary bank), the cells' sites for `sampler`.
+
+    Verify row r (0 <= r < width) reads token x_{i-1+r} at position i-1+r. Proposal row (m, k) (0 <= m, k < width)
+    predicts x_{i+m+k} from the auxiliary u_{i+m+k}, reading the clean prefix x_<i+m, that is the cached keys and
+    verify rows r <= m, and the rows (m, k' <= k) of its own block. Every valid cached key lies before i, so every
+    row sees all of them, and only the mask among the call's own rows (`local_mask`) differs between rows.
+    """
+
+    def __init__(self, width: int, propose: bool, acceptance: AcceptanceRule, sampler: VoronoiSampler,
+                 sites: tuple[torch.Tensor, torch.Tensor], device):
+        self.width, self.acceptance, self.sampler, self.sites = width, acceptance, sampler, sites
+        self.propose = propose and width > 1  # width 1 leaves no room for pending tokens
+        r = torch.arange(width, device=device)
+        m, k = (t.reshape(-1) for t in torch.meshgrid(r, r, indexing="ij"))
+        if not self.propose:  # the verify rows only
+            m, k = m[:0], k[:0]
+        sees_verify = torch.cat([r[:, None] >= r[None, :], m[:, None] >= r[None, :]])
+        sees_proposal = torch.cat([torch.zeros(width, m.numel(), dtype=torch.bool, device=device),
+                                   (m[:, None] == m[None, :]) & (k[:, None] >= k[None, :])])
+        self.row_offset = torch.cat([r - 1, m + k])  # position of each row minus i
+        self.proposal_offset = m + k  # generated-index offset of each proposal row's auxiliary
+        self.local_mask = torch.cat([sees_verify, sees_proposal], dim=1)  # which of the call's rows each row sees
+
+    def call_inputs(self, state: PLMDecodingState, count: torch.Tensor):
+        """The call's token inputs [B, width], auxiliary inputs [B, width²] (None without proposals), position ids and
+        boolean visibility mask [B, 1, rows, cached + rows]; count [B]: tokens committed so far per row."""
+        tokens = torch.cat([state.last_token[:, None], state.pending], dim=1)
+        aux = state.aux_table.gather(1, count[:, None] + self.proposal_offset) if self.propose else None
+        batch, rows = tokens.shape[0], self.row_offset.numel()
+        mask = torch.cat([state.key_valid[:, None, None, :].expand(-1, 1, rows, -1),
+                          self.local_mask[None, None].expand(batch, 1, -1, -1)], dim=-1)
+        return tokens, aux, state.next_pos[:, None] + self.row_offset, mask
+
+    def verify(self, q: torch.Tensor, aux: torch.Tensor, pending: torch.Tensor, pending_ok: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Voronoi samples [B, W] of the verify rows (q [B, W, V], their auxiliaries `aux` [B, W]) and the number
+        m [B] of pending tokens accepted before the first rejection.
+
+        Only the rows up to each row's first rejection are used: the accepted ones and the commit row m. A row with
+        three or more open candidates needs a fit of its cells, and such rows mostly come after a wrong pending token,
+        that is after the rejection. So those rows are fitted only when a row's m reaches one (an unfitted row, -1,
+        matches no pending token; the relaxed rules may still accept it). The cells of a row depend only on its
+        logits, so the committed tokens are those of fitting every row."""
+        batch, width, _ = q.shape
+        flat_q, flat_aux = q.reshape(batch * width, -1), aux.reshape(-1)
+        ranked = self.sampler.candidates(flat_q)  # candidates and capacities of every row, computed once
+        sampled = torch.full_like(flat_aux, -1)
+        rows = torch.arange(batch * width, device=q.device)
+        if width > 1 and ranked is not None:
+            rows = rows[(ranked[1] > 0).sum(dim=1) <= 2]
+        commit_row = torch.arange(batch, device=q.device) * width
+        while True:
+            if rows.numel():
+                sampled[rows] = self.sample_rows(flat_q, flat_aux, rows, ranked)
+            accepted = torch.zeros(batch, dtype=torch.long, device=q.device)
+            if width > 1:
+                view = sampled.view(batch, width)
+                accept = self.acceptance.accepts(pending, view[:, :-1], q[:, :-1]) & pending_ok[:, None]
+                accepted = accept.long().cumprod(1).sum(1)
+            commit = commit_row + accepted
+            rows = commit[sampled[commit] < 0]
+            if rows.numel() == 0:
+                return sampled.view(batch, width), accepted
+
+    def sample_rows(self, flat_q, flat_aux, rows, ranked) -> torch.Tensor:
+        """The Voronoi tokens f(u; q) of the flat verify rows `rows`."""
+        # Inference mode: the fit is hundreds of small ops at decode sizes, and it trims their dispatch.
+        with torch.inference_mode():
+            owners = self.sampler.decoding_cells(flat_q[rows], *self.sites,
+                                                 None if ranked is None else (ranked[0][rows], ranked[1][rows]))
+            return decode_auxiliary(owners, flat_aux[rows])
+
+    def advance(self, state: PLMDecodingState, logits: torch.Tensor, count: torch.Tensor) -> DecodingStep:
+        """Verify the pending tokens with the call's `logits` [B, rows, V], commit m + 1 tokens per row and update
+        `state` for the next call."""
+        width, batch = self.width, logits.shape[0]
+        q = logits[:, :width]  # [B, width, V]: q(. | x_<i+r)
+        index = count[:, None] + torch.arange(width, device=q.device)  # generated index of each verify row
+        sampled, accepted = self.verify(q, state.aux_table.gather(1, index), state.pending, state.pending_ok)
+        committed = torch.cat([state.pending, state.pending.new_zeros(batch, 1)], dim=1)
+        committed.scatter_(1, accepted[:, None], sampled.gather(1, accepted[:, None]))
+
+        # Keep the keys of verify rows r <= m (their inputs are committed tokens); drop the proposal keys and the
+        # verify keys rejected in every row, and mark those rejected in some rows only as invalid.
+        kept, num_rows = 1 + int(accepted.max()), logits.shape[1]
+        if num_rows > kept:
+            state.past_key_values.crop(-(num_rows - kept))
+        state.key_valid = torch.cat([state.key_valid, torch.arange(kept, device=q.device) <= accepted[:, None]], 1)
+        state.last_token = committed.gather(1, accepted[:, None]).squeeze(1)
+        state.next_pos = state.next_pos + accepted + 1
+        if self.propose:
+            proposals = logits[:, width:].argmax(-1).view(batch, width, width)  # [B, m, k]
+            state.pending = proposals.gather(1, accepted[:, None, None].expand(-1, 1, width)).squeeze(1)[:, 1:]
+            state.pending_ok = torch.ones(batch, dtype=torch.bool, device=q.device)
+        else:
+            state.pending_ok = torch.zeros(batch, dtype=torch.bool, device=q.device)
+        return DecodingStep(committed, accepted + 1)
 
 
 class PLMPreTrainedModel(BackbonePreTrainedModel):
@@ -253,7 +332,7 @@ class PLMModel(PLMPreTrainedModel):
         d = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
         # Fixed random unit vectors e_u (never trained, saved with the weights), read in through a learned map
-        # (`auxiliary_projection`, measured better than the paper's direct e_u) or as they are: everything above
+        # (`auxiliary_projection`, which trains better than the paper's direct e_u) or as they are: everything above
         # the embeddings is shared.
         self.register_buffer("auxiliary_bank", sample_auxiliary_bank(config.num_auxiliaries, d, config.auxiliary_seed))
         self.auxiliary_proj = nn.Linear(d, d, bias=False) if config.auxiliary_projection else None
@@ -325,6 +404,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # g_ψ of the alignment loss; trained, saved, unused at inference.
         self.alignment_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
+        self.auxiliary_sampler = VoronoiSampler(config)
         self.post_init()
 
     def get_output_embeddings(self):
@@ -356,68 +436,11 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         return PLMOutput(logits=self.lm_head(hidden), past_key_values=out.past_key_values, hidden_states=out.hidden_states,
                          attentions=out.attentions)
 
-    def auxiliary_owners(self, logits: torch.Tensor, ranked: tuple[torch.Tensor, torch.Tensor] | None = None
+    def auxiliary_owners(self, logits: torch.Tensor, observed: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Owner token of every auxiliary for each row of encoder logits [P, V] -> ([P, N_aux], TV [P]).
-        `none` auxiliaries: (None, None) — the decoder reads the mask auxiliary everywhere. `ranked`: the rows'
-        `ranked_candidates`, when the caller computed them already (Voronoi only)."""
-        cfg = self.config
-        logits = logits.detach().float()
-        if cfg.auxiliary_type == "voronoi":
-            fit = self.fit_voronoi_cells(logits, self.auxiliary_token_scores(), ranked)
-            return fit.owners, fit.total_variation
-        if cfg.auxiliary_type == "quantile":
-            return quantile_owners(logits, cfg.num_auxiliaries), None
-        return None, None
-
-    def decoding_owners(self, logits: torch.Tensor, ranked: tuple[torch.Tensor, torch.Tensor] | None = None
-                        ) -> torch.Tensor:
-        """Owner token of every auxiliary `[P, N_aux]` for decoding's sampler, from encoder logits [P, V]. Voronoi: the
-        exact cells (`exact_voronoi_owners`): every cell holds its capacity, so a token drawn through a uniform
-        auxiliary follows the rounded top-M q exactly, and they are the cells training's fit (`auxiliary_owners`)
-        reaches wherever it ends exact, found 1.7-1.9x faster at decode sizes. Quantile: `auxiliary_owners`.
-        `ranked`: the rows' `ranked_candidates`, when the caller computed them already."""
-        cfg = self.config
-        if cfg.auxiliary_type != "voronoi":
-            return self.auxiliary_owners(logits)[0]
-        return exact_voronoi_owners(logits.detach().float(), self.model.auxiliary_bank, cfg.auxiliary_top_m,
-                                    self.auxiliary_token_scores(), ranked=ranked, fit=self.fit_decoding_offsets).owners
-
-    def fit_decoding_offsets(self, scores: torch.Tensor, capacities: torch.Tensor, score_mean: torch.Tensor,
-                             score_std: torch.Tensor, sweeps: int) -> torch.Tensor:
-        """The offsets `decoding_owners` starts its exact moves from: eager, the dense sweeps (`fit_dense_offsets`,
-        the fewest ops); compiled (see `compiled_methods`), training's iterative fit, whose static schedule compiles
-        into fewer, fused kernels and ends nearer the exact cells (measured faster there, docs/benchmarks.md). Either
-        way the moves end at the same exact cells."""
-        if not torch.compiler.is_compiling():
-            return fit_dense_offsets(scores, capacities, score_mean, score_std, sweeps)
-        cfg = self.config
-        return fit_laguerre_offsets(scores.transpose(1, 2), capacities, rounds=cfg.sinkhorn_rounds,
-                                    sweeps=cfg.sinkhorn_sweeps, shortlist=cfg.sinkhorn_shortlist,
-                                    score_mean=score_mean, score_std=score_std)
-
-    def fit_voronoi_cells(self, logits: torch.Tensor, scores: TokenScores,
-                          ranked: tuple[torch.Tensor, torch.Tensor] | None = None) -> VoronoiAssignment:
-        """`voronoi_owners` of the rows of `logits` [P, V] with this model's bank and fit settings, from precomputed
-        `scores` (`auxiliary_token_scores`): training's fit."""
-        cfg = self.config
-        return voronoi_owners(logits, self.lm_head.weight, self.model.auxiliary_bank, cfg.auxiliary_top_m,
-                              rounds=cfg.sinkhorn_rounds, sweeps=cfg.sinkhorn_sweeps, shortlist=cfg.sinkhorn_shortlist,
-                              scores=scores, ranked=ranked)
-
-    def auxiliary_token_scores(self) -> TokenScores:
-        """e_v · e_u for every token and auxiliary (`token_scores`), recomputed only when the LM head or the bank
-        changed (tensor identity and in-place version): once per optimizer step in training, once per model in
-        decoding, instead of once per Voronoi fit."""
-        weight, bank = self.lm_head.weight, self.model.auxiliary_bank
-        if torch.compiler.is_compiling():  # no Python-side cache inside a graph
-            return token_scores(weight.detach().float(), bank.float())
-        key = (weight.data_ptr(), weight._version, weight.device, weight.dtype, bank.data_ptr(), bank._version)
-        cached = self.__dict__.get("_token_scores_cache")
-        if cached is None or cached[0] != key:
-            cached = (key, token_scores(weight.detach().float(), bank.float()))
-            self.__dict__["_token_scores_cache"] = cached  # a plain attribute: not a buffer, never saved
-        return cached[1]
+        """Training's cells of this model (`VoronoiSampler.training_cells`) for the rows of encoder logits [P, V]:
+        the owner token of every auxiliary [P, N_aux] and the fit's TV [P] (None for non-Voronoi types)."""
+        return self.auxiliary_sampler.training_cells(logits, self.lm_head.weight, self.model.auxiliary_bank, observed)
 
     def block_layout(self, length: int, phase: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decoder rows of one sequence: target position, block id and block start of each row.
@@ -471,24 +494,13 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         eval mode uses `fixed_uniforms` over the decoder rows (the same for every sequence of the batch), so the eval
         loss is deterministic and a row's loss does not depend on the rest of the batch.
 
-        Voronoi cells are fitted only at positions whose observed token has a cell (an open top-M candidate):
+        Voronoi cells are fitted only at positions whose observed token has a cell (`VoronoiSampler.training_cells`):
         elsewhere the decoder reads the mask auxiliary whatever the cells are (about half the positions of a partly
-        trained `small` PLM, nearly all at initialisation). A position's cells depend only on its own logits, so the
-        auxiliaries are those of fitting every position, and the TV is that of the fitted positions. Under
-        torch.compile every position is fitted (which ones need it is data-dependent: a graph break)."""
+        trained PLM, nearly all at initialisation)."""
         batch, length = input_ids.shape
         targets = input_ids[:, dec_pos]  # [B, D]
-        flat_q = q_logits.reshape(-1, q_logits.shape[-1])
-        if self.config.auxiliary_type == "voronoi" and not torch.compiler.is_compiling():
-            cfg = self.config
-            candidates, capacities = ranked_candidates(flat_q, cfg.auxiliary_top_m, cfg.num_auxiliaries)
-            observed = input_ids[:, 1:].reshape(-1, 1)  # the token scored by each row of q
-            rows = ((candidates == observed) & (capacities > 0)).any(dim=1).nonzero().squeeze(1)
-            fitted, tv = self.auxiliary_owners(flat_q[rows], (candidates[rows], capacities[rows]))
-            owners = fitted.new_full((flat_q.shape[0], fitted.shape[1]), -1)  # -1: no token, so no cell is drawn
-            owners[rows] = fitted
-        else:
-            owners, tv = self.auxiliary_owners(flat_q)
+        observed = input_ids[:, 1:].reshape(-1)  # the token scored by each row of q
+        owners, tv = self.auxiliary_owners(q_logits.reshape(-1, q_logits.shape[-1]), observed)
         if owners is None:
             return torch.full_like(targets, -1), tv
         owners = owners.view(batch, length - 1, -1)[:, dec_pos - 1]  # [B, D, N_aux]
@@ -671,7 +683,9 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         at decode sizes they are hundreds of small ops, whose dispatch compiling removes. The token scores and the
         exact moves stay outside."""
         methods = super().compiled_methods()
-        return [*methods, (self, "fit_decoding_offsets")] if self.config.auxiliary_type == "voronoi" else methods
+        if self.config.auxiliary_type == "voronoi":
+            methods.append((self.auxiliary_sampler, "fit_decoding_offsets"))
+        return methods
 
     def _start_decoding(self, input_ids, request, options: PLMGenerationOptions):
         """Encode all prompt tokens but the last into a fresh cache (the last one opens the first round) and draw
@@ -690,120 +704,27 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         if input_ids.shape[1] > 1:
             self(input_ids=input_ids[:, :-1], attention_mask=request.attention_mask[:, :-1],
                  position_ids=positions[:, :-1], past_key_values=past_key_values)
+        decoder = QuadraticDecoder(width, options.decoding == "quadratic", options.acceptance_rule,
+                                   self.auxiliary_sampler, (self.lm_head.weight, self.model.auxiliary_bank), device)
         state = PLMDecodingState(
             past_key_values=past_key_values, key_valid=request.attention_mask[:, :-1].bool(),
             last_token=input_ids[:, -1], next_pos=request.attention_mask.long().sum(1),
             pending=torch.zeros(batch, width - 1, dtype=torch.long, device=device),
             pending_ok=torch.zeros(batch, dtype=torch.bool, device=device),  # False forces m = 0 (first round)
-            aux_table=aux_table, width=width, propose=options.decoding == "quadratic",
-            acceptance=options.acceptance_rule, call_layout=self.decoding_call_layout(width, device))
+            aux_table=aux_table, decoder=decoder)
         # The prefill is a model call too (it commits no token), so it is counted.
         return state, int(input_ids.shape[1] > 1)
 
-    def decoding_call_layout(self, width: int, device) -> DecodingCallLayout:
-        """The query rows of one quadratic-decoding call and what they see among themselves; the same every call.
-
-        Verify row r (0 ≤ r < width) reads token x_{i-1+r} at position i-1+r. Proposal row (m, k) (0 ≤ m, k <
-        width) predicts x_{i+m+k} from the auxiliary u_{i+m+k}, reading the clean prefix x_<i+m, that is the cached
-        keys and verify rows r ≤ m, and the rows (m, k' ≤ k) of its own block. Every valid cached key lies before i,
-        so only this [W, W] part of the mask depends on the row."""
-        r = torch.arange(width, device=device)
-        m, k = (t.reshape(-1) for t in torch.meshgrid(r, r, indexing="ij"))
-        sees_verify = torch.cat([r[:, None] >= r[None, :], m[:, None] >= r[None, :]])  # [W, width]
-        sees_proposal = torch.cat([torch.zeros(width, width * width, dtype=torch.bool, device=device),
-                                   (m[:, None] == m[None, :]) & (k[:, None] >= k[None, :])])  # [W, width²]
-        if width == 1:  # one-token-per-call Voronoi decoding: the verify row only
-            sees_verify, sees_proposal, m, k = sees_verify[:1], sees_proposal[:1, :0], m[:0], k[:0]
-        return DecodingCallLayout(offset=torch.cat([r - 1, m + k]), proposal_offset=m + k,
-                                  local_mask=torch.cat([sees_verify, sees_proposal], dim=1))
-
-    def verify_pending(self, q: torch.Tensor, aux: torch.Tensor, state: PLMDecodingState
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Voronoi samples `[B, W]` of the verify rows (q `[B, W, V]`, their auxiliaries `aux` `[B, W]`) and the
-        number `m [B]` of pending tokens accepted before the first rejection.
-
-        Only the rows up to each row's first rejection are used: the accepted ones and the commit row m. A row with
-        three or more open candidates needs a fit of its cells (`decoding_owners`, ~1.5 ms at decode sizes on CPU), and
-        such rows mostly come after a wrong pending token, that is after the rejection. So those rows are fitted only
-        when a row's m reaches one (an unfitted row counts as not matching its pending token; the relaxed rules may
-        still accept it). The owners of a row depend only on its logits, so the committed tokens are those of
-        fitting every row; rows never needed keep -1."""
-        cfg = self.config
-        batch, width, _ = q.shape
-        flat_q, flat_aux = q.reshape(batch * width, -1), aux.reshape(-1)
-        sampled = torch.full_like(flat_aux, -1)
-        fitted = torch.zeros_like(flat_aux, dtype=torch.bool)
-
-        ranked = None
-        if cfg.auxiliary_type == "voronoi":  # candidates and capacities of every row, computed once
-            ranked = ranked_candidates(flat_q, cfg.auxiliary_top_m, cfg.num_auxiliaries)
-
-        def sample(rows: torch.Tensor) -> None:
-            # Inference mode: the fit is hundreds of small ops at decode sizes, and it trims their dispatch (~15%).
-            with torch.inference_mode():
-                owners = self.decoding_owners(flat_q[rows], None if ranked is None else
-                                              (ranked[0][rows], ranked[1][rows]))
-                tokens = decode_auxiliary(owners, flat_aux[rows])
-            sampled[rows] = tokens
-            fitted[rows] = True
-
-        rows = torch.arange(batch * width, device=q.device)
-        if width > 1 and ranked is not None:
-            rows = rows[(ranked[1] > 0).sum(dim=1) <= 2]
-        if rows.numel():
-            sample(rows)
-        commit_row = torch.arange(batch, device=q.device) * width
-        while True:
-            m_acc = torch.zeros(batch, dtype=torch.long, device=q.device)
-            if width > 1:
-                view = sampled.view(batch, width)
-                accept = state.acceptance.accepts(state.pending, view[:, :-1], q[:, :-1]) & state.pending_ok[:, None]
-                m_acc = accept.long().cumprod(1).sum(1)  # accepted pending tokens before the first rejection
-            commit = commit_row + m_acc
-            missing = commit[~fitted[commit]]
-            if missing.numel() == 0:
-                return sampled.view(batch, width), m_acc
-            sample(missing)
-
     def _decoding_step(self, state: PLMDecodingState, new_tokens) -> DecodingStep:
-        """One model call. Verify rows r = 0..width-1 read [last token, pending tokens] and give q_{i+r};
-        proposal block m (if `state.propose`) decodes positions i+m .. i+m+width-1 from prefix x_<i+m and
-        u_{i+m..}. Commits m + 1 tokens per row (m = accepted pending tokens) and updates the state."""
-        past_key_values, num_new, width, layout = state.past_key_values, new_tokens.count, state.width, state.call_layout
-        batch = state.pending.shape[0]
-        i = state.next_pos  # [B] position of the first token to commit
-        embeds = self.model.embed_tokens(torch.cat([state.last_token[:, None], state.pending], dim=1))
-        if state.propose:
-            aux = state.aux_table.gather(1, num_new[:, None] + layout.proposal_offset)  # [B, width²]
+        """One model call over the rows `state.decoder` lays out; it commits m + 1 tokens per row."""
+        tokens, aux, position_ids, mask = state.decoder.call_inputs(state, new_tokens.count)
+        embeds = self.model.embed_tokens(tokens)
+        if aux is not None:
             embeds = torch.cat([embeds, self.model.embed_auxiliaries(aux)], dim=1)
-        num_rows = embeds.shape[1]
-        mask = torch.cat([state.key_valid[:, None, None, :].expand(-1, 1, num_rows, -1),
-                          layout.local_mask[None, None].expand(batch, 1, -1, -1)], dim=-1)
-        logits = self(inputs_embeds=embeds, attention_mask=mask, position_ids=i[:, None] + layout.offset,
-                      past_key_values=past_key_values).logits.float()
-
-        q = logits[:, :width]  # [B, width, V]: q(. | x_<i+r)
-        index = num_new[:, None] + torch.arange(width, device=q.device)  # generated index of each verify row
-        sampled, m_acc = self.verify_pending(q, state.aux_table.gather(1, index), state)
-        committed = torch.cat([state.pending, state.pending.new_zeros(batch, 1)], dim=1)
-        committed.scatter_(1, m_acc[:, None], sampled.gather(1, m_acc[:, None]))
-
-        # Keep the keys of verify rows r <= m (their inputs are committed tokens); drop the proposal keys and the
-        # verify keys rejected in every row, and mark those rejected in some rows only as invalid.
-        kept = 1 + int(m_acc.max())
-        if num_rows > kept:
-            past_key_values.crop(-(num_rows - kept))
-        state.key_valid = torch.cat([state.key_valid, torch.arange(kept, device=q.device) <= m_acc[:, None]], dim=1)
-        state.last_token = committed.gather(1, m_acc[:, None]).squeeze(1)
-        state.next_pos = i + m_acc + 1
-        if state.propose and width > 1:
-            proposals = logits[:, width:].argmax(-1).view(batch, width, width)  # [B, m, k]
-            state.pending = proposals.gather(1, m_acc[:, None, None].expand(-1, 1, width)).squeeze(1)[:, 1:]
-            state.pending_ok = torch.ones(batch, dtype=torch.bool, device=q.device)
-        else:
-            state.pending_ok = torch.zeros(batch, dtype=torch.bool, device=q.device)
-        return DecodingStep(committed, m_acc + 1)
+        logits = self(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
+                      past_key_values=state.past_key_values).logits.float()
+        return state.decoder.advance(state, logits, new_tokens.count)
 
 
 __all__ = ["AcceptanceRule", "PLMDecodingState", "PLMForCausalLM", "PLMGenerationOptions", "PLMModel",
-           "PLMPreTrainedModel", "PLMOutput", "PLMGenerateOutput"]
+           "PLMOutput", "PLMPreTrainedModel", "QuadraticDecoder"]

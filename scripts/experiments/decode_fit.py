@@ -4,8 +4,8 @@
 
 For the encoder's next-token distributions at the first `--positions` positions of the validation stream, the ones
 with three or more open candidates (those need a fit; the others take exact shortcuts): the wall time per position
-of training's fit (`PLMForCausalLM.fit_voronoi_cells`, the iterative shortlist fit) and of decoding's exact cells
-(`exact_voronoi_owners`, dense sweeps then exact moves) at each `--sweeps`, the two timed alternately position by
+of training's fit (`voronoi_owners` with the model's settings, the iterative shortlist fit) and of decoding's exact
+cells (`exact_voronoi_owners`, dense sweeps then exact moves) at each `--sweeps`, the two timed alternately position by
 position (a shared machine drifts between minutes); how many auxiliaries the dense sweeps leave to move; and that
 the exact owners are training's wherever training's fit ends exact (its TV is 0), and hold the capacities exactly.
 """
@@ -19,7 +19,7 @@ import torch
 
 from hf_latentlm.eval.harness import split_stream
 from hf_latentlm.loading import load_model_and_tokenizer
-from hf_latentlm.modeling.auxiliaries import exact_voronoi_owners, fit_dense_offsets, ranked_candidates
+from hf_latentlm.modeling.auxiliaries import exact_voronoi_owners, fit_dense_offsets, ranked_candidates, voronoi_owners
 
 
 def main():
@@ -36,8 +36,15 @@ def main():
         logits = model(input_ids=ids).logits[0].float()
         candidates, capacities = ranked_candidates(logits, cfg.auxiliary_top_m, cfg.num_auxiliaries)
         positions = ((capacities > 0).sum(dim=1) > 2).nonzero().squeeze(1).tolist()
-        scores, bank = model.auxiliary_token_scores(), model.model.auxiliary_bank
-        training = model.fit_voronoi_cells(logits[positions], scores, (candidates[positions], capacities[positions]))
+        head, bank = model.lm_head.weight, model.model.auxiliary_bank
+        scores = model.auxiliary_sampler.token_scores(head, bank)
+
+        def training_fit(rows, ranked):
+            return voronoi_owners(rows, head, bank, cfg.auxiliary_top_m, rounds=cfg.sinkhorn_rounds,
+                                  sweeps=cfg.sinkhorn_sweeps, shortlist=cfg.sinkhorn_shortlist, scores=scores,
+                                  ranked=ranked)
+
+        training = training_fit(logits[positions], (candidates[positions], capacities[positions]))
         training_exact = (training.total_variation == 0).tolist()
         result = {"model": args.plm, "positions": args.positions, "fitted_positions": len(positions),
                   "training_fit_exact_positions": sum(training_exact), "threads": torch.get_num_threads(),
@@ -47,7 +54,7 @@ def main():
             for k, p in enumerate(positions):
                 row, ranked = logits[p:p + 1], (candidates[p:p + 1], capacities[p:p + 1])
                 start = time.perf_counter()
-                model.fit_voronoi_cells(row, scores, ranked)
+                training_fit(row, ranked)
                 train_s.append(time.perf_counter() - start)
                 start = time.perf_counter()
                 exact = exact_voronoi_owners(row, bank, cfg.auxiliary_top_m, scores, sweeps, ranked=ranked).owners[0]

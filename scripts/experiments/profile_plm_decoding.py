@@ -6,8 +6,8 @@
 Times `generate()` of both models on the same prompt (a 64-token validation prompt, or with `--task` the first
 test prompt of that post-training task; 128 new tokens, EOS ignored): `--repeats` alternating AR/PLM runs after a
 warm-up, medians, and the ratio PLM call / AR step per pair. Splits the PLM time per call into the Voronoi fit
-(`decoding_owners`), the network forward and the rest (auxiliary lookup, acceptance, cache and state bookkeeping);
-then prints a cProfile of one PLM run, top functions by cumulative and by own time.
+(`VoronoiSampler.decoding_cells`), the network forward and the rest (auxiliary lookup, acceptance, cache and state
+bookkeeping); then prints a cProfile of one PLM run, top functions by cumulative and by own time.
 
 With `--compile` both decode compiled (`decoding_compile_config`; AR with transformers' static cache, as
 `hf-latentlm bench --compile`), after two untimed compiling runs each; the forward is then not timed apart (compiled
@@ -36,7 +36,7 @@ def timed_run(model, prompt, new_tokens: int, **kwargs) -> tuple[float, float, f
     """Wall seconds of one generate(), of its Voronoi fits and (eager only) of its forwards, and its model calls."""
     fit, forward = [0.0], [0.0]
     torch.manual_seed(0)
-    with (timing_method(model, "decoding_owners", fit) if hasattr(model, "decoding_owners") else
+    with (timing_method(model.auxiliary_sampler, "decoding_cells", fit) if hasattr(model, "auxiliary_sampler") else
           nullcontext()), (nullcontext() if "compile_config" in kwargs else
                            timing_method(model, "forward", forward)), CallCounter(model) as calls:
         start = time.perf_counter()

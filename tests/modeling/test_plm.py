@@ -169,10 +169,12 @@ def test_cells_are_fitted_only_where_the_observed_token_has_one(trained_plm, tin
     candidates, capacities = ranked_candidates(flat_q, cfg.auxiliary_top_m, cfg.num_auxiliaries)
     has_cell = ((candidates == x[:, 1:].reshape(-1, 1)) & (capacities > 0)).any(1)
     assert 0 < int(has_cell.sum()) < has_cell.numel()
+    from hf_latentlm.modeling import auxiliaries
+
     fitted_rows = []
-    original = trained_plm.auxiliary_owners
-    monkeypatch.setattr(trained_plm, "auxiliary_owners",
-                        lambda logits, *a: fitted_rows.append(logits.shape[0]) or original(logits, *a))
+    fit, original = auxiliaries.voronoi_owners, trained_plm.auxiliary_owners
+    monkeypatch.setattr(auxiliaries, "voronoi_owners",
+                        lambda logits, *a, **k: fitted_rows.append(logits.shape[0]) or fit(logits, *a, **k))
     trained_plm.train()
     try:
         torch.manual_seed(7)

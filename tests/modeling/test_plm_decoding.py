@@ -67,6 +67,13 @@ def prompts(rows, lengths, first=1600):
     return [rows[first + i, :n] for i, n in enumerate(lengths)]
 
 
+def decoding_cells(model, logits, cells=None):
+    """Decoding's Voronoi owners [P, N_aux] of encoder logits [P, V] on the model's own sites (`cells`: a bound
+    `decoding_cells` taken earlier, default the sampler's current one)."""
+    cells = cells or model.auxiliary_sampler.decoding_cells
+    return cells(logits, model.lm_head.weight, model.model.auxiliary_bank)
+
+
 # ---------------------------------------------------------------------------------------------- recording calls
 
 @dataclass
@@ -99,7 +106,7 @@ class Call:
 def record_calls(model, patch) -> list[Call]:
     """Spy on every `_decoding_step` of `model` (patch: a pytest MonkeyPatch) and return the list it fills."""
     calls: list[Call] = []
-    step, owners_of = model._decoding_step, model.decoding_owners
+    step, cells = model._decoding_step, model.auxiliary_sampler.decoding_cells
     seen = {}
 
     def step_spy(state, new_tokens):
@@ -121,7 +128,7 @@ def record_calls(model, patch) -> list[Call]:
         # The owners of EVERY verify row, fitted here from the call's logits (decoding itself fits only the rows it
         # needs, up to each row's first rejection).
         verify = seen["logits"][:, :width]
-        owners = owners_of(verify.reshape(batch * width, -1)).view(batch, width, -1)
+        owners = decoding_cells(model, verify.reshape(batch * width, -1), cells).view(batch, width, -1)
         calls.append(Call(**before, logits=seen["logits"], owners=owners, tokens=result.tokens.clone(),
                           counts=counts.clone()))
         return result
@@ -325,7 +332,7 @@ def test_exact_decoding_reproduces_voronoi_sampling_by_hand(trained, tiny_rows, 
     seq, width = out.sequences, ids.shape[1]
     with torch.no_grad():
         q = trained(input_ids=seq, attention_mask=full_mask(seq, mask)).logits[:, width - 1:-1]  # q_t, t < max_new
-        owners = trained.decoding_owners(q.reshape(-1, q.shape[-1])).view(2, max_new, -1)
+        owners = decoding_cells(trained, q.reshape(-1, q.shape[-1])).view(2, max_new, -1)
     for b, seed in enumerate(seeds):
         table = torch.randint(trained.config.num_auxiliaries, (max_new + 2 * K_PRED,),
                               generator=torch.Generator().manual_seed(seed))
@@ -341,13 +348,13 @@ def test_verify_rows_after_the_first_rejection_are_never_fitted(fresh, tiny_rows
     all W (the committed tokens themselves are checked against fits of every row in the tests above)."""
     ids, mask = left_pad(prompts(tiny_rows, (6, 9), first=1720), tokenizer.pad_token_id)
     calls = record_calls(fresh, monkeypatch)
-    fitted_rows, owners_of = [], fresh.decoding_owners
+    fitted_rows, cells = [], fresh.auxiliary_sampler.decoding_cells
 
-    def count_rows(logits, ranked=None):
+    def count_rows(logits, head, bank, ranked=None):
         fitted_rows.append(logits.shape[0])
-        return owners_of(logits, ranked)
+        return cells(logits, head, bank, ranked)
 
-    monkeypatch.setattr(fresh, "decoding_owners", count_rows)
+    monkeypatch.setattr(fresh.auxiliary_sampler, "decoding_cells", count_rows)
     fresh.generate(ids, attention_mask=mask, max_new_tokens=12, auxiliary_seeds=[5, 6], eos_token_id=None,
                    k_pred=K_PRED, acceptance="exact")
     assert len(calls) > 1 and fitted_rows
@@ -519,7 +526,7 @@ def test_model_auxiliary_owners_use_the_raw_lm_head(trained, tiny_rows):
     assert weight.norm(dim=-1).std() > 0.01  # rows of unequal norm, so normalising would matter
     assert not torch.equal(got, voronoi_owners(logits, F.normalize(weight, dim=-1), bank, cfg.auxiliary_top_m,
                                                **kwargs).owners)
-    decoding = trained.decoding_owners(logits)
+    decoding = decoding_cells(trained, logits)
     exact = exact_voronoi_owners(logits, bank, cfg.auxiliary_top_m, token_scores(weight, bank)).owners
     assert torch.equal(decoding, exact)
     assert not torch.equal(decoding, exact_voronoi_owners(logits, bank, cfg.auxiliary_top_m,
