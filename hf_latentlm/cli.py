@@ -285,7 +285,23 @@ def cmd_train(args) -> int:
         from .eval.summary import print_training_summary
 
         print_training_summary(cfg, args.sample_prompt)
+    if finished and int(os.environ.get("RANK", "0")) == 0:
+        print(next_commands(cfg))
     return 0
+
+
+def next_commands(cfg) -> str:
+    """Where a finished run was saved and what to run on it next: a language model generates and is evaluated; a
+    component is what its families train on (the registry's `components`)."""
+    import shlex
+
+    folder = shlex.quote(str(cfg.output_dir))
+    if get_family(cfg.family).language_model:
+        commands = [f"hf-latentlm generate --model {folder} --prompt 'ROMEO.'", f"hf-latentlm eval --model {folder}"]
+    else:
+        commands = [f"hf-latentlm train --family {spec.name} --{name.replace('_', '-')} {folder} --output-dir DIR"
+                    for spec in FAMILIES.values() for name, source in spec.components.items() if source == cfg.family]
+    return f"saved to {cfg.output_dir}; next:\n" + "\n".join(f"  {command}" for command in commands)
 
 
 def cmd_generate(args) -> int:

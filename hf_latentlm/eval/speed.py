@@ -193,18 +193,52 @@ def compiled_decoding_speed(model, prompts: torch.Tensor, batch_sizes: tuple[int
     return result
 
 
-def speed_versus_fresh_baseline(model, preset, tokenizer, prompts: torch.Tensor, **options) -> dict:
-    """`speed_versus_baseline` against a freshly built baseline-family model of `preset` (same device and dtype).
-
-    With EOS ignored every run generates the same number of tokens whatever the weights, so an untrained baseline
-    of the same size times exactly like a trained one: no trained baseline is needed. `options`: those of
-    `speed_versus_baseline` (batch_sizes, max_new_tokens, repeats, seed, generate_kwargs, ...).
-    """
+def fresh_baseline(model, preset: str, tokenizer):
+    """An untrained baseline-family model of `preset` on `model`'s device and dtype. With EOS ignored every run
+    generates the same number of tokens whatever the weights, so it times exactly like a trained one."""
     from ..families import BASELINE_FAMILY, build_model
 
     reference = next(model.parameters())
-    baseline = build_model(BASELINE_FAMILY, preset, tokenizer).to(device=reference.device, dtype=reference.dtype)
-    return speed_versus_baseline(model, baseline.eval(), prompts, **options)
+    return build_model(BASELINE_FAMILY, preset, tokenizer).to(device=reference.device, dtype=reference.dtype).eval()
+
+
+def speed_versus_fresh_baseline(model, preset, tokenizer, prompts: torch.Tensor, **options) -> dict:
+    """`speed_versus_baseline` against `fresh_baseline(model, preset, tokenizer)`. `options`: those of
+    `speed_versus_baseline` (batch_sizes, max_new_tokens, repeats, seed, generate_kwargs, ...)."""
+    return speed_versus_baseline(model, fresh_baseline(model, preset, tokenizer), prompts, **options)
+
+
+def alternating_speed_ratio(model, baseline, prompts: torch.Tensor, pairs: int = 3, max_new_tokens: int = 64,
+                            seed: int = 0, generate_kwargs: dict | None = None) -> dict:
+    """tokens/s of `model` over `baseline`'s, timed in `pairs` alternating pairs (model, baseline, model, ...) after
+    one warm-up each, so that a machine whose speed drifts slows both alike. Returns each side's median tokens/s and
+    tokens per call, the median ratio with its range over the pairs, and `spread`: the largest ratio of one side's
+    slowest run to its fastest (1.0 for a steady machine)."""
+    if pairs < 1:
+        raise ValueError(f"pairs must be at least 1, got {pairs}")
+    sides = {"model": (model, unbiased_sampling_kwargs(max_new_tokens, generate_kwargs)),
+             "baseline": (baseline, unbiased_sampling_kwargs(max_new_tokens))}
+    runs = {name: [] for name in sides}
+    was_training = {name: m.training for name, (m, _) in sides.items()}
+    for m, _ in sides.values():
+        m.eval()
+    for repeat in range(pairs + 1):  # the first pair warms up
+        for name, (m, kwargs) in sides.items():
+            run = timed_generate(m, prompts.to(next(m.parameters()).device), seed, kwargs)
+            if repeat:
+                runs[name].append(run)
+    for name, (m, _) in sides.items():
+        m.train(was_training[name])
+    result = {}
+    for name, timed in runs.items():
+        times = [run[0] for run in timed]
+        new_tokens = timed[-1][2]
+        result[name] = {"tokens_per_s": prompts.shape[0] * new_tokens / statistics.median(times),
+                        "tokens_per_call": new_tokens / max(timed[-1][1], 1), "times_s": times}
+    ratios = [b[0] / m[0] for m, b in zip(runs["model"], runs["baseline"])]
+    result.update(ratio=statistics.median(ratios), ratio_range=(min(ratios), max(ratios)), pairs=pairs,
+                  spread=max(max(r["times_s"]) / min(r["times_s"]) for r in (result["model"], result["baseline"])))
+    return result
 
 
 @contextmanager

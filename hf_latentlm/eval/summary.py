@@ -9,11 +9,13 @@ from ..data.generated import parse_corpus
 from ..families import BASELINE_FAMILY, FamilySpec, get_family
 from ..loading import load_model_and_tokenizer
 from .optimum import evaluate_against_optimum, evaluation_stream, optimum_headline
-from .speed import measure_generation_speed, speed_versus_fresh_baseline
+from .speed import alternating_speed_ratio, fresh_baseline, measure_generation_speed
 
 DEFAULT_SAMPLE_PROMPT = "ROMEO.\n"
 OPTIMUM_POSITIONS = 1000  # windows of the quick measurement against a generated language's optimum
-SPEED_OPTIONS = dict(max_new_tokens=64, repeats=1)
+SPEED_NEW_TOKENS = 64
+SPEED_PAIRS = 3  # alternating model/baseline timings per speed line
+NOISY_SPREAD = 1.5  # slowest/fastest run of one model above which the speed lines warn
 
 
 def sample_prompt(corpus: str | None) -> str:
@@ -46,22 +48,25 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, seed
 
 
 def speed_lines(spec: FamilySpec, preset: str, model, tokenizer, ids: torch.Tensor) -> list[str]:
-    """One line per decoding variant of the family: tokens/s and tokens per model call, next to a fresh baseline of
-    the same preset timed on the same prompt in this process (the baseline itself: its own line)."""
+    """One line per decoding variant of the family: tokens/s and tokens per model call next to an untrained AR
+    baseline of the same preset, the two timed in alternating pairs on the same prompt (`alternating_speed_ratio`),
+    with the median ratio and its range; a line of warning when the repeats disagree by more than `NOISY_SPREAD`."""
     if spec.name == BASELINE_FAMILY:
-        speed = measure_generation_speed(model, ids, **SPEED_OPTIONS)
+        speed = measure_generation_speed(model, ids, max_new_tokens=SPEED_NEW_TOKENS, repeats=SPEED_PAIRS)
         return [f"{spec.name}: {speed['tokens_per_s']:.0f} tokens/s, "
                 f"{1 / speed['model_calls_per_token']:.2f} tokens per model call"]
-    lines = []
+    baseline, lines, spread = fresh_baseline(model, preset, tokenizer), [], 1.0
     for label, kwargs in {"": {}, **spec.speed_variants}.items():
-        compared = speed_versus_fresh_baseline(model, preset, tokenizer, ids, generate_kwargs=dict(kwargs),
-                                               **SPEED_OPTIONS)
-        speed, ar = compared["model"]["batch_1"], compared["baseline"]["batch_1"]
+        compared = alternating_speed_ratio(model, baseline, ids, SPEED_PAIRS, SPEED_NEW_TOKENS,
+                                           generate_kwargs=dict(kwargs))
+        speed, ar, (low, high) = compared["model"], compared["baseline"], compared["ratio_range"]
+        spread = max(spread, compared["spread"])
         lines.append(f"{spec.name}{f' ({label})' if label else ''}: {speed['tokens_per_s']:.0f} tokens/s, "
-                     f"{1 / speed['model_calls_per_token']:.2f} tokens per model call"
-                     f" | AR baseline ({preset}): {ar['tokens_per_s']:.0f} tokens/s, "
-                     f"{1 / ar['model_calls_per_token']:.2f} tokens per call"
-                     f" | speed ratio {compared['ratio']['batch_1']:.2f}x")
+                     f"{speed['tokens_per_call']:.2f} tokens per model call | untrained AR baseline of the same size "
+                     f"({preset}): {ar['tokens_per_s']:.0f} tokens/s | speed ratio {compared['ratio']:.2f}x "
+                     f"(median of {SPEED_PAIRS} alternating pairs, {low:.2f}-{high:.2f}x)")
+    if spread > NOISY_SPREAD:
+        lines.append(f"warning: repeated timings differ by {spread:.1f}x (a busy machine?); the ratios are uncertain")
     return lines
 
 
@@ -80,7 +85,7 @@ def print_training_summary(cfg, prompt: str | None = None) -> None:
     text, _ = generate_text(model, tokenizer, prompt, max_new_tokens=100, seed=cfg.seed)
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     lines = speed_lines(spec, cfg.preset, model, tokenizer, ids)
-    print(f"\n--- speed (batch 1, {SPEED_OPTIONS['max_new_tokens']} new tokens, this process) ---\n" + "\n".join(lines))
+    print(f"\n--- speed (batch 1, {SPEED_NEW_TOKENS} new tokens, this process) ---\n" + "\n".join(lines))
     if language is not None:  # what the run reached, as a share of what the language allows
         context_len = min(128, cfg.seq_len - 4)  # windows inside the rows it was trained at
         optimum = evaluate_against_optimum(model.eval(), language, OPTIMUM_POSITIONS, context_len, seed=cfg.seed)

@@ -1,9 +1,11 @@
+import time
+
 import pytest
 import torch
 
 from hf_latentlm.eval import bench
 from hf_latentlm.eval.sampling import evaluation_windows
-from hf_latentlm.eval.speed import speed_versus_baseline, speed_versus_fresh_baseline
+from hf_latentlm.eval.speed import alternating_speed_ratio, speed_versus_baseline, speed_versus_fresh_baseline
 from hf_latentlm.families import build_model
 
 
@@ -124,3 +126,25 @@ def test_compiled_decoding_is_timed_next_to_eager_with_the_same_arithmetic(two_t
             assert result["compiled_over_eager"][key] == pytest.approx(compiled["tokens_per_s"] / eager["tokens_per_s"])
     with pytest.raises(ValueError, match="need 8 prompts"):
         speed.compiled_decoding_speed(plm, prompts, (1, 8))
+
+
+def test_alternating_pairs_give_the_median_ratio_of_the_pairs_and_its_range(two_tiny_ar, prompts, monkeypatch):
+    """Model and baseline alternate, one warm-up each; each pair's ratio is baseline time / model time (same tokens),
+    the result their median with the range. A model slowed by half a second a call is slower than its twin in every pair."""
+    model, baseline = two_tiny_ar
+    order, generate = [], type(model).generate
+
+    def slowed(self, *args, **kwargs):
+        order.append("model" if self is model else "baseline")
+        if self is model:
+            time.sleep(0.5)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "generate", slowed)
+    result = alternating_speed_ratio(model, baseline, prompts[:1], pairs=3, max_new_tokens=4)
+    assert order == ["model", "baseline"] * 4
+    pairs = [b / m for m, b in zip(result["model"]["times_s"], result["baseline"]["times_s"])]
+    assert len(pairs) == 3 and result["ratio"] == pytest.approx(sorted(pairs)[1])
+    assert result["ratio_range"] == pytest.approx((min(pairs), max(pairs)))
+    assert result["ratio_range"][1] < 1 and result["baseline"]["tokens_per_call"] == pytest.approx(1.0)
+    assert result["spread"] >= 1.0
