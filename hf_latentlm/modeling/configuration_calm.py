@@ -63,6 +63,7 @@ class CALMAutoencoderConfig(PreTrainedConfig):
 
     def validate_architecture(self) -> None:
         """Raise a ValueError naming the first bad field."""
+        super().validate_architecture()
         check_positive(self, ("vocab_size", "chunk_size", "latent_size", "hidden_size", "intermediate_size"))
         for name in ("num_encoder_layers", "num_decoder_layers"):
             if getattr(self, name) < 0:

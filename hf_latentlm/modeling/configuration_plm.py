@@ -68,7 +68,8 @@ class PLMConfig(BackboneConfig):
         if self.auxiliary_type not in AUXILIARY_TYPES:
             raise ValueError(f"PLMConfig.auxiliary_type must be one of {AUXILIARY_TYPES}, got {self.auxiliary_type!r}")
         if self.auxiliary_top_m > self.vocab_size:
-            raise ValueError(f"PLMConfig.auxiliary_top_m ({self.auxiliary_top_m}) exceeds vocab_size ({self.vocab_size})")
+            raise ValueError(f"PLMConfig.auxiliary_top_m ({self.auxiliary_top_m}) exceeds vocab_size "
+                             f"({self.vocab_size})")
         if self.k_pred > self.block_size:
             raise ValueError(f"PLMConfig.k_pred ({self.k_pred}) must be between 1 and block_size ({self.block_size})")
         check_acceptance(self.acceptance, self.acceptance_epsilon, self.acceptance_nucleus, owner="PLMConfig.")
