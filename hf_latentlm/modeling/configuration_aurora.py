@@ -1,7 +1,8 @@
 """Configurations of AURORA-LM (paper 003; method-specs §4): the frozen query-based text autoencoder and the
 block-causal flow-matching denoiser over its standardised latents."""
 
-from __future__ import annotations
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
 
 from .configuration_backbone import (BackboneConfig, check_fraction, check_non_negative, check_positive,
                                      decoder_blocks_tp_plan)
@@ -11,6 +12,7 @@ AURORA_TIME_SAMPLERS = ("tan", *TIME_SAMPLERS)
 LOSS_SPACES = ("x0", "velocity")
 
 
+@strict
 class AuroraAutoencoderConfig(BackboneConfig):
     r"""Query-based text autoencoder: L tokens <-> N = round(keep_ratio·L) latent slots of width D = hidden_size.
 
@@ -21,20 +23,7 @@ class AuroraAutoencoderConfig(BackboneConfig):
     and to slots ≤ ⌊j·N/L⌋; it never sees a token, so a sequence decodes in one parallel pass, with logits
     h_j·Eᵀ through the encoder's token embedding E. Both are causal by position, so with keep_ratio 1 slot i is the
     latent of token i and a prefix encodes (and decodes) the same whatever follows.
-
-    Backbone fields (`BackboneConfig`, Llama names) size both halves: `num_hidden_layers` blocks EACH (paper: 6 + 6).
-    Args:
-        keep_ratio (`float`, 1.0): c = N / L in (0, 1] (the paper's models use 1). The denoiser (`AuroraConfig`)
-            needs 1; below 1 the autoencoder trains and reports on its own (no padding, no cache).
-        token_dropout (`float`, 0.3): probability of zeroing a whole input token embedding (training only).
-        latent_dropout (`float`, 0.6): probability of zeroing a latent coordinate before decoding (training only,
-            no rescaling, as in the paper).
-        statistics_eps (`float`, 1e-6): ε of the per-channel standardisation z = (z_enc − μ) / sqrt(var + ε).
-        query_residual (`bool`, False): **ours, not the paper's**: each query starts from the learned query plus the
-            context item at its own position (encoder slot i: token embedding i; decoder position j: latent j), a copy
-            path the shared query must otherwise learn through RoPE alone. Still causal by position; keep_ratio 1
-            only. The `tiny` and `small` presets turn it on (docs/generated_language.md: reconstruction before and
-            after).
+    The backbone fields size both halves: `num_hidden_layers` blocks EACH (paper: 6 + 6).
     Loss: token cross-entropy only. The standardisation statistics are buffers of the autoencoder, estimated by the
     denoiser's first training batch from this (then frozen) encoder and saved with the denoiser's weights.
     """
@@ -46,24 +35,26 @@ class AuroraAutoencoderConfig(BackboneConfig):
     # an `embed_tokens`, under which the read-out would see a vocabulary shard.
     base_model_tp_plan = {"embed_tokens": "replicate", **decoder_blocks_tp_plan("encoder.layers", "decoder.layers")}
 
-    def __init__(self, keep_ratio: float = 1.0, token_dropout: float = 0.3, latent_dropout: float = 0.6,
-                 statistics_eps: float = 1e-6, query_residual: bool = False, **kwargs):
-        kwargs.setdefault("num_hidden_layers", 2)
-        super().__init__(**kwargs)
-        self.keep_ratio = keep_ratio
-        self.query_residual = query_residual
-        self.token_dropout = token_dropout
-        self.latent_dropout = latent_dropout
-        self.statistics_eps = statistics_eps
-        self.validate_autoencoder()
+    num_hidden_layers: int = 2
+    # c = N / L in (0, 1] (the paper's models use 1). The denoiser needs 1; below 1 the autoencoder trains and reports
+    # on its own (no padding, no cache).
+    keep_ratio: int | float = 1.0
+    token_dropout: int | float = 0.3  # probability of zeroing a whole input token embedding (training only)
+    # Probability of zeroing a latent coordinate before decoding (training only, no rescaling, as in the paper).
+    latent_dropout: int | float = 0.6
+    statistics_eps: int | float = 1e-6  # ε of the per-channel standardisation z = (z_enc − μ) / sqrt(var + ε)
+    # **Ours, not the paper's**: each query starts from the learned query plus the context item at its own position
+    # (encoder slot i: token embedding i; decoder position j: latent j), a copy path the shared query must otherwise
+    # learn through RoPE alone. Still causal by position; keep_ratio 1 only.
+    query_residual: bool = False
 
     @property
     def latent_size(self) -> int:
         return self.hidden_size
 
-    def validate_autoencoder(self) -> None:
+    def validate_architecture(self) -> None:
         """Raise a ValueError naming the first bad field."""
-        self.validate_backbone()
+        super().validate_architecture()
         if not 0 < self.keep_ratio <= 1:
             raise ValueError(f"AuroraAutoencoderConfig.keep_ratio must be in (0, 1], got {self.keep_ratio}")
         check_fraction(self, ("token_dropout", "latent_dropout"))
@@ -78,99 +69,62 @@ class AuroraAutoencoderConfig(BackboneConfig):
 SELF_CONDITION_DRAFTS = ("guided", "unguided")
 
 
+@strict
 class AuroraConfig(BlockLatentConfig):
     r"""AURORA-LM: a frozen query autoencoder (a submodule, saved in this checkpoint) and a block-causal denoiser
     that predicts clean latent blocks.
 
-    Denoiser backbone: the fields of `BackboneConfig` (Llama names; the AR baseline of the same preset has the same
-    width, depth and heads): RMSNorm, SwiGLU, RoPE, per-head QK-norm; bidirectional inside blocks of `block_size`
-    latent positions, causal across. Clean latents enter through a full-width linear map; noisy latents through the
-    low-rank bottleneck D -> `noisy_input_rank` -> hidden (**choice**: the clean history keeps full width, as the
-    paper squeezes "only the noisy pathway"). The timestep (sinusoidal -> 2-layer MLP) and the self-conditioning
-    draft each go through one linear map per layer and are ADDED to the residual stream before that layer. The head
-    predicts the full-width clean latent ẑ (x0 prediction).
-
-    Args:
-        block_size (`int`, 16): Q, latent positions per block (paper 16).
-        autoencoder_config (`AuroraAutoencoderConfig` or dict): the frozen autoencoder (build with
-            `AuroraForCausalLM.from_autoencoder`). `vocab_size` must agree.
-        noisy_input_rank (`int` or None, 128): D_b of the noisy-input bottleneck; None = no bottleneck (one linear
-            map D -> hidden).
-    Training (x_σ = (1 − σ)·z + σ·ε over standardised latents z):
-        time_sampler (`str`, "tan"): "tan" (σ = d·tan(πτ/2) / (1 + d·tan(πτ/2)), τ ~ U(0, 1), d = `time_shift`),
-            "logit_normal" (`time_loc`, `time_scale`), "shifted" or "uniform". One σ per (row, block).
-        time_shift (`float`, 7.0): d of "tan" (Pr(σ > 0.7) = 0.795), or the shift of "shifted".
-        loss_space (`str`, "x0"): "x0" = mean ‖ẑ − z‖² (the paper's best); "velocity" = the same error in velocity
-            space, ‖ẑ − z‖² / max(σ, velocity_min_sigma)² (the paper's ablation that weights low noise up).
-        velocity_min_sigma (`float`, 0.05): floor of σ in the velocity-space weight (**choice**: 1/σ² is unbounded).
-        self_condition_prob (`float`, 0.6): p_sc: per row, a first pass (no gradient) gives a draft ẑ that the
-            main pass receives; otherwise the draft is zeros.
-        consistency_weight (`float`, 1.0): final λ_ct of self-trajectory consistency (0 = off, no EMA copy).
-        consistency_warmup_steps (`int`, 10000): λ_ct ramps linearly from 0 over this many optimizer steps.
-        consistency_steps (`int`, 16): S of the sampling grid whose Prev_S(σ) the consistency target is taken at.
-        ema_decay (`float`, 0.9999): decay of the EMA copy that gives the consistency target, applied as
-            min(ema_decay, (1 + n) / (10 + n)) after the n-th optimizer step (**choice**: the usual warm-up, so
-            that a short run has a useful target; the paper's 0.9999 is the limit).
-        history_dropout (`float`, 0.1): probability that a noisy block sees no clean history, which trains the
-            unconditional branch of prompt CFG (**choice**; the paper does not give it).
-        prompt_block_prob (`float`, 0.05): probability that a block's first k positions (k uniform in 1..Q−1)
-            enter clean at σ = 0 and unscored, which trains the repaint of a prompt that ends mid-block.
-    Generation defaults (each can be overridden in `generate()`):
-        num_inference_steps (`int`, 16): Euler steps per block (σ from 1 to 0 on a uniform grid); `num_ode_steps`
-            is its deprecated spelling.
-        self_condition_guidance (`float`, 4.0): w_sc of SC-CFG, ẑ = ẑ_blind + w_sc·(ẑ_aware − ẑ_blind) (1 = off).
-        self_condition_draft (`str`, "unguided"): the draft the next Euler step sees, one of
-            `SELF_CONDITION_DRAFTS`: "unguided", the step's aware prediction before any guidance, the kind of draft
-            training shows (a detached first-pass prediction), or "guided", its final (guided) prediction. The paper
-            does not say; at w_sc = 2 and 4 "unguided" closed more of the gap on generated:easy
-            (docs/families/aurora.md).
-        cfg_scale (`float`, 2.0): w of prompt CFG (1 = off), applied only while σ ≥ `cfg_min_sigma` and only to
-            rows with a clean prefix. cfg_min_sigma (`float`, 0.9).
-        decode_temperature (`float`, 0.0): 0 reads tokens out greedily from the decoder; > 0 samples.
+    Denoiser backbone: the backbone fields (the AR baseline of the same preset has the same width, depth and heads):
+    RMSNorm, SwiGLU, RoPE, per-head QK-norm; bidirectional inside blocks of `block_size` latent positions (paper 16),
+    causal across. Clean latents enter through a full-width linear map; noisy latents through the low-rank bottleneck
+    D -> `noisy_input_rank` -> hidden (**choice**: the clean history keeps full width, as the paper squeezes "only
+    the noisy pathway"). The timestep (sinusoidal -> 2-layer MLP) and the self-conditioning draft each go through one
+    linear map per layer and are ADDED to the residual stream before that layer. The head predicts the full-width
+    clean latent ẑ (x0 prediction).
+    Training: x_σ = (1 − σ)·z + σ·ε over standardised latents z, one σ per (row, block). The "tan" time sampler draws
+    σ = d·tan(πτ/2) / (1 + d·tan(πτ/2)), τ ~ U(0, 1), d = `time_shift` (7: Pr(σ > 0.7) = 0.795).
+    Generation: `num_inference_steps` Euler steps per block (σ from 1 to 0 on a uniform grid); prompt CFG
+    (`cfg_scale`, 1 = off) applies only while σ ≥ `cfg_min_sigma` and only to rows with a clean prefix.
     """
 
     model_type = "aurora"
-    sub_configs = {"autoencoder_config": AuroraAutoencoderConfig}
+    sub_configs_defaults = {"autoencoder_config": AuroraAutoencoderConfig}
     component_config_name = "autoencoder_config"
     component_name = "autoencoder"
     time_samplers = AURORA_TIME_SAMPLERS
 
     base_model_tp_plan = decoder_blocks_tp_plan("denoiser.layers")  # the denoiser's blocks
 
-    def __init__(
-        self,
-        block_size: int = 16,
-        autoencoder_config: AuroraAutoencoderConfig | dict | None = None,
-        noisy_input_rank: int | None = 128,
-        loss_space: str = "x0",
-        velocity_min_sigma: float = 0.05,
-        self_condition_prob: float = 0.6,
-        consistency_weight: float = 1.0,
-        consistency_warmup_steps: int = 10000,
-        consistency_steps: int = 16,
-        ema_decay: float = 0.9999,
-        self_condition_guidance: float = 4.0,
-        self_condition_draft: str = "unguided",
-        cfg_min_sigma: float = 0.9,
-        **kwargs,
-    ):
-        # The shared fields are `BlockLatentConfig`'s; AURORA's own defaults of four of them (the paper's "tan"
-        # schedule with d = 7, prompt CFG w = 2).
-        kwargs = {"time_sampler": "tan", "time_shift": 7.0, "time_loc": 0.0, "cfg_scale": 2.0, **kwargs}
-        super().__init__(block_size=block_size, **kwargs)
-        self._embed_sub_config("autoencoder_config", autoencoder_config, vocab_size=self.vocab_size)
-        self.noisy_input_rank = noisy_input_rank
-        self.loss_space = loss_space
-        self.velocity_min_sigma = velocity_min_sigma
-        self.self_condition_prob = self_condition_prob
-        self.consistency_weight = consistency_weight
-        self.consistency_warmup_steps = consistency_warmup_steps
-        self.consistency_steps = consistency_steps
-        self.ema_decay = ema_decay
-        self.self_condition_guidance = self_condition_guidance
-        self.self_condition_draft = self_condition_draft
-        self.cfg_min_sigma = cfg_min_sigma
-        self.validate_aurora()
+    # AURORA's own defaults of shared fields: the paper's "tan" schedule with d = 7, prompt CFG w = 2.
+    time_sampler: str = "tan"
+    time_shift: int | float = 7.0
+    time_loc: int | float = 0.0
+    cfg_scale: int | float = 2.0
+    # The frozen autoencoder's config (build with `AuroraForCausalLM.from_autoencoder`); `vocab_size` must agree.
+    autoencoder_config: dict | PreTrainedConfig | None = None
+    noisy_input_rank: int | None = 128  # D_b of the noisy-input bottleneck; None = one linear map D -> hidden
+    # "x0" = mean ‖ẑ − z‖² (the paper's best); "velocity" = the same error in velocity space, ‖ẑ − z‖² /
+    # max(σ, velocity_min_sigma)² (the paper's ablation that weights low noise up).
+    loss_space: str = "x0"
+    velocity_min_sigma: int | float = 0.05  # floor of σ in the velocity-space weight (**choice**: 1/σ² is unbounded)
+    # p_sc: per row, a first pass (no gradient) gives a draft ẑ that the main pass receives; otherwise zeros.
+    self_condition_prob: int | float = 0.6
+    consistency_weight: int | float = 1.0  # final λ_ct of self-trajectory consistency (0 = off, no EMA copy)
+    consistency_warmup_steps: int = 10000  # λ_ct ramps linearly from 0 over this many optimizer steps
+    consistency_steps: int = 16  # S of the sampling grid whose Prev_S(σ) the consistency target is taken at
+    # Decay of the EMA copy that gives the consistency target, applied as min(ema_decay, (1 + n) / (10 + n)) after the
+    # n-th optimizer step (**choice**: the usual warm-up, so that a short run has a useful target).
+    ema_decay: int | float = 0.9999
+    # w_sc of SC-CFG, ẑ = ẑ_blind + w_sc·(ẑ_aware − ẑ_blind) (1 = off).
+    self_condition_guidance: int | float = 4.0
+    # The draft the next Euler step sees: "unguided", the step's aware prediction before any guidance (the kind of
+    # draft training shows), or "guided", its final prediction. The paper does not say.
+    self_condition_draft: str = "unguided"
+    cfg_min_sigma: int | float = 0.9
+
+    def __post_init__(self, **kwargs):
+        self.embed_component_config(vocab_size=self.vocab_size)
+        super().__post_init__(**kwargs)
 
     @property
     def uses_consistency(self) -> bool:
@@ -183,9 +137,9 @@ class AuroraConfig(BlockLatentConfig):
             raise ValueError(f"AURORA-LM's denoiser needs an autoencoder with keep_ratio 1 (one latent per token, so "
                              f"that latent blocks are token blocks); this one has keep_ratio {keep_ratio}")
 
-    def validate_aurora(self) -> None:
+    def validate_architecture(self) -> None:
         """Raise a ValueError naming the first bad field."""
-        self.validate_block_latent()
+        super().validate_architecture()
         check_positive(self, ("consistency_steps",))
         if self.noisy_input_rank is not None and self.noisy_input_rank < 1:
             raise ValueError(f"AuroraConfig.noisy_input_rank must be None (no bottleneck) or at least 1, got "

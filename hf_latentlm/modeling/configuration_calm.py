@@ -1,11 +1,10 @@
 """Configurations of CALM (paper 000; method-specs §2, calm-supplement.md): the chunk autoencoder and the
 continuous autoregressive model that predicts its latents."""
 
-from __future__ import annotations
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
 
-from transformers import PretrainedConfig
-
-from .configuration_backbone import BackboneConfig, check_positive
+from .configuration_backbone import BackboneConfig, check_positive, run_validators
 
 TEMPERATURE_SAMPLERS = ("pool", "exact")
 ENERGY_HEAD_TYPES = ("reference", "swiglu")
@@ -16,91 +15,55 @@ STAGE_LAYOUTS = ("per_stage", "split")
 REFERENCE_AUTOENCODER_RECIPE = {"stage_layout": "split", "embedding_init_std": 0.02, "replace_token_id": 0}
 
 
-class CALMAutoencoderConfig(PretrainedConfig):
+@strict
+class CALMAutoencoderConfig(PreTrainedConfig):
     r"""Context-free MLP autoencoder: a chunk of K tokens <-> one latent vector of size l.
 
     Encoder: token embedding -> residual SwiGLU blocks per token (stage 0) -> flatten K·h -> linear to h
     ("squeeze") -> residual blocks per chunk (stage 1) -> linear to 2·l (mean, log σ). The decoder mirrors it
     (l -> h -> blocks per chunk -> linear to K·h -> per-token blocks -> norm -> logits through the tied embedding).
-    `REFERENCE_AUTOENCODER_RECIPE` holds the reference code's values of the three recipe fields below.
-
-    Args:
-        vocab_size (`int`, 4096), chunk_size (`int`, 4): K tokens per latent.
-        latent_size (`int`, 128): l.
-        hidden_size (`int`, 512), intermediate_size (`int`, 1280): width of the residual SwiGLU blocks.
-        num_encoder_layers / num_decoder_layers (`int`, 2 / 2): residual blocks of the encoder / decoder, laid
-            out by `stage_layout`.
-        stage_layout (`str`, "per_stage"): "per_stage" puts `num_*_layers` blocks in EACH of the two stages
-            (2 -> 2 + 2 per side; this project's first reading of the supplement); "split" splits them around the
-            squeeze / expand as the reference code does: ⌊n/2⌋ in the first stage (encoder: per token; decoder: per
-            chunk), the rest in the second (2 -> 1 + 1).
-        kl_weight (`float`, 1e-3): weight of the clamped KL to N(0, I).
-        kl_clamp (`float`, 0.5): free bits, per latent dimension: the loss uses Σ_i max(KL_i, kl_clamp).
-        token_replace_prob (`float`, 0.15): share of input tokens replaced before encoding (training only).
-        replace_token_id (`int` or None, None): what a replaced token becomes: None = a uniformly random token;
-            an id = always that token (the reference replaces with id 0).
-        latent_dropout (`float`, 0.15): dropout on the sampled latent before decoding (training only).
-        rms_norm_eps (`float`, 1e-6), initializer_range (`float`, 0.02): std of the linear layers.
-        embedding_init_std (`float`, 1.0): std of the token embedding, which is also the output layer (the
-            reference: 0.02, its initializer_range). After 80 `small` steps, validation accuracy from a sampled z is
-            32.1% with 0.02 and 72.6% with 1.0 (`python scripts/experiments/calm_probes.py ae-init --steps 80`);
-            which one gives the better CALM downstream is not measured yet.
-        log_std_min / log_std_max (`float`, -10 / 2): clamp of the posterior log σ, for numerical safety.
+    `REFERENCE_AUTOENCODER_RECIPE` holds the reference code's values of the three recipe fields.
     Loss: K × token cross-entropy (mean over tokens) + kl_weight × clamped KL (mean over chunks).
     """
 
     model_type = "calm_autoencoder"
 
-    def __init__(
-        self,
-        vocab_size: int = 4096,
-        chunk_size: int = 4,
-        latent_size: int = 128,
-        hidden_size: int = 512,
-        intermediate_size: int = 1280,
-        num_encoder_layers: int = 2,
-        num_decoder_layers: int = 2,
-        stage_layout: str = "per_stage",
-        kl_weight: float = 1e-3,
-        kl_clamp: float = 0.5,
-        token_replace_prob: float = 0.15,
-        replace_token_id: int | None = None,
-        latent_dropout: float = 0.15,
-        rms_norm_eps: float = 1e-6,
-        initializer_range: float = 0.02,
-        embedding_init_std: float = 1.0,
-        log_std_min: float = -10.0,
-        log_std_max: float = 2.0,
-        tie_word_embeddings: bool = False,
-        bos_token_id: int | None = 0,
-        eos_token_id: int | None = 0,
-        pad_token_id: int | None = 1,
-        **kwargs,
-    ):
-        self.vocab_size = vocab_size
-        self.chunk_size = chunk_size
-        self.latent_size = latent_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_encoder_layers = num_encoder_layers
-        self.num_decoder_layers = num_decoder_layers
-        self.stage_layout = stage_layout
-        self.kl_weight = kl_weight
-        self.kl_clamp = kl_clamp
-        self.token_replace_prob = token_replace_prob
-        self.replace_token_id = replace_token_id
-        self.latent_dropout = latent_dropout
-        self.rms_norm_eps = rms_norm_eps
-        self.initializer_range = initializer_range
-        self.embedding_init_std = embedding_init_std
-        self.log_std_min = log_std_min
-        self.log_std_max = log_std_max
-        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                         tie_word_embeddings=tie_word_embeddings, **kwargs)
-        self.validate_autoencoder()
+    vocab_size: int = 4096
+    chunk_size: int = 4  # K tokens per latent
+    latent_size: int = 128  # l
+    hidden_size: int = 512  # width of the residual SwiGLU blocks
+    intermediate_size: int = 1280
+    num_encoder_layers: int = 2  # residual blocks of the encoder / decoder, laid out by `stage_layout`
+    num_decoder_layers: int = 2
+    # "per_stage" puts `num_*_layers` blocks in EACH of the two stages (2 -> 2 + 2 per side); "split" splits them
+    # around the squeeze / expand as the reference code does: ⌊n/2⌋ in the first stage (encoder: per token; decoder:
+    # per chunk), the rest in the second (2 -> 1 + 1).
+    stage_layout: str = "per_stage"
+    kl_weight: int | float = 1e-3  # weight of the clamped KL to N(0, I)
+    kl_clamp: int | float = 0.5  # free bits, per latent dimension: the loss uses Σ_i max(KL_i, kl_clamp)
+    token_replace_prob: int | float = 0.15  # share of input tokens replaced before encoding (training only)
+    # What a replaced token becomes: None = a uniformly random token; an id = always that token (the reference: 0).
+    replace_token_id: int | None = None
+    latent_dropout: int | float = 0.15  # dropout on the sampled latent before decoding (training only)
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02  # std of the linear layers
+    # Std of the token embedding, which is also the output layer (the reference: 0.02, its initializer_range); 1.0
+    # reconstructs much better after a short training (scripts/experiments/calm_probes.py ae-init).
+    embedding_init_std: int | float = 1.0
+    log_std_min: int | float = -10.0  # clamp of the posterior log σ, for numerical safety
+    log_std_max: int | float = 2.0
+    tie_word_embeddings: bool = False
+    bos_token_id: int | list[int] | None = 0
+    eos_token_id: int | list[int] | None = 0
+    pad_token_id: int | None = 1
 
-    def validate_autoencoder(self) -> None:
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        run_validators(self)
+
+    def validate_architecture(self) -> None:
         """Raise a ValueError naming the first bad field."""
+        super().validate_architecture()
         check_positive(self, ("vocab_size", "chunk_size", "latent_size", "hidden_size", "intermediate_size"))
         for name in ("num_encoder_layers", "num_decoder_layers"):
             if getattr(self, name) < 0:
@@ -130,83 +93,58 @@ class CALMAutoencoderConfig(PretrainedConfig):
         return num_layers, num_layers
 
 
+@strict
 class CALMConfig(BackboneConfig):
     r"""Continuous Autoregressive LM: a transformer over chunk steps whose energy head samples the next latent,
     which the frozen autoencoder (a submodule, weights inside the checkpoint) decodes into K tokens.
 
-    Backbone: the fields of `BackboneConfig` (same meaning as in `LlamaConfig`; d = hidden_size), passed as
-    keywords. `max_position_embeddings` counts TOKENS; the backbone uses one rotary position per chunk.
-
-    Input side: step i reads the K tokens of chunk i-1, embedded (own table, d) and compressed by
-        Linear(K·d, 2d) -> SiLU -> Linear(2d, d) -> RMSNorm.
-    Energy head:
-        noise_size (`int`, 64): d_noise, noise ε ~ U[-0.5, 0.5]^{d_noise}.
-        num_head_blocks (`int`, None -> ceil(num_hidden_layers / 4)): residual blocks of the head.
-        energy_head_type (`str`, "swiglu"): the head's architecture, one of `ENERGY_HEAD_TYPES`.
-            "swiglu" (this project's head): x = Linear(ε), c = Linear(h); each block
-            x + SwiGLU(RMSNorm(W_x x + W_h c)) with intermediate size d, 5d² weights; out = Linear_{d,l}(RMSNorm(x)).
-            "reference" (the reference code's MLPGenerator): x = LayerNorm(Linear(ε)), c = LayerNorm(Linear(h));
-            each block x + Linear_{d,d}(SiLU(g) ⊙ u), [g, u] = Linear_{d,2d}(SiLU(Linear_{d,d}(SiLU(
-            Linear_{2d,d}([LayerNorm(x), c]))))), ≈ 6d² weights; out = Linear_{d,l}(SiLU(Linear_{d,d}(LayerNorm(x)))).
-            Not the default: at `small` (lr 2e-3 or 5e-4, batch 16 × 256) it drives the backbone's output to the
-            same vector at every position and the model stops using its context (docs/benchmarks.md, "Energy
-            heads"). The last linear layer is zero-initialised in both (paper). A saved config without this field
-            predates it and describes the "swiglu" head: `from_dict` (which `from_pretrained` uses) fills that in.
-    Energy loss (Eq. 10, α = 1):
-        num_model_samples (`int`, 8): N head samples per step; num_target_samples (`int`, 100): M posterior
-        samples of the target latent per step.
-    Autoencoder:
-        autoencoder_config (`CALMAutoencoderConfig` or dict): the frozen autoencoder's config; its weights live
-            in this model's safetensors under `autoencoder.`. `chunk_size` and `vocab_size` must agree with it;
-            `latent_size` is read from it. Never a path: build with `CALMForCausalLM.from_autoencoder(...)`.
-    Generation defaults (each can be overridden in `generate()`):
-        generation_temperature (`float`, 1.0): default T in (0, 1]; T = 1 is one head draw per step. (Named so
-            because transformers reserves `temperature` for the GenerationConfig.)
-        temperature_sampler (`str`, "pool"): for T < 1, "pool" (draw `temperature_pool_size` samples, pick a
-            decoded chunk with weight C(count, 1/T), stepping 1/T down by one while no chunk has weight;
-            approximate, tends to the tempered law as the pool grows) or "exact" (rejection: n = ⌊1/T⌋ agreeing
-            draws, then a Bernoulli-factory stage for the fractional part of 1/T; exact at every T in (0, 1]).
-        temperature_pool_size (`int`, 200); exact_attempts (`int`, 16): the exact sampler draws
-            exact_attempts · ⌈1/T⌉ samples per pending row per round; exact_max_rounds (`int`, 64): rounds before
-            it gives up with an error.
+    `max_position_embeddings` counts TOKENS; the backbone uses one rotary position per chunk. Step i reads the K
+    tokens of chunk i-1, embedded (own table, d) and compressed by Linear(K·d, 2d) -> SiLU -> Linear(2d, d) -> RMSNorm.
+    Energy head, `energy_head_type`:
+        "swiglu" (this project's head): x = Linear(ε), c = Linear(h); each block x + SwiGLU(RMSNorm(W_x x + W_h c))
+        with intermediate size d, 5d² weights; out = Linear_{d,l}(RMSNorm(x)).
+        "reference" (the reference code's MLPGenerator): x = LayerNorm(Linear(ε)), c = LayerNorm(Linear(h)); each
+        block x + Linear_{d,d}(SiLU(g) ⊙ u), [g, u] = Linear_{d,2d}(SiLU(Linear_{d,d}(SiLU(Linear_{2d,d}([LayerNorm(x),
+        c]))))), ≈ 6d² weights; out = Linear_{d,l}(SiLU(Linear_{d,d}(LayerNorm(x)))). Not the default: at small scale
+        it drives the backbone's output to the same vector at every position (docs/benchmarks.md, "Energy heads").
+        The last linear layer is zero-initialised in both (paper).
+    Energy loss: Eq. 10, α = 1. The generation defaults (`generation_temperature`, `temperature_*`, `exact_*`) can
+    each be overridden in `generate()`.
     """
 
     model_type = "calm"
-    sub_configs = {"autoencoder_config": CALMAutoencoderConfig}
+    sub_configs_defaults = {"autoencoder_config": CALMAutoencoderConfig}
     keys_to_ignore_at_inference = ["past_key_values"]
     has_token_likelihood = False
 
-    def __init__(
-        self,
-        chunk_size: int = 4,
-        noise_size: int = 64,
-        num_head_blocks: int | None = None,
-        energy_head_type: str = "swiglu",
-        num_model_samples: int = 8,
-        num_target_samples: int = 100,
-        autoencoder_config: CALMAutoencoderConfig | dict | None = None,
-        generation_temperature: float = 1.0,
-        temperature_sampler: str = "pool",
-        temperature_pool_size: int = 200,
-        exact_attempts: int = 16,
-        exact_max_rounds: int = 64,
-        **kwargs,
-    ):
-        super().__init__(**kwargs)
-        self.chunk_size = chunk_size
-        self.noise_size = noise_size
-        self.num_head_blocks = num_head_blocks if num_head_blocks is not None else -(-self.num_hidden_layers // 4)
-        self.energy_head_type = energy_head_type
-        self.num_model_samples = num_model_samples
-        self.num_target_samples = num_target_samples
-        self._embed_sub_config("autoencoder_config", autoencoder_config, vocab_size=self.vocab_size,
-                               chunk_size=chunk_size)
-        self.generation_temperature = generation_temperature
-        self.temperature_sampler = temperature_sampler
-        self.temperature_pool_size = temperature_pool_size
-        self.exact_attempts = exact_attempts
-        self.exact_max_rounds = exact_max_rounds
-        self.validate_calm()
+    chunk_size: int = 4
+    noise_size: int = 64  # d_noise, noise ε ~ U[-0.5, 0.5]^{d_noise}
+    num_head_blocks: int | None = None  # residual blocks of the energy head; None -> ceil(num_hidden_layers / 4)
+    energy_head_type: str = "swiglu"
+    num_model_samples: int = 8  # N head samples per step
+    num_target_samples: int = 100  # M posterior samples of the target latent per step
+    # The frozen autoencoder's config; its weights live in this model's safetensors under `autoencoder.`.
+    # `chunk_size` and `vocab_size` must agree with it; `latent_size` is read from it. Never a path: build with
+    # `CALMForCausalLM.from_autoencoder(...)`.
+    autoencoder_config: dict | PreTrainedConfig | None = None
+    # Default T in (0, 1]; T = 1 is one head draw per step (transformers reserves `temperature` for the
+    # GenerationConfig).
+    generation_temperature: int | float = 1.0
+    # For T < 1, "pool" (draw `temperature_pool_size` samples, pick a decoded chunk with weight C(count, 1/T),
+    # stepping 1/T down by one while no chunk has weight; approximate, tends to the tempered law as the pool grows) or
+    # "exact" (rejection: n = ⌊1/T⌋ agreeing draws, then a Bernoulli-factory stage for the fractional part of 1/T).
+    temperature_sampler: str = "pool"
+    temperature_pool_size: int = 200
+    exact_attempts: int = 16  # the exact sampler draws exact_attempts · ⌈1/T⌉ samples per pending row per round
+    exact_max_rounds: int = 64  # rounds before the exact sampler gives up with an error
+
+    def __post_init__(self, **kwargs):
+        if self.num_head_blocks is None:
+            self.num_head_blocks = -(-self.num_hidden_layers // 4)
+        if self.autoencoder_config is None or isinstance(self.autoencoder_config, dict):
+            fields = self.autoencoder_config or {"vocab_size": self.vocab_size, "chunk_size": self.chunk_size}
+            self.autoencoder_config = CALMAutoencoderConfig(**fields)
+        super().__post_init__(**kwargs)
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> "CALMConfig":
@@ -224,9 +162,9 @@ class CALMConfig(BackboneConfig):
     def latent_size(self) -> int:
         return self.autoencoder_config.latent_size
 
-    def validate_calm(self) -> None:
+    def validate_architecture(self) -> None:
         """Raise a ValueError naming the first bad field."""
-        self.validate_backbone()
+        super().validate_architecture()
         check_positive(self, ("chunk_size", "noise_size", "num_head_blocks", "num_target_samples",
                              "temperature_pool_size", "exact_attempts", "exact_max_rounds"))
         if self.num_model_samples < 2:
