@@ -106,7 +106,7 @@ class CALMConfig(BackboneConfig):
         "reference" (the reference code's MLPGenerator): x = LayerNorm(Linear(ε)), c = LayerNorm(Linear(h)); each
         block x + Linear_{d,d}(SiLU(g) ⊙ u), [g, u] = Linear_{d,2d}(SiLU(Linear_{d,d}(SiLU(Linear_{2d,d}([LayerNorm(x),
         c]))))), ≈ 6d² weights; out = Linear_{d,l}(SiLU(Linear_{d,d}(LayerNorm(x)))). Not the default: at small scale
-        it drives the backbone's output to the same vector at every position (docs/benchmarks.md, "Energy heads").
+        it drives the backbone's output to the same vector at every position (results/calm_equal_compute/).
         The last linear layer is zero-initialised in both (paper).
     Energy loss: Eq. 10, α = 1. The generation defaults (`generation_temperature`, `temperature_*`, `exact_*`) can
     each be overridden in `generate()`.

@@ -34,7 +34,7 @@ class PLMConfig(BackboneConfig):
     auxiliary_top_m: int = 128
     auxiliary_seed: int = 0  # seed of the auxiliary bank
     # Read the auxiliaries in through a learned d×d map; the paper feeds the fixed e_u directly (False). The map
-    # trains better at small scale (docs/benchmarks.md, "PLM second pass").
+    # trains better at small scale (results/plm_second_pass/).
     auxiliary_projection: bool = True
     # Offset fitting (the paper: 2 / 12 / 8); these fit the cells more closely in about the same time
     # (scripts/experiments/time_voronoi.py).
