@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -19,7 +20,7 @@ from trl import TrlParser
 
 from .families import FAMILIES, check_components, component_names, get_family
 from .presets import get_preset
-from .training.config import REPORT_TO_HELP, TrainConfig
+from .training.config import REPORT_TO_HELP, TrainConfig, check_output_dir
 
 
 class CommandParser(TrlParser):
@@ -268,7 +269,10 @@ def train_config(args) -> TrainConfig:
         if not Path(folder).is_dir():
             raise FileNotFoundError(f"--{name} {folder!r} does not exist: not a saved {name} folder")
     cfg = cfg.resolved()  # fail on bad values before loading any data
+    earlier_checkpoints = check_output_dir(cfg)
     check_config_keys(spec, cfg.model_kwargs)  # the config classes come with torch
+    for folder in earlier_checkpoints:  # --overwrite-output-dir, once every check has passed
+        shutil.rmtree(folder)
     return cfg
 
 

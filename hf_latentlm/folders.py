@@ -55,6 +55,8 @@ def check_model_folder(path: str | Path, label: str | None = None) -> dict:
 
     folder = Path(path)
     label = label or f"model folder {str(path)!r}"
+    if folder.is_file():
+        raise ValueError(f"{label} is a file, not a model folder: pass the folder that holds it ({folder.parent})")
     if not folder.is_dir():
         raise FileNotFoundError(f"{label} does not exist")
     if not (folder / "config.json").is_file():

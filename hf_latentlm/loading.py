@@ -12,6 +12,21 @@ from pathlib import Path
 from .folders import check_model_folder, check_tokenizer_files
 
 
+#: The AR baseline's model type (transformers' Llama), loaded beside the registry's families.
+BASELINE_MODEL_TYPE = "llama"
+
+
+def check_model_type(model_type: str, label: str) -> None:
+    """ValueError naming the model type when it is neither the AR baseline's nor one of the registry's families': a
+    folder of another architecture would load with a head its weights never trained (a BERT generating text)."""
+    from .families import FAMILIES
+
+    known = [BASELINE_MODEL_TYPE, *(spec.model_type for spec in FAMILIES.values() if spec.model_type)]
+    if model_type not in known:
+        raise ValueError(f"{label} holds a {model_type!r} model, which hf-latentlm does not load; it loads "
+                         f"{', '.join(known)}")
+
+
 def load_model_and_tokenizer(path: str, device: str | None = None, language_model: bool = True):
     """`AutoModelForCausalLM` + `AutoTokenizer` from a local folder, offline-friendly.
 
@@ -22,7 +37,8 @@ def load_model_and_tokenizer(path: str, device: str | None = None, language_mode
     """
     folder = Path(path)
     label = f"model folder {path!r}"
-    check_model_folder(folder, label)  # before the slow imports: a bad folder is refused in a second
+    model_type = check_model_folder(folder, label)["model_type"]  # before the slow imports: refused in a second
+    check_model_type(model_type, label)
     check_tokenizer_files(folder, label)
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 

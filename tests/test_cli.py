@@ -619,3 +619,27 @@ def test_no_summary_trains_and_saves_only(tmp_path, run_cli):
         assert code == 0, err
         assert (out / "model.safetensors").is_file() and json.loads(stdout.strip().splitlines()[-1])
         assert "--- speed" not in stdout and "--- sample" not in stdout
+
+
+def test_train_into_an_earlier_run_needs_resume_or_overwrite(tmp_path, run_cli, small_text):
+    """A fresh run over a finished one is refused in one line naming both ways on, and leaves the folder as it was;
+    --overwrite-output-dir starts afresh, and only the new run's checkpoints remain. A file is no output folder."""
+    out = tmp_path / "ar"
+    common = ["train", "--family", "ar", "--preset", "tiny", "--output-dir", str(out), "--eval-every", "0",
+              "--batch-size", "2", "--no-summary", "--train-file", str(small_text)]
+    code, _, err = run_cli(*common, "--max-steps", "3", "--save-every", "3")
+    assert code == 0, err
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
+    code, out_text, err = run_cli(*common, "--max-steps", "2", "--save-every", "2")
+    assert code == 2 and out_text == "" and len(err.strip().splitlines()) == 1
+    assert "holds an earlier run (checkpoint-0000003, ...): continue it with --resume, or start afresh with " \
+           "--overwrite-output-dir" in err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
+    code, _, err = run_cli(*common, "--max-steps", "2", "--save-every", "2", "--overwrite-output-dir")
+    assert code == 0, err
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-0000002"]
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    code, _, err = run_cli("train", "--family", "ar", "--preset", "tiny", "--output-dir", str(a_file))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "is a file, not a folder" in err
+    assert a_file.read_text() == "mine"

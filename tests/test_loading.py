@@ -56,6 +56,11 @@ def tokenizer_json_of_no_known_model(folder):
     (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "Telepathy"}}))
 
 
+def config_of_a_model_type_not_loaded_here(folder):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+
+
 def damage_tokenizer_config(folder):
     (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "TokenizersBack')
 
@@ -63,6 +68,7 @@ def damage_tokenizer_config(folder):
 DAMAGES = [
     (damage_config, "config.json is not valid JSON"),
     (config_without_model_type, "config.json has no model_type"),
+    (config_of_a_model_type_not_loaded_here, "holds a 'bert' model, which hf-latentlm does not load; it loads llama, plm"),
     (remove_weights, "has no weights (model.safetensors)"),
     (truncate_weights, "model.safetensors is damaged or truncated"),
     (truncate_weights_header, "model.safetensors is damaged or truncated"),
@@ -83,6 +89,15 @@ def test_damaged_model_folder_is_one_line_and_exit_2(saved_plm, tmp_path, run_cl
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"hf-latentlm {command}: error: model folder {str(folder)!r}") and needle in err, err
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_the_weights_file_instead_of_its_folder_is_one_line_naming_the_folder(saved_plm, run_cli, command):
+    weights = saved_plm / "model.safetensors"
+    extra = ["--prompt", "HAMLET."] if command == "generate" else ["--num-positions", "8"]
+    code, out, err = run_cli(command, "--model", str(weights), *extra)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"is a file, not a model folder: pass the folder that holds it ({saved_plm})" in err
 
 
 def test_intact_and_sharded_folders_still_load(saved_plm, tmp_path, run_cli, tokenizer):

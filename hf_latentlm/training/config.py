@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from ..data.generated import parse_corpus
@@ -69,6 +71,9 @@ class TrainConfig:
         "nargs": "?", "const": "latest", "metavar": "{latest,previous}",
         "help": "continue from the newest checkpoint-<step> in --output-dir (a damaged one is refused, naming the "
                 "file); `--resume previous`: from the complete checkpoint before it, the fallback"})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "start afresh in an --output-dir that holds an earlier run, removing its checkpoints (without it, "
+                "such a folder is refused unless --resume continues it)"})
     batch_size: int | None = field(default=None, metadata={
         "help": "rows per process per micro-step (None: the preset's)"})
     grad_accum: int = field(default=1, metadata={"help": "micro-steps per optimizer step"})
@@ -181,4 +186,30 @@ class TrainConfig:
         return cfg
 
 
-__all__ = ["REPORT_TO_HELP", "TRACKERS", "TrainConfig", "parse_report_to"]
+#: What an output folder of an earlier `train` run holds (besides `checkpoint-<step>` folders).
+RUN_FILES = ("metrics.jsonl", "model.safetensors", "model.safetensors.index.json")
+
+
+def earlier_run_files(output_dir: str) -> list[Path]:
+    """The checkpoints and run files of an earlier run in `output_dir` (none for a new or empty folder); ValueError
+    when `output_dir` is a file."""
+    folder = Path(output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--output-dir {output_dir!r} is a file, not a folder")
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if (p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name))
+                  or p.name in RUN_FILES)
+
+
+def check_output_dir(cfg: "TrainConfig") -> list[Path]:
+    """Refuse (ValueError) to start a fresh run over an earlier one: its checkpoints would end up beside the new
+    run's. Returns the earlier run's checkpoint folders that `overwrite_output_dir` removes before training."""
+    earlier = earlier_run_files(cfg.output_dir)
+    if earlier and not cfg.resume and not cfg.overwrite_output_dir:
+        raise ValueError(f"--output-dir {cfg.output_dir!r} holds an earlier run ({earlier[0].name}, ...): continue it "
+                         f"with --resume, or start afresh with --overwrite-output-dir")
+    return [p for p in earlier if p.is_dir()] if cfg.overwrite_output_dir and not cfg.resume else []
+
+
+__all__ = ["REPORT_TO_HELP", "TRACKERS", "TrainConfig", "check_output_dir", "parse_report_to"]
