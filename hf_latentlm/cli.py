@@ -472,6 +472,18 @@ def cmd_push(args) -> int:
     return 0
 
 
+def check_port_free(host: str, port: int) -> None:
+    """ValueError naming the address when nothing could listen on it (taken, or not this machine's)."""
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as err:
+        raise ValueError(f"cannot listen on {host}:{port} ({err.strerror or err}): is another server using it? "
+                         f"choose another --port") from None
+
+
 def cmd_serve(args) -> int:
     import importlib.util
 
@@ -489,6 +501,7 @@ def cmd_serve(args) -> int:
     models = model_names(args.model)
     for name, folder in models.items():  # a bad folder is refused before torch loads
         check_model_folder(folder, f"--model {name}={folder}")
+    check_port_free(args.host, args.port)  # before the models load, not after
     from .serving.app import serve
 
     serve(models, host=args.host, port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,

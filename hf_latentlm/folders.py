@@ -88,3 +88,23 @@ def check_tokenizer_files(folder: Path, label: str) -> None:
             Tokenizer.from_file(str(tokenizer_json))
         except Exception as err:  # tokenizers raises a bare Exception for any file it cannot read
             raise ValueError(f"{label}: tokenizer.json is not a valid tokenizer ({err})") from err
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hub can be asked for files now: not when `HF_HUB_OFFLINE` is set, nor when its host does not
+    answer within `timeout` seconds (huggingface_hub would otherwise retry for over a minute before failing)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+

@@ -643,3 +643,28 @@ def test_train_into_an_earlier_run_needs_resume_or_overwrite(tmp_path, run_cli, 
     code, _, err = run_cli("train", "--family", "ar", "--preset", "tiny", "--output-dir", str(a_file))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "is a file, not a folder" in err
     assert a_file.read_text() == "mine"
+
+
+@pytest.mark.parametrize("how", ["HF_HUB_OFFLINE", "no network"])
+def test_an_offline_hub_id_tokenizer_is_one_line_at_once(tmp_path, run_cli, small_text, monkeypatch, how):
+    """A Hub id that is not in the local cache, with HF_HUB_OFFLINE set or no answer from the Hub, fails in one line
+    within seconds, not after huggingface_hub's minute of retries; nothing is written."""
+    import socket
+
+    if how == "HF_HUB_OFFLINE":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+
+        def unreachable(*args, **kwargs):
+            raise OSError("network is unreachable")
+
+        monkeypatch.setattr(socket, "create_connection", unreachable)
+    out = tmp_path / "ar"
+    start = time.monotonic()
+    code, _, err = run_cli("train", "--family", "ar", "--preset", "tiny", "--output-dir", str(out), "--max-steps",
+                           "1", "--tokenizer", "no-such-org/no-such-tokenizer", "--train-file", str(small_text))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "is not a local folder nor in the Hub cache, and the Hub cannot be reached" in err
+    assert time.monotonic() - start < 60 and not out.exists()  # (huggingface_hub alone retries for over 80 s)

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from ..data.generated import parse_corpus
 from ..families import FAMILIES, build_model
+from ..folders import hub_reachable
 from ..modeling.modeling_backbone import training_hooks
 from .checkpoint import (
     DamagedCheckpoint,
@@ -270,9 +271,14 @@ def load_tokenizer(name: str):
     path = Path(name).expanduser()
     if not path.exists() and (path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1):
         raise ValueError(f"--tokenizer {name!r}: no such folder")  # a path, not a Hub id
+    # Offline, a Hub id can still come from the local cache; if it is not there, one line at once.
+    offline = not path.exists() and not hub_reachable()
     try:
-        return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=False, local_files_only=offline)
     except (OSError, ValueError) as err:
+        if offline:
+            raise ValueError(f"--tokenizer {name!r} is not a local folder nor in the Hub cache, and the Hub cannot be "
+                             f"reached (offline, or HF_HUB_OFFLINE set): pass a tokenizer folder") from None
         raise ValueError(f"--tokenizer {name!r} does not load: {err}") from err
 
 

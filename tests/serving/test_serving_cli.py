@@ -34,3 +34,22 @@ def test_models_are_named_by_folder_or_by_name(tmp_path):
         model_names(["a=x", "a=y"])
     with pytest.raises(ValueError, match="DIR or NAME=DIR"):
         model_names(["=x"])
+
+
+def test_a_port_in_use_is_refused_before_any_model_loads(run_cli, tmp_path, tokenizer, monkeypatch):
+    import socket
+
+    from hf_latentlm import loading
+    from hf_latentlm.families import build_model
+    from hf_latentlm.training.checkpoint import save_tokenizer
+
+    folder = tmp_path / "ar"
+    build_model("ar", "tiny", tokenizer).save_pretrained(folder)
+    save_tokenizer(tokenizer, folder)
+    loads = []
+    monkeypatch.setattr(loading, "load_model_and_tokenizer", lambda *a, **k: loads.append(a) or 1 / 0)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code, _, err = run_cli("serve", "--model", str(folder), "--port", str(port))
+    assert code == 2 and err.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in err, err
+    assert "choose another --port" in err and loads == []
