@@ -617,7 +617,9 @@ def test_no_summary_trains_and_saves_only(tmp_path, run_cli):
         code, stdout, err = run_cli("train", "--family", "ar", "--preset", "tiny", "--output-dir", str(out),
                                     "--max-steps", "1", "--eval-every", "0", "--batch-size", "2", flag)
         assert code == 0, err
-        assert (out / "model.safetensors").is_file() and json.loads(stdout.strip().splitlines()[-1])
+        metrics_line, saved_line = stdout.strip().splitlines()[0:2]
+        assert (out / "model.safetensors").is_file() and json.loads(metrics_line)["step"] == 1
+        assert saved_line == f"saved to {out}; next:"
         assert "--- speed" not in stdout and "--- sample" not in stdout
 
 
