@@ -243,7 +243,8 @@ def test_positions_with_one_open_candidate_give_it_the_whole_bank_without_a_fit(
 
 def test_two_open_candidates_split_the_bank_exactly_and_optimally(monkeypatch):
     """Two open candidates: cells hold exactly their capacities, and the split has the largest total score of all
-    splits with those sizes (brute force over a 10-auxiliary bank); the untrimmed compile path agrees."""
+    splits with those sizes (brute force over a 10-auxiliary bank); the untrimmed compile path and decoding's exact
+    cells agree."""
     import itertools
 
     head, bank = _lm_head(3), sample_auxiliary_bank(10, D, seed=4)
@@ -266,6 +267,7 @@ def test_two_open_candidates_split_the_bank_exactly_and_optimally(monkeypatch):
     untrimmed = voronoi_owners(logits, head, bank, top_m=8)
     assert torch.equal(untrimmed.owners, result.owners)
     assert torch.equal(untrimmed.total_variation, result.total_variation)
+    assert torch.equal(exact_voronoi_owners(logits, bank, 8, token_scores(head, bank)).owners, result.owners)
 
 
 def test_exact_cells_are_the_optimal_assignment_so_the_fit_may_stop_there(monkeypatch):
