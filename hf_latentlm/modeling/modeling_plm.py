@@ -136,8 +136,10 @@ class PLMGenerationOptions(GenerationOptions):
     auxiliary_seeds: one int per row; row b draws its auxiliary u_t (t = generated index) from a generator seeded
         with it, so a row gives the same tokens alone or in any batch. Default: seeds drawn from the global torch
         RNG (`torch.manual_seed` makes runs repeatable).
-    do_sample / temperature / top_k / top_p: only plain sampling (True / 1.0 / 0 / 1.0): Voronoi sampling is at
-        temperature 1 over the top-`auxiliary_top_m` tokens.
+    do_sample: True (default) samples through Voronoi auxiliaries at temperature 1 over the top-`auxiliary_top_m`
+        tokens; False decodes greedily: each verify row's token is the encoder's argmax, so "exact" acceptance gives
+        exactly the tokens of greedy one-token-per-call decoding of the encoder. temperature / top_k / top_p: only
+        their plain values (1.0 / 0 / 1.0).
     """
 
     family: ClassVar[str] = "PLM"
@@ -153,8 +155,6 @@ class PLMGenerationOptions(GenerationOptions):
 
     def resolved(self, config: PLMConfig, batch_size: int) -> "PLMGenerationOptions":
         """Defaults from `config`, every value checked (ValueError naming the option), one seed per row."""
-        if self.do_sample is False:
-            raise ValueError("do_sample=False is not supported by PLM: tokens are drawn through Voronoi auxiliaries")
         for name, plain in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0)):
             if getattr(self, name) not in (None, plain):
                 raise ValueError(f"{name} is not supported by PLM generate (Voronoi sampling is at temperature 1 "
@@ -205,8 +205,9 @@ class QuadraticDecoder:
     """
 
     def __init__(self, width: int, propose: bool, acceptance: AcceptanceRule, sampler: VoronoiSampler,
-                 sites: tuple[torch.Tensor, torch.Tensor], device):
+                 sites: tuple[torch.Tensor, torch.Tensor], device, greedy: bool = False):
         self.width, self.acceptance, self.sampler, self.sites = width, acceptance, sampler, sites
+        self.greedy = greedy
         self.propose = propose and width > 1  # width 1 leaves no room for pending tokens
         r = torch.arange(width, device=device)
         m, k = (t.reshape(-1) for t in torch.meshgrid(r, r, indexing="ij"))
@@ -240,6 +241,9 @@ class QuadraticDecoder:
         matches no pending token; the relaxed rules may still accept it). The cells of a row depend only on its
         logits, so the committed tokens are those of fitting every row."""
         batch, width, _ = q.shape
+        if self.greedy:  # the encoder's argmax: lossless relative to greedy decoding of the encoder
+            sampled = q.argmax(-1)
+            return sampled, self.accepted(pending, sampled, q, pending_ok)
         flat_q, flat_aux = q.reshape(batch * width, -1), aux.reshape(-1)
         ranked = self.sampler.candidates(flat_q)  # candidates and capacities of every row, computed once
         sampled = torch.full_like(flat_aux, -1)
@@ -250,15 +254,19 @@ class QuadraticDecoder:
         while True:
             if rows.numel():
                 sampled[rows] = self.sample_rows(flat_q, flat_aux, rows, ranked)
-            accepted = torch.zeros(batch, dtype=torch.long, device=q.device)
-            if width > 1:
-                view = sampled.view(batch, width)
-                accept = self.acceptance.accepts(pending, view[:, :-1], q[:, :-1]) & pending_ok[:, None]
-                accepted = accept.long().cumprod(1).sum(1)
+            accepted = self.accepted(pending, sampled.view(batch, width), q, pending_ok)
             commit = commit_row + accepted
             rows = commit[sampled[commit] < 0]
             if rows.numel() == 0:
                 return sampled.view(batch, width), accepted
+
+    def accepted(self, pending: torch.Tensor, sampled: torch.Tensor, q: torch.Tensor, pending_ok: torch.Tensor
+                 ) -> torch.Tensor:
+        """[B] pending tokens kept before each row's first rejection (sampled [B, W], q [B, W, V])."""
+        if self.width == 1:
+            return torch.zeros(sampled.shape[0], dtype=torch.long, device=sampled.device)
+        accept = self.acceptance.accepts(pending, sampled[:, :-1], q[:, :-1]) & pending_ok[:, None]
+        return accept.long().cumprod(1).sum(1)
 
     def sample_rows(self, flat_q, flat_aux, rows, ranked) -> torch.Tensor:
         """The Voronoi tokens f(u; q) of the flat verify rows `rows`."""
@@ -705,7 +713,8 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
             self(input_ids=input_ids[:, :-1], attention_mask=request.attention_mask[:, :-1],
                  position_ids=positions[:, :-1], past_key_values=past_key_values)
         decoder = QuadraticDecoder(width, options.decoding == "quadratic", options.acceptance_rule,
-                                   self.auxiliary_sampler, (self.lm_head.weight, self.model.auxiliary_bank), device)
+                                   self.auxiliary_sampler, (self.lm_head.weight, self.model.auxiliary_bank), device,
+                                   greedy=options.do_sample is False)
         state = PLMDecodingState(
             past_key_values=past_key_values, key_valid=request.attention_mask[:, :-1].bool(),
             last_token=input_ids[:, -1], next_pos=request.attention_mask.long().sum(1),

@@ -104,9 +104,6 @@ def resolve_family_options(model, temperature, top_p, seed, extra) -> RowSamplin
         resolved = options_class(**merged, **{seeds_option: [0]}).resolved(model.config, 1)
     except (ValueError, TypeError) as err:
         message = str(err)
-        if temperature == 0 and "do_sample" in message:  # the request said temperature, not do_sample
-            raise invalid(f"temperature=0 asks for greedy decoding (do_sample=False): {message}",
-                          param="temperature") from None
         raise invalid(message, param=next((name for name in requested if name in message), None)) from None
     key = tuple((f.name, repr(getattr(resolved, f.name))) for f in dataclasses.fields(resolved)
                 if f.name != seeds_option)

@@ -261,14 +261,17 @@ def test_generate_until_is_the_familys_own_generate_cut_at_the_first_stop_string
     assert new_widths[0] < max_new
 
 
-def test_plm_refuses_greedy_decoding_by_name(adapters):
-    plm = adapters["plm"]
-    # The greedy task as written, and lm-eval's default for a task that sets no decoding (temperature 0).
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_runs_on_every_family_as_its_own_greedy_generate(adapters, family, tokenizer):
+    """The greedy task as written (do_sample false), and lm-eval's default for a task that sets no decoding: every
+    family runs them, giving what its own generate(do_sample=False) gives on the prompt alone."""
+    lm, max_new = adapters[family], 8
+    seed = lm.request_seeds(instances("generate_until", [("ROMEO.", {})], task="latentlm_continuation_greedy"))[0]
+    expected = cut(generated_alone(lm.model, tokenizer, "ROMEO.", seed, {"do_sample": False}, max_new), ["\n"])
     for gen_kwargs in ({"until": ["\n"], "do_sample": False}, {"until": ["\n"]}):
-        requests = instances("generate_until", [("ROMEO.", gen_kwargs)], task="latentlm_continuation_greedy")
-        with pytest.raises(ValueError, match=r"plm family cannot run the generation kwargs .*"
-                                             r"latentlm_continuation_greedy.*do_sample=False is not supported by PLM"):
-            plm.generate_until(requests)
+        requests = instances("generate_until", [("ROMEO.", {**gen_kwargs, "max_gen_toks": max_new})],
+                             task="latentlm_continuation_greedy")
+        assert lm.generate_until(requests) == [expected], gen_kwargs
 
 
 def test_model_args_are_checked_by_name(folders):

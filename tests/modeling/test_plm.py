@@ -48,7 +48,7 @@ def test_bad_config_values_are_named(field, value):
     (dict(num_beams=2), "num_beams"), (dict(k_pred=5), "k_pred"), (dict(k_pred=0), "k_pred"),
     (dict(acceptance="epsilon", acceptance_epsilon=0.0), "acceptance_epsilon"),
     (dict(acceptance="nucleus", acceptance_nucleus=1.0), "acceptance_nucleus"),
-    (dict(temperature=0.7), "temperature"), (dict(do_sample=False), "do_sample"),
+    (dict(temperature=0.7), "temperature"),
     (dict(max_new_tokens=600), "max_position_embeddings"), (dict(frobnicate=True), "frobnicate"),
 ])
 def test_bad_generation_options_are_named(tokenizer, kwargs, needle):

@@ -531,3 +531,26 @@ def test_model_auxiliary_owners_use_the_raw_lm_head(trained, tiny_rows):
     assert torch.equal(decoding, exact)
     assert not torch.equal(decoding, exact_voronoi_owners(logits, bank, cfg.auxiliary_top_m,
                                                           token_scores(F.normalize(weight, dim=-1), bank)).owners)
+
+
+@pytest.mark.parametrize("decoding", ["quadratic", "voronoi"])
+def test_greedy_decoding_is_the_encoders_argmax_token_by_token(trained, tiny_rows, tokenizer, left_pad, decoding):
+    """do_sample=False: every token is the argmax of forward()'s logits given the tokens before it (a hand loop, one
+    row alone, no cache), rows batched with left padding give what they give alone, and quadratic decoding needs
+    fewer calls than tokens (the trained decoder's proposals are mostly the argmax)."""
+    max_new, rows = 24, prompts(tiny_rows, (7, 12), first=1700)
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    out = trained.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                           decoding=decoding, k_pred=K_PRED, acceptance="exact", auxiliary_seeds=[3, 4],
+                           return_dict_in_generate=True)
+    for b, row in enumerate(rows):
+        seq = row[None].clone()
+        with torch.no_grad():
+            for _ in range(max_new):
+                seq = torch.cat([seq, trained(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert out.sequences[b, ids.shape[1]:].tolist() == seq[0, row.numel():].tolist(), b
+        alone = trained.generate(row[None], max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                                 decoding=decoding, k_pred=K_PRED, acceptance="exact", auxiliary_seeds=[3 + b])
+        assert alone[0, row.numel():].tolist() == seq[0, row.numel():].tolist(), b
+    if decoding == "quadratic":
+        assert int((out.model_calls - 1).sum()) < 2 * max_new
