@@ -122,14 +122,8 @@ def _compute_mauve(human_feats: np.ndarray, model_feats: np.ndarray, buckets: in
                                mauve_scaling_factor=5, seed=seed, verbose=False)
 
 
-def mauve_score(
-    model_texts: Sequence[str],
-    human_texts: Sequence[str],
-    *,
-    encoder=None,
-    seed: int = 0,
-    num_buckets: int | str = "auto",
-) -> dict:
+def mauve_score(model_texts: Sequence[str], human_texts: Sequence[str], *, encoder=None, seed: int = 0,
+                num_buckets: int | str = "auto") -> dict:
     """MAUVE between generated ``model_texts`` and reference ``human_texts`` (each at least :data:`MIN_TEXTS`, not
     necessarily as many) on ``encoder`` features (default :func:`offline_sentence_encoder`). ``seed`` seeds mauve's
     PCA and k-means; ``num_buckets="auto"`` is ``max(2, round(min(n, m) / 10))`` clusters.

@@ -37,11 +37,7 @@ from functools import lru_cache
 
 from datasets import Dataset, DatasetDict
 
-from hf_latentlm.training.corpus import (
-    CORPUS_SPLITS,
-    load_corpus_documents,
-    load_default_tokenizer,
-)
+from hf_latentlm.training.corpus import CORPUS_SPLITS, load_corpus_documents, load_default_tokenizer
 
 EOS_TEXT = "<|endoftext|>"
 """The default tokenizer's end-of-text token (id 0), written out at the end of every completion."""
@@ -142,11 +138,7 @@ def exact_match(prediction: str, reference: str) -> bool:
 
 
 def task_accuracy(predictions: Sequence[str], references: Sequence[str]) -> float:
-    """Fraction of predictions that :func:`exact_match` their reference.
-
-    Raises:
-        ValueError: if the two sequences differ in length or are empty (an accuracy of nothing is undefined).
-    """
+    """Fraction of predictions that :func:`exact_match` their reference (ValueError for unequal or empty lists)."""
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
     if not references:
@@ -251,16 +243,9 @@ def _token_count(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _sample_examples(
-    kinds: Sequence[TaskKind],
-    corpus_split: str,
-    size: int,
-    rng: random.Random,
-    kind_rng: random.Random,
-    tokenizer,
-    min_response_tokens: int,
-    excluded_passages: set[tuple[str, ...]],
-) -> list[_Example]:
+def _sample_examples(kinds: Sequence[TaskKind], corpus_split: str, size: int, rng: random.Random,
+                     kind_rng: random.Random, tokenizer, min_response_tokens: int,
+                     excluded_passages: set[tuple[str, ...]]) -> list[_Example]:
     """``size`` distinct passages of ``corpus_split``, each grown until its response is long enough.
 
     Passages are drawn from ``rng`` and instruction kinds from ``kind_rng``, one after the other, so a larger
@@ -406,13 +391,8 @@ def _build_examples(name: str, sizes: Mapping[str, int], seed: int, min_response
     return {split: examples[split] for split in sizes}
 
 
-def load_task(
-    name: str = DEFAULT_TASK,
-    split_sizes: Mapping[str, int] | None = None,
-    seed: int = 0,
-    min_response_tokens: int = MIN_RESPONSE_TOKENS,
-    tokenizer=None,
-) -> DatasetDict:
+def load_task(name: str = DEFAULT_TASK, split_sizes: Mapping[str, int] | None = None, seed: int = 0,
+              min_response_tokens: int = MIN_RESPONSE_TOKENS, tokenizer=None) -> DatasetDict:
     """The SFT data of task ``name``: one split per key of ``split_sizes`` (default train 2000, test 200).
 
     Each split ``s`` of a verse task is drawn from the corpus split ``s`` ("train", "validation" or "test"), so a
@@ -420,13 +400,8 @@ def load_task(
     (start, stop) pairs (:func:`count_split`). Columns: ``prompt``, ``completion`` (TRL's prompt/completion format,
     see the module docstring), ``instruction`` (the user's text), ``response`` (the bare reference answer for
     :func:`exact_match`) and ``kind`` ("repeat", "reverse" or "count"). The same ``seed`` gives identical datasets.
-
-    Args:
-        tokenizer: the tokenizer that measures ``min_response_tokens``; the packaged default if ``None``.
-
-    Raises:
-        ValueError: for an unknown task name (the message lists the known ones), an unknown split, a size that is
-            not a positive integer, or more ``count`` examples than the split has.
+    ``tokenizer`` (default: the packaged one) measures ``min_response_tokens``. ValueError for an unknown task or
+    split, a size that is not a positive integer, or more ``count`` examples than the split has.
     """
     sizes = _check_request(name, split_sizes)
     tokenizer = load_default_tokenizer() if tokenizer is None else tokenizer
@@ -496,24 +471,16 @@ def _rejected_for(example: _Example, rejected_kind: str, rng: random.Random, tok
                      f"answer's ({chosen_tokens} tokens) under this tokenizer; try another seed or tokenizer")
 
 
-def load_preference_task(
-    name: str = DEFAULT_TASK,
-    split_sizes: Mapping[str, int] | None = None,
-    seed: int = 0,
-    min_response_tokens: int = MIN_RESPONSE_TOKENS,
-    tokenizer=None,
-) -> DatasetDict:
+def load_preference_task(name: str = DEFAULT_TASK, split_sizes: Mapping[str, int] | None = None, seed: int = 0,
+                         min_response_tokens: int = MIN_RESPONSE_TOKENS, tokenizer=None) -> DatasetDict:
     """The DPO data of task ``name``: the examples of :func:`load_task` (same prompts) as preference pairs.
 
     Columns: ``prompt``, ``chosen`` (exactly the SFT ``completion``), ``rejected`` (a wrong answer in the same
     completion form), ``rejected_kind`` (one of :data:`REJECTED_KINDS`, in equal shares), ``instruction``,
     ``response`` (the reference) and ``kind``. ``truncated`` / ``dropped_word`` rejections have strictly fewer
     tokens than the chosen answer and ``duplicated_word`` / ``extra_line`` strictly more, so a preference that
-    merely tracks length is right on one half and wrong on the other.
-
-    Raises:
-        ValueError: as :func:`load_task`; also when, under ``tokenizer``, no rejection of an example's kind is
-            strictly shorter (or longer) in tokens than its chosen answer.
+    merely tracks length is right on one half and wrong on the other. ValueError as :func:`load_task`, or when no
+    rejection of an example's kind has the required token count under ``tokenizer``.
     """
     sizes = _check_request(name, split_sizes)
     tokenizer = load_default_tokenizer() if tokenizer is None else tokenizer
