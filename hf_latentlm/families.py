@@ -223,18 +223,10 @@ def build_fresh_model(family: str, preset: str | Preset, tokenizer, seed: int = 
 
 def backbone_config_kwargs(preset: Preset, tokenizer) -> dict:
     """Config fields shared by every family (Llama names): the preset's backbone and the tokenizer's ids."""
-    return dict(
-        vocab_size=len(tokenizer),
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        num_hidden_layers=preset.num_layers,
-        num_attention_heads=preset.num_heads,
-        num_key_value_heads=preset.num_kv_heads,
-        max_position_embeddings=preset.max_position_embeddings,
-        rope_theta=preset.rope_theta,
-        **special_token_kwargs(tokenizer),
-        tie_word_embeddings=False,
-    )
+    return dict(vocab_size=len(tokenizer), hidden_size=preset.hidden_size, intermediate_size=preset.intermediate_size,
+                num_hidden_layers=preset.num_layers, num_attention_heads=preset.num_heads,
+                num_key_value_heads=preset.num_kv_heads, max_position_embeddings=preset.max_position_embeddings,
+                rope_theta=preset.rope_theta, **special_token_kwargs(tokenizer), tie_word_embeddings=False)
 
 
 def special_token_kwargs(tokenizer) -> dict:
