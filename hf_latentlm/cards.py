@@ -111,9 +111,9 @@ AURORA_CARD = FamilyCard(
              '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))\n'
              'print({name: calls.tolist() for name, calls in out.calls_by_network.items()})',
     limitations="At the `small` preset the samples are not yet text (BrierLM-2 near 0 in the package's benchmark, "
-                "docs/families/aurora.md), and the autoencoder does not reconstruct every token. Each block costs one or two "
-                "denoiser evaluations per Euler step, so the default settings are slower than AR on a CPU. "
-                "There is no token likelihood.",
+                "docs/families/aurora.md), and the autoencoder does not reconstruct every token. Each block costs "
+                "one or two denoiser evaluations per Euler step, so the default settings are slower than AR on a "
+                "CPU. There is no token likelihood.",
     citation="@article{aurora,\n  title  = {AURORA-LM: Autoencoding Unified Representation for Continuous-Latent "
              "Diffusion Language Modeling},\n  author = {Jiajun Liang and Yucheng Liao and Yukang Cao and Jiazhe "
              "Wei and Ken Li and Wende Tan and Jiankun Zhang and ZY Cui and Jingkang Yang and Liucheng Guo and "
