@@ -90,9 +90,8 @@ COLA_CARD = FamilyCard(
              'for row in out.sequences:\n'
              '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))\n'
              'print({name: calls.tolist() for name, calls in out.calls_by_network.items()})',
-    limitations="At the `small` preset the samples are not yet text: in the package's benchmark (docs/"
-                "benchmarks.md, `hf-latentlm bench ... --extras`) BrierLM-2 was 0.00 against AR's 7.14 at "
-                "equal training tokens. Each block costs `num_inference_steps` DiT evaluations, twice that with "
+    limitations="At the `small` preset the samples are not yet text (BrierLM-2 near 0 in the package's benchmark, "
+                "docs/families/cola.md). Each block costs `num_inference_steps` DiT evaluations, twice that with "
                 "classifier-free guidance, so the default settings are slower than AR on a CPU. There is no "
                 "token likelihood.",
     citation="@article{cola,\n  title  = {Cola DLM: Continuous Latent Diffusion Language Model},\n"
@@ -111,11 +110,10 @@ AURORA_CARD = FamilyCard(
              'for row in out.sequences:\n'
              '    print(repr(tok.decode(row[ids.input_ids.shape[1]:], skip_special_tokens=True)))\n'
              'print({name: calls.tolist() for name, calls in out.calls_by_network.items()})',
-    limitations="At the `small` preset the samples are not yet text: in the package's benchmark (docs/"
-                "benchmarks.md, `hf-latentlm bench ... --extras`) BrierLM-2 was 0.00 against AR's 5.32, "
-                "with an autoencoder that reconstructs only 41-63% of tokens. Each block costs one or two "
-                "denoiser evaluations per Euler step, so the default settings are slower than AR on a CPU. "
-                "There is no token likelihood.",
+    limitations="At the `small` preset the samples are not yet text (BrierLM-2 near 0 in the package's benchmark, "
+                "docs/families/aurora.md), and the autoencoder does not reconstruct every token. Each block costs "
+                "one or two denoiser evaluations per Euler step, so the default settings are slower than AR on a "
+                "CPU. There is no token likelihood.",
     citation="@article{aurora,\n  title  = {AURORA-LM: Autoencoding Unified Representation for Continuous-Latent "
              "Diffusion Language Modeling},\n  author = {Jiajun Liang and Yucheng Liao and Yukang Cao and Jiazhe "
              "Wei and Ken Li and Wende Tan and Jiankun Zhang and ZY Cui and Jingkang Yang and Liucheng Guo and "

@@ -223,18 +223,10 @@ def build_fresh_model(family: str, preset: str | Preset, tokenizer, seed: int = 
 
 def backbone_config_kwargs(preset: Preset, tokenizer) -> dict:
     """Config fields shared by every family (Llama names): the preset's backbone and the tokenizer's ids."""
-    return dict(
-        vocab_size=len(tokenizer),
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        num_hidden_layers=preset.num_layers,
-        num_attention_heads=preset.num_heads,
-        num_key_value_heads=preset.num_kv_heads,
-        max_position_embeddings=preset.max_position_embeddings,
-        rope_theta=preset.rope_theta,
-        **special_token_kwargs(tokenizer),
-        tie_word_embeddings=False,
-    )
+    return dict(vocab_size=len(tokenizer), hidden_size=preset.hidden_size, intermediate_size=preset.intermediate_size,
+                num_hidden_layers=preset.num_layers, num_attention_heads=preset.num_heads,
+                num_key_value_heads=preset.num_kv_heads, max_position_embeddings=preset.max_position_embeddings,
+                rope_theta=preset.rope_theta, **special_token_kwargs(tokenizer), tie_word_embeddings=False)
 
 
 def special_token_kwargs(tokenizer) -> dict:
@@ -316,9 +308,8 @@ register_family(FamilySpec(
     response_scorer=f"{SCORERS}:PLMResponseScorer", model_card=f"{CARDS}:PLM_CARD",
     bench_decodings={"epsilon acceptance": {"acceptance": "epsilon"}, "nucleus acceptance": {"acceptance": "nucleus"}},
     bench_measurements=f"{BENCH}:plm_measurements",
-    # The paper's N_aux = 512 / M = 128 are the config defaults (used by `base`). On 2 CPU cores fitting them at
-    # every position of a `small` step (4080 positions) still costs about three AR steps, against ~0.5 of one
-    # for N_aux = 128 / M = 32 (results/plm_second_pass/), so the CPU presets use the latter.
+    # The paper's N_aux = 512 / M = 128 (the config defaults, used by `base`) cost several AR steps per CPU
+    # training step; the CPU presets use 128 / 32 (results/plm_second_pass/).
     preset_overrides={
         "tiny": {"block_size": 4, "k_pred": 4, "num_auxiliaries": 128, "auxiliary_top_m": 32},
         "small": {"block_size": 8, "k_pred": 4, "num_auxiliaries": 128, "auxiliary_top_m": 32},
@@ -371,9 +362,8 @@ register_family(FamilySpec(
     components={"vae": "cola-vae"}, lora_target_modules=BACKBONE_LORA_TARGETS,
     response_scorer=f"{SCORERS}:ColaResponseScorer", model_card=f"{CARDS}:COLA_CARD",
     bench_decodings={"no guidance": {"guidance_scale": 1.0}}, bench_measurements=f"{BENCH}:cola_measurements",
-    # `small` trains with the logit-normal at loc 0.5 and decodes at w = 2 (the paper: loc 1, w = 7). At 300 `tiny`
-    # steps on generated:easy w = 7 was the worst scale of every recipe, loc 0.5 at w = 2 the best (61.7% of the gap
-    # against the paper's 2.3% at w = 7), every interval ±20 points (docs/families/cola.md).
+    # `small` trains with the logit-normal at loc 0.5 and decodes at w = 2 (the paper: loc 1, w = 7), the best
+    # recipe at a small budget (results/cola_small_budget/).
     preset_overrides={"tiny": {"block_size": 4}, "small": {"block_size": 16, "time_loc": 0.5, "cfg_scale": 2.0},
                       "base": {"block_size": 16}},
 ))
@@ -383,11 +373,9 @@ register_family(FamilySpec(
     model_class=f"{MODELING}:AuroraAutoencoder", language_model=False,
     training_report=f"{COMPONENT_REPORTS}:aurora_autoencoder_report",
     # The paper's S autoencoder has 6 + 6 blocks of width D = 768; `small` keeps the query design at D = 128 with
-    # 2 + 2 blocks, so that an autoencoder run takes minutes on 2 CPU cores. At these widths the paper's shared query
-    # does not learn to copy (11.4% validation reconstruction after 100 `small` steps with either dropout pair), our
-    # residual copy path (`query_residual`) does (above 99% from step 50 with 0.1 / 0.2 and 0.3 / 0.6;
-    # scripts/experiments/aurora_ae_dropout_probe.py, docs/families/aurora.md): `tiny` and `small` use it with the
-    # lighter dropouts, `base` keeps the paper's form and dropouts.
+    # 2 + 2 blocks. At these widths the paper's shared query does not learn to copy and the residual copy path
+    # (`query_residual`) does (results/aurora_small_budget/), so `tiny` and `small` use it with the lighter
+    # dropouts; `base` keeps the paper's form and dropouts.
     preset_overrides={
         "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
                  "num_key_value_heads": 2, "token_dropout": 0.1, "latent_dropout": 0.2, "query_residual": True},
@@ -408,9 +396,8 @@ register_family(FamilySpec(
     bench_measurements=f"{BENCH}:aurora_measurements",
     lora_target_modules=r"model\.denoiser\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
     # D_b scales with the latent width (paper: 128 of 768); λ_ct ramps over the first half of a `small` run (paper:
-    # 10k steps of the S model's run). `small` decodes without SC-CFG (w_sc = 1): on generated:easy it closed 41.8% of
-    # the gap against 33.8% (unguided draft) and -1.3% (guided draft) at the paper's w_sc = 4 (docs/families/aurora.md);
-    # `base` keeps the paper's 4.
+    # 10k steps of the S model's run). `small` decodes without SC-CFG (w_sc = 1), better than the paper's w_sc = 4 at
+    # a small budget (results/aurora_small_budget/); `base` keeps the paper's 4.
     preset_overrides={
         "tiny": {"block_size": 4, "noisy_input_rank": 16, "consistency_warmup_steps": 10},
         "small": {"block_size": 16, "noisy_input_rank": 64, "consistency_warmup_steps": 300,

@@ -6,7 +6,8 @@ files, tokenizer files, the generation config and a generated README.md. Optimiz
 (`HF_TOKEN`, `hf auth login`) and is never printed.
 
 The card (`build_model_card`) is rendered with `huggingface_hub.ModelCard.from_template` from `CARD_TEMPLATE` and
-the family's card (its registry entry's `model_card`, `hf_latentlm/cards.py`); model_cards/README.md describes what goes into it and from where.
+the family's card (its registry entry's `model_card`, `hf_latentlm/cards.py`); model_cards/README.md describes
+what goes into it and from where.
 """
 
 from __future__ import annotations
@@ -136,9 +137,7 @@ def count_parameters(folder: Path) -> int:
     total = 0
     for path in weight_files(folder, str(folder)):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                shape = f.get_slice(name).get_shape()
-                total += math.prod(shape)
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
     return total
 
 

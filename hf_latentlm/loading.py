@@ -1,8 +1,8 @@
 """Load a trained model folder (a `train` output or a checkpoint) with its tokenizer.
 
-A damaged folder (config.json that is not JSON, no weights, a truncated `model.safetensors`, a
-corrupt tokenizer file) is refused with a ValueError / FileNotFoundError naming the folder and the
-file, never a traceback from deep inside transformers.
+A damaged folder (config.json that is not JSON, no weights, a truncated `model.safetensors`, a corrupt tokenizer
+file) is refused with a ValueError / FileNotFoundError naming the folder and the file, never a traceback from deep
+inside transformers.
 """
 
 from __future__ import annotations
@@ -28,13 +28,9 @@ def check_model_type(model_type: str, label: str) -> None:
 
 
 def load_model_and_tokenizer(path: str, device: str | None = None, language_model: bool = True):
-    """`AutoModelForCausalLM` + `AutoTokenizer` from a local folder, offline-friendly.
-
-    Our own families register their Auto classes when `hf_latentlm.modeling` is imported, so the
-    installed classes are used; `trust_remote_code=True` lets a folder's own modeling files load
-    where the package is not installed. `language_model=False` also accepts components (families
-    registered with `language_model=False`, loaded with `AutoModel`).
-    """
+    """`AutoModelForCausalLM` + `AutoTokenizer` from a local folder. The package's own families use the installed
+    classes (importing `hf_latentlm.modeling` registers them); `trust_remote_code=True` lets a folder's own modeling
+    files load where the package is not installed. `language_model=False` also accepts components (`AutoModel`)."""
     folder = Path(path)
     label = f"model folder {path!r}"
     model_type = check_model_folder(folder, label)["model_type"]  # before the slow imports: refused in a second

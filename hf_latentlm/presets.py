@@ -1,7 +1,7 @@
 """Named model sizes shared by every family, and the training defaults that go with them.
 
-One table: a family's config is built from a preset's dimensions, so the AR baseline and a
-latent family of the same preset have the same backbone width, depth and attention layout.
+One table: a family's config is built from a preset's dimensions, so the AR baseline and a latent family of the
+same preset have the same backbone width, depth and attention layout.
 """
 
 from __future__ import annotations
@@ -11,12 +11,9 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class Preset:
-    """Backbone dimensions plus the training defaults that suit them.
+    """Backbone dimensions (Llama's, SwiGLU `intermediate_size`) plus the training defaults that suit them (each
+    overridable in `TrainConfig`: packed `seq_len`, per-device `batch_size`, peak `learning_rate`, ...).
 
-    Model fields: `hidden_size`, `num_layers`, `num_heads`, `num_kv_heads`, `intermediate_size`
-    (SwiGLU), `max_position_embeddings`, `rope_theta`.
-    Training fields (defaults for `TrainConfig`, each overridable): `seq_len` (packed sequence
-    length), `batch_size` (per device), `learning_rate` (peak), `warmup_steps`, `max_steps`.
     `name`: the table key. Families look up their scale-dependent settings by it, so a preset derived with
     `dataclasses.replace(PRESETS["small"], seq_len=128)` keeps the `small` settings.
     """

@@ -1,9 +1,9 @@
 """Data made or shipped offline: the embedded corpus file and a generated language with an exact likelihood.
 
-* ``shakespeare.jsonl.xz`` and ``tokenizer/``: the embedded corpus and its BPE (read by
-  ``hf_latentlm.training.corpus``; rebuilt by ``scripts/build_corpus.py``).
-* ``generated.py``: a seeded hidden Markov language whose next-token distribution is known at every
-  position (``docs/generated_language.md``).
+* ``shakespeare.jsonl.xz`` and ``tokenizer/``: the embedded corpus and its BPE (read by ``hf_latentlm.training.corpus``;
+  rebuilt by ``scripts/build_corpus.py``).
+* ``generated.py``: a seeded hidden Markov language whose next-token distribution is known at every position
+  (``docs/generated_language.md``).
 
 Nothing here imports torch or the rest of the package.
 """

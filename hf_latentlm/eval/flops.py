@@ -1,36 +1,20 @@
-"""FLOPs per token, counted by torch's own `torch.utils.flop_counter.FlopCounterMode` over real calls of a model.
+"""FLOPs per token, counted over real calls of a model.
 
-Two measures, for the AR baseline (`LlamaForCausalLM`) and CALM (`CALMForCausalLM`):
+- `inference_flops_per_token(model, context_length)`: the FLOPs of one decoding step once `context_length` tokens
+  are cached, for AR and CALM: `model.generate()` runs twice under torch's `FlopCounterMode`, with `n` and `n + 1`
+  steps, and the difference is divided by the tokens the step emits. CALM's parts (backbone, energy head, decoder;
+  per pool draw when `temperature` < 1) are also counted separately, and must add up to that difference.
+- `training_flops_per_token(model, seq_len)`: one forward + backward of the loop's training step on random rows,
+  per token (a frozen component's no-grad forward included, the optimizer update not).
 
-- `inference_flops_per_token(model, context_length)`: FLOPs of generating one token once `context_length` tokens
-  are in the cache. Both families are measured by running `model.generate()` itself twice under the counter, with
-  `n` and `n + 1` decoding steps, and taking the difference: exactly one decoding step as generate() does it.
-  AR: one cached decode step (1 token, the lm_head on that token). CALM (default options: T = 1, one energy-head draw
-  per step): one cached backbone step on the previous chunk + the energy head for one latent + the autoencoder
-  decoder for one chunk, divided by K. With `temperature` < 1, CALM's pool sampler: the head and the decoder run for
-  each of `temperature_pool_size` draws. The CALM parts are also measured by calling those three pieces separately,
-  and a disagreement with the generate() difference is an error (so the parts always add up to what generate does).
-- `training_flops_per_token(model, seq_len)`: one forward + backward of the training step the loop runs
-  (`model(input_ids=rows, labels=rows).loss.backward()`) on a batch of random rows, divided by the tokens in the
-  batch. For CALM that includes the frozen autoencoder's encode (forward only, it runs under no_grad) and the
-  backbone, energy head and energy loss forward and backward. The optimizer update is not included.
+Under `FlopCounterMode` a multiply-add is 2 FLOPs and only matrix products and attention kernels count. Attention
+runs eager while counting, because the counter has no rule for the CPU SDPA kernel; `torch.cdist` gets the rule of
+the matrix product it amounts to (`_cdist_flops`).
 
-Conventions (those of the counter): a multiply-add is 2 FLOPs; matrix products (mm, addmm, bmm) and attention
-kernels are counted, elementwise work (norms, activations, softmax, the loss's reductions) and embedding lookups
-are not. Attention is counted with `attn_implementation="eager"` during the measurement (the counter has no rule
-for the CPU SDPA kernel, which it would count as 0); eager computes q·kᵀ and p·v as matmuls, the same products SDPA
-does. `torch.cdist` (the energy loss's fidelity term) has no rule either; its forward is counted as the matrix product
-it amounts to, 2·N·M·l (see `_cdist_flops`), and falls in the "loss_and_other" part of training.
-
-Every result is a plain dict: `per_token` and `parts` (FLOPs per token by component), plus the raw counts.
-
-`FlopCounter` is the project's one counter for the benchmark's achieved FLOP/s, training and decoding, every family:
-it reads the torch *functions* a call makes (`F.linear`, `matmul`, `F.scaled_dot_product_attention`, `cdist`, ...),
-not aten ops, so it counts attention under SDPA as it runs (no eager switch), costs little enough to run inside a
-real `generate()`, and gets the backward of a training step from the forward alone (each product's gradient
-products, for the operands that require a gradient). Its rules are written here, independently of
-`FlopCounterMode`'s, and tests/eval/test_flops.py holds the two within 5% on a training step and a `generate()` of
-every family.
+`FlopCounter` is the project's own counter for achieved FLOP/s: it reads the torch functions a call makes
+(`F.linear`, `matmul`, SDPA, `cdist`, ...) rather than aten ops, so it counts SDPA as it runs, is cheap enough for a
+real `generate()`, and derives a training step's backward from its forward. Its rules are written independently
+of `FlopCounterMode`'s and tests/eval/test_flops.py holds the two close on every family.
 """
 
 from __future__ import annotations

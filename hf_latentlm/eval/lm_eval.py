@@ -6,25 +6,16 @@
     python -m hf_latentlm.eval.lm_eval --model hf-latentlm --model_args pretrained=DIR --tasks ... [--include_path ...]
     hf-latentlm lm-eval --model hf-latentlm --model_args pretrained=DIR --tasks ...
 
-lm-eval 0.4 finds models in its own registry only (no entry points), so its bare ``lm_eval`` command cannot see a
-model that nothing imported; the two commands above import this module and then run lm-eval's own command line
-unchanged. See docs/lm_eval.md.
+lm-eval finds models only in its own registry (no entry points), so the two commands above import this module and
+then run lm-eval's own command line unchanged. See docs/lm_eval.md.
 
-What each request type does:
-
-* ``generate_until``: every family through its own ``generate()``. Requests are grouped by generation settings and
-  sorted by prompt length (longest first, as lm-eval's ``hf`` model does), batched with left padding; the task's
-  settings (``do_sample``, ``temperature``, ``top_p``, ``top_k`` and any option the family's ``generate()`` takes)
-  are passed as given, lm-eval's greedy default (``do_sample=False``) included, and what a family cannot do is
-  refused by the family's own error, prefixed with the task and settings. ``max_gen_toks`` becomes
-  ``max_new_tokens``; ``until`` stop strings end a row through a ``StoppingCriteria`` and the decoded text is cut
-  at the first one. Each request gets its own seed (``request_seeds``): families with per-row seeds
-  (``model.row_seeds_option``) give the same text for a request in any batch, at any batch size; a model without
-  them (AR, transformers' generate) samples each row from its own generator (``per_row_sampling``) when the task
-  sets only ``do_sample`` / ``temperature`` / ``top_p`` / ``top_k``.
-* ``loglikelihood`` / ``loglikelihood_rolling``: for models with token likelihoods (``eval.nll.has_likelihood``:
-  ``config.has_token_likelihood``, else an LM head), from the forward's next-token logits (PLM: its causal
-  encoder's); other families are refused with ``NotImplementedError`` naming the family.
+* ``generate_until``: every family through its own ``generate()``, batched with left padding by generation
+  settings, longest prompt first (as lm-eval's ``hf`` model). The task's settings pass through as given (greedy
+  included) and a family refuses what it cannot do with its own error. ``until`` stop strings end a row through a
+  ``StoppingCriteria``. Each request gets its own seed (``request_seeds``), so a request's text does not depend on
+  the batch it lands in (families with ``row_seeds_option``; AR samples each row from its own generator).
+* ``loglikelihood`` / ``loglikelihood_rolling``: from the forward's next-token logits, for models with token
+  likelihoods (``eval.nll.has_likelihood``); other families raise ``NotImplementedError`` naming the family.
 """
 
 from __future__ import annotations

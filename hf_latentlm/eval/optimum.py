@@ -9,10 +9,8 @@ estimator on the same windows, so
 is 0 for a model that learnt only word frequencies and 1 for the optimum; its 95% interval comes from one
 bootstrap that resamples the positions of all three together. Because the true law is known, the gap is computed
 from Brier terms whose hit indicators are replaced by the true probabilities of the draws (`exact_target_terms`:
-same expectation, far less noise); the harness's own estimator is reported next to it, and the references average
-`REFERENCE_PAIRS` pairs of draws per window. Families with token likelihoods (AR, PLM's
-encoder) are also measured by their NLL excess over the true conditional entropy and their mean per-position
-KL(true ‖ model), on the same validation rows.
+same expectation, far less noise), next to the harness's own estimator. Families with token likelihoods are also
+measured by their NLL excess over the true conditional entropy and their mean KL(true ‖ model).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """One report across families: every model and decoding setting next to the AR baseline, in one process run.
 
-`build_report` runs the side-by-side benchmark (`bench.benchmark_models`: tokens/s at batch 1 and 8 with the AR
-baseline timed again next to each entry, network calls per token, BrierLM-2 with its interval, MAUVE) once per model
-and decoding setting: a family's default `generate()` and each of its registry `speed_variants` (PLM's nucleus
-acceptance). It adds what each model was trained on (read from its training folder) and every value relative to
-the AR entry. `write_report` writes `report.md` (the command, then one table), `report.json` and
-`speed_quality.png`: BrierLM-2 ÷ AR against tokens/s ÷ AR, one point per entry with its interval, the shape of the
-PLM paper's Figure 1.
+`build_report` runs the side-by-side benchmark (`bench.benchmark_models`) once per model and decoding setting (a
+family's default `generate()` and each of its registry `speed_variants`), adds what each model was trained on and
+every value relative to the AR entry. `write_report` writes `report.md`, `report.json` and `speed_quality.png`:
+BrierLM-2 ÷ AR against tokens/s ÷ AR, one point per entry with its interval, the shape of the PLM paper's Figure 1.
 """
 
 from __future__ import annotations

@@ -18,23 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = [
-    "logit_normal_times",
-    "shift_times",
-    "tan_shift_times",
-    "LogitNormalTimeSampler",
-    "ShiftedTimeSampler",
-    "TanShiftTimeSampler",
-    "make_time_sampler",
-    "FlowMatchEulerSampler",
-    "FlowMatchHeunSampler",
-    "x0_to_velocity",
-    "euler_step_from_x0",
-    "repaint",
-    "classifier_free_guidance",
-    "sinusoidal_timestep_embedding",
-    "TimestepEmbedding",
-]
+__all__ = ["logit_normal_times", "shift_times", "tan_shift_times", "LogitNormalTimeSampler", "ShiftedTimeSampler",
+           "TanShiftTimeSampler", "make_time_sampler", "FlowMatchEulerSampler", "FlowMatchHeunSampler",
+           "x0_to_velocity", "euler_step_from_x0", "repaint", "classifier_free_guidance",
+           "sinusoidal_timestep_embedding", "TimestepEmbedding"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -26,38 +26,15 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_aurora import SELF_CONDITION_DRAFTS, AuroraAutoencoderConfig, AuroraConfig
 from .configuration_backbone import decoder_blocks_tp_plan
-from .flow import (
-    FlowMatchEulerSampler,
-    TimestepEmbedding,
-    classifier_free_guidance,
-    euler_step_from_x0,
-    make_time_sampler,
-    x0_to_velocity,
-)
+from .flow import (FlowMatchEulerSampler, TimestepEmbedding, classifier_free_guidance, euler_step_from_x0,
+                   make_time_sampler, x0_to_velocity)
 from .generation import BlockDecodingState, BlockLatentGenerationOptions
-from .layers import (
-    AttentionProbs,
-    DecoderBlock,
-    RMSNorm,
-    RotaryEmbedding,
-    decoder_layers,
-    draw_block_conditions,
-    dual_stream_mask,
-    evaluation_generator,
-    fixed_row_draw,
-    init_backbone_weights,
-    make_padding_position_ids,
-)
-from .modeling_backbone import (
-    BackbonePreTrainedModel,
-    check_backbone_inputs,
-    check_block_training_rows,
-    check_forward_kwargs,
-    masked_cross_entropy,
-    recording_nothing,
-    refuse_vocab_resize,
-    scored_positions,
-)
+from .layers import (AttentionProbs, DecoderBlock, RMSNorm, RotaryEmbedding, decoder_layers, draw_block_conditions,
+                     dual_stream_mask, evaluation_generator, fixed_row_draw, init_backbone_weights,
+                     make_padding_position_ids)
+from .modeling_backbone import (BackbonePreTrainedModel, check_backbone_inputs, check_block_training_rows,
+                                check_forward_kwargs, masked_cross_entropy, recording_nothing, refuse_vocab_resize,
+                                scored_positions)
 from .modeling_block_latent import BlockLatentForCausalLM, BlockLatentPreTrainedModel, BlockVelocityField
 
 

@@ -25,39 +25,13 @@ from transformers.utils.generic import is_flash_attention_requested
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_calm import TEMPERATURE_SAMPLERS, CALMAutoencoderConfig, CALMConfig
-from .energy import (
-    RejectionState,
-    energy_loss,
-    exact_temperature_scan,
-    inverse_temperature,
-    pool_temperature_choice,
-)
-from .generation import (
-    DecodingStep,
-    GenerateOutput,
-    GenerationOptions,
-    MultiTokenGenerationMixin,
-    refuse_token_filters,
-    row_seeds,
-)
-from .layers import (
-    AttentionProbs,
-    DecoderBlock,
-    RMSNorm,
-    RotaryEmbedding,
-    SwiGLUMLP,
-    causal_layout,
-    decoder_layers,
-    evaluation_generator,
-    fixed_row_draw,
-)
-from .modeling_backbone import (
-    BackbonePreTrainedModel,
-    check_backbone_inputs,
-    check_forward_kwargs,
-    composite_config,
-    refuse_vocab_resize,
-)
+from .energy import RejectionState, energy_loss, exact_temperature_scan, inverse_temperature, pool_temperature_choice
+from .generation import (DecodingStep, GenerateOutput, GenerationOptions, MultiTokenGenerationMixin,
+                         refuse_token_filters, row_seeds)
+from .layers import (AttentionProbs, DecoderBlock, RMSNorm, RotaryEmbedding, SwiGLUMLP, causal_layout, decoder_layers,
+                     evaluation_generator, fixed_row_draw)
+from .modeling_backbone import (BackbonePreTrainedModel, check_backbone_inputs, check_forward_kwargs, composite_config,
+                                refuse_vocab_resize)
 
 
 @dataclass

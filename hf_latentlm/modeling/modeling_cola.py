@@ -28,30 +28,11 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_cola import ODE_SOLVERS, ColaConfig, ColaVAEConfig
 from .flow import FlowMatchEulerSampler, FlowMatchHeunSampler, TimestepEmbedding, make_time_sampler
 from .generation import BlockLatentGenerationOptions
-from .layers import (
-    AttentionProbs,
-    DecoderBlock,
-    DiTBlock,
-    RMSNorm,
-    RotaryEmbedding,
-    block_causal_layout,
-    decoder_layers,
-    dit_layers,
-    draw_block_conditions,
-    dual_stream_mask,
-    evaluation_generator,
-    fixed_row_draw,
-    init_backbone_weights,
-)
-from .modeling_backbone import (
-    BackbonePreTrainedModel,
-    check_backbone_inputs,
-    check_block_training_rows,
-    check_forward_kwargs,
-    masked_cross_entropy,
-    recording_nothing,
-    scored_positions,
-)
+from .layers import (AttentionProbs, DecoderBlock, DiTBlock, RMSNorm, RotaryEmbedding, block_causal_layout,
+                     decoder_layers, dit_layers, draw_block_conditions, dual_stream_mask, evaluation_generator,
+                     fixed_row_draw, init_backbone_weights)
+from .modeling_backbone import (BackbonePreTrainedModel, check_backbone_inputs, check_block_training_rows,
+                                check_forward_kwargs, masked_cross_entropy, recording_nothing, scored_positions)
 from .modeling_block_latent import BlockLatentForCausalLM, BlockLatentPreTrainedModel, BlockVelocityField
 
 

@@ -1,17 +1,15 @@
 """A request's sampling fields turned into `generate()` options, validated before the request is queued.
 
 Two kinds of model, told apart by `row_seeds_option` (never by family name):
-- a model whose `generate()` has per-row seeds (every multi-token family): the request's `temperature`, `top_p` and
-  extra fields become the family's own options, resolved exactly as its `generate()` resolves them
-  (`GenerationOptions.resolved`), so that what the family refuses comes back as a 400 with the family's own message;
-  rows whose resolved options are equal share a batch, each with its own seed;
-- a model on transformers' `generate()` (the AR baseline), which has no per-row seeds: `modeling.sampling.RowSampler`
-  draws each row from its own `torch.Generator` at the row's own temperature and top-p and makes that draw the
-  greedy pick (`do_sample=False`), so any rows can share a batch and each gets the tokens it would get alone.
+- a model whose `generate()` has per-row seeds (every multi-token family): the request's fields become the family's
+  own options, resolved as its `generate()` resolves them (`GenerationOptions.resolved`), so what the family refuses
+  comes back as a 400 with the family's own message; rows with equal resolved options share a batch;
+- a model on transformers' `generate()` (the AR baseline): `modeling.sampling.RowSampler` draws each row from its
+  own `torch.Generator` at its own temperature and top-p as the greedy pick, so any rows can share a batch and
+  each gets the tokens it would get alone.
 
-Defaults follow OpenAI (temperature 1, top_p 1) where the model has none: a field the request leaves out is not
-passed to a multi-token family, whose generation config carries its own defaults (Cola DLM / AURORA-LM: read-out
-temperature 0); the AR model samples at temperature 1, top_p 1 unless its generation config samples with others.
+A field the request leaves out is not passed to a multi-token family, whose generation config carries its own
+defaults; the AR model follows OpenAI (temperature 1, top_p 1) unless its generation config samples otherwise.
 """
 
 from __future__ import annotations

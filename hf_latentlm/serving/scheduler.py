@@ -1,12 +1,10 @@
 """The bounded queue of rows and the worker thread that runs them, several at a time, through one `generate()`.
 
 The worker takes the oldest queued row, waits up to `batch_wait` seconds for company, and runs every queued row that
-can share its call (equal `RowSampling.batch_key`, and the batch's longest prompt plus its largest `max_tokens`
-within the model's positions), up to `max_batch_size`, as one left-padded batch. The call generates the largest
-`max_tokens` of the batch; a `RowObserver` (a transformers `StoppingCriteria`, which every family's `generate()`
-calls after each step with each row's new tokens) hands each row its new tokens as they come, and finishes a row at
-its own `max_tokens`, at a stop sequence, or when its client has gone or the server shuts down (`Row.cancelled`), so
-it stops taking steps.
+can share its call (equal `RowSampling.batch_key`, and all within the model's positions), up to `max_batch_size`,
+as one left-padded batch. A `RowObserver` (a `StoppingCriteria`, which every family's `generate()` calls after each
+step) hands each row its new tokens as they come, and finishes a row at its own `max_tokens`, at a stop sequence, or
+when its client has gone or the server shuts down (`Row.cancelled`), so it stops taking steps.
 
 A row gets the tokens it would get alone: a multi-token family draws each row from its own seed
 (`model.row_seeds_option`), and the AR baseline samples through `modeling.sampling.RowSampler`.

@@ -4,12 +4,10 @@ The text sent so far is always a prefix of the row's final text, so a stream's p
 same request returns whole. Each step costs the same however long the row is:
 
 - tokens are decoded in a short window (the prefix / read offsets of incremental detokenizers): the text the tokens
-  after `read` add is `decode(tokens[prefix:])` minus `decode(tokens[prefix:read])`; decoding from `prefix`, a step
-  earlier, keeps what a decoder does at the start of a sequence (dropping a leading space) out of the difference.
-  The window moves on once that text does not end in U+FFFD; until then it may end in a multi-byte character whose
-  bytes are split across tokens, so only the text before its U+FFFD is final. With a byte-level tokenizer (ours)
-  this is exactly the decoding of the whole row: at a window boundary the bytes before it end a character, so the
-  bytes after it decode alone as they do in the whole;
+  after `read` add is `decode(tokens[prefix:])` minus `decode(tokens[prefix:read])`; starting a step earlier keeps
+  what a decoder does at the start of a sequence (dropping a leading space) out of the difference. The window moves
+  on once that text does not end in U+FFFD (a multi-byte character split across tokens), so with a byte-level
+  tokenizer the pieces are exactly the decoding of the whole row;
 - stop sequences are searched in the text not yet sent only: that text is held back while it ends in the beginning of
   a stop sequence, so a stop sequence never begins in text already sent.
 """

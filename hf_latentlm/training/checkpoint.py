@@ -1,16 +1,16 @@
 """Atomic, pickle-free training checkpoints.
 
 A checkpoint folder `checkpoint-<step>` holds:
-- the model (`save_pretrained`: config + safetensors weights) and the tokenizer files, so the
-  folder alone is enough for `generate`, `eval` and a Hub upload; `tokenizer_config.json` names a
-  tokenizer class transformers has itself (`save_tokenizer`), so the tokenizer needs no remote code;
+- the model (`save_pretrained`) and the tokenizer files, so the folder alone serves `generate`, `eval` and a Hub
+  upload; `tokenizer_config.json` names a tokenizer class transformers has itself (`save_tokenizer`), so the
+  tokenizer needs no remote code;
 - `optimizer.safetensors`: every optimizer state tensor, keyed `state.<param index>.<name>`;
-- `rng_rank<r>.safetensors`: torch (CPU, and CUDA when present) RNG state of each process;
-  `rng_rank<r>.json` (r > 0): its Python and NumPy RNG state;
-- `trainer_state.json`: step, data position, number of processes, optimizer param groups,
-  scheduler state, Python and NumPy RNG state of rank 0, the training config.
-Everything, every rank's RNG included, is written into a temporary sibling folder and renamed
-into place, so a crash never leaves a half-written `checkpoint-<step>`.
+- `rng_rank<r>.safetensors`: each process's torch (CPU, CUDA) RNG state; `rng_rank<r>.json` (r > 0): its Python
+  and NumPy RNG state;
+- `trainer_state.json`: step, data position, number of processes, optimizer param groups, scheduler state, rank 0's
+  Python and NumPy RNG state, the training config.
+Everything is written into a temporary sibling folder and renamed into place, so a crash never leaves a
+half-written `checkpoint-<step>`.
 """
 
 from __future__ import annotations
@@ -86,10 +86,7 @@ def gather_optimizer_state(model, optimizer: torch.optim.Optimizer) -> tuple[dic
     the full state lands on rank 0 (other ranks get no tensors). torch keys the gathered state by parameter name;
     it is re-keyed by index, as `Optimizer.state_dict()` numbers parameters, so the checkpoint looks the same
     however the run was sharded."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not state:  # not rank 0
@@ -105,11 +102,8 @@ def gather_optimizer_state(model, optimizer: torch.optim.Optimizer) -> tuple[dic
 def scatter_optimizer_state(checkpoint: Path, model, optimizer: torch.optim.Optimizer) -> None:
     """Load a checkpoint's optimizer state into an optimizer over sharded (FSDP) parameters: each rank keeps its
     shard. A collective, like `gather_optimizer_state`."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
 
     checkpoint = Path(checkpoint)
     saved = optimizer_state_from_flat(read_tensors(checkpoint, "optimizer.safetensors"),
@@ -172,17 +166,13 @@ def is_complete_checkpoint(folder: Path) -> bool:
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoints in `output_dir`, oldest first; an incomplete `checkpoint-<step>` is skipped with a
     warning."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for path in root.iterdir():
-        if (match := CHECKPOINT_PATTERN.match(path.name)) and path.is_dir():
-            if is_complete_checkpoint(path):
-                found.append((int(match.group(1)), path))
-            else:
-                logger.warning("skipping the incomplete checkpoint %s (no readable %s)", path, STATE_FILE)
-    return [p for _, p in sorted(found)]
+    complete = []
+    for path in checkpoint_folders(output_dir):
+        if is_complete_checkpoint(path):
+            complete.append(path)
+        else:
+            logger.warning("skipping the incomplete checkpoint %s (no readable %s)", path, STATE_FILE)
+    return complete
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
@@ -409,11 +399,7 @@ def load_rank_rng(checkpoint: Path, rank: int = 0) -> None:
 
 
 def _json_default(value):
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (np.floating,)):
-        return float(value)
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, (np.integer, np.floating, torch.Tensor)):
         return value.tolist()
     if isinstance(value, (set, tuple)):
         return list(value)

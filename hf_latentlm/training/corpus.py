@@ -1,18 +1,10 @@
 """Offline default corpus and tokenizer shipped inside the package.
 
-The corpus is the Project Gutenberg Shakespeare (42 works: 37 plays and 5
-poems, public domain), cleaned and split by whole work:
-
-* ``validation``: hamlet, tempest, twelfth_night
-* ``test``: macbeth, much_ado_about_nothing
-* ``train``: the other 37 works
-
-It is stored as ``hf_latentlm/data/shakespeare.jsonl.xz`` (one JSON object
-``{"name", "split", "text"}`` per work). The default tokenizer is a byte-level
-BPE (vocab 4096; ``<|endoftext|>`` = id 0 is bos/eos, ``<|pad|>`` = id 1)
-trained on the train split, stored in ``hf_latentlm/data/tokenizer/``.
-Both are rebuilt by ``scripts/build_corpus.py`` (see ``docs/corpus.md``).
-Nothing here touches the network.
+The corpus is the Project Gutenberg Shakespeare (37 plays and 5 poems, public domain), cleaned and split by whole
+work: ``validation`` hamlet, tempest, twelfth_night; ``test`` macbeth, much_ado_about_nothing; ``train`` the rest.
+The default tokenizer is a byte-level BPE (vocab 4096; ``<|endoftext|>`` = id 0 is bos/eos, ``<|pad|>`` = id 1)
+trained on the train split. Both live in ``hf_latentlm/data/`` and are rebuilt by ``scripts/build_corpus.py``
+(``docs/corpus.md``). Nothing here touches the network.
 """
 
 from __future__ import annotations
@@ -30,14 +22,10 @@ def load_corpus_records() -> list[dict[str, str]]:
 
 
 def load_corpus_documents(split: str) -> list[str]:
-    """One string per work of ``split`` ("train", "validation" or "test"), in file order.
-
-    Raises:
-        ValueError: if ``split`` is not one of :data:`CORPUS_SPLITS`.
-    """
+    """One string per work of ``split`` ("train", "validation" or "test"), in file order."""
     if split not in CORPUS_SPLITS:
         raise ValueError(f"unknown corpus split {split!r}; expected one of {CORPUS_SPLITS}")
-    return [r["text"] for r in load_corpus_records() if r["split"] == split]
+    return [r["text"] for r in read_corpus_records() if r["split"] == split]
 
 
 def default_tokenizer_path() -> str:
@@ -53,15 +41,8 @@ def load_default_tokenizer():
 
 
 def load_text_documents(paths: list[str]) -> list[str]:
-    """Read users' own UTF-8 text files, one document per file, in the given order.
-
-    A leading byte-order mark is dropped and line endings are normalised to
-    ``\\n``; the text is otherwise unchanged.
-
-    Raises:
-        ValueError: if a path does not exist, is not a file, cannot be read as UTF-8 text, or holds
-            only whitespace.
-    """
+    """Users' own UTF-8 text files, one document per file, in the given order: a leading byte-order mark is dropped
+    and line endings become ``\\n``; ValueError for a path that is not a readable, non-blank UTF-8 file."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     documents = []

