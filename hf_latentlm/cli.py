@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CONTEXT_LEN_HELP = ("tokens of context before each scored window (default: the largest up to 128 that keeps every "
+                    "window inside the positions the model was trained at)")
+
+
 def add_train_command(sub) -> None:
     t = sub.add_parser("train", dataclass_types=[TrainConfig],
                        help="train a model on the embedded corpus (or your text files)")
@@ -127,7 +131,7 @@ def add_model_commands(sub) -> None:
     e.add_argument("--model", required=True)
     e.add_argument("--split", default="validation", choices=["validation", "test"])
     e.add_argument("--num-positions", type=int, default=20000)
-    e.add_argument("--context-len", type=int, help="tokens of context before each scored window (default: the largest up to 128 that keeps every window inside the positions the model was trained at)")
+    e.add_argument("--context-len", type=int, help=CONTEXT_LEN_HELP)
     e.add_argument("--batch-size", type=int, default=64)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--mauve", action="store_true", help="also MAUVE (needs `pip install hf-latentlm[eval]`)")
@@ -144,7 +148,7 @@ def add_comparison_commands(sub) -> None:
                    help="a model to measure (repeatable)")
     b.add_argument("--baseline", help="NAME of the baseline (default: the first model)")
     b.add_argument("--num-positions", type=int, default=20000)
-    b.add_argument("--context-len", type=int, help="tokens of context before each scored window (default: the largest up to 128 that keeps every window inside the positions the model was trained at)")
+    b.add_argument("--context-len", type=int, help=CONTEXT_LEN_HELP)
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--mauve", action="store_true")
@@ -170,7 +174,7 @@ def add_comparison_commands(sub) -> None:
                    help="a model to report (repeatable); one must be ar=DIR, the baseline")
     r.add_argument("--output", default="results/report", help="folder for report.md, report.json, speed_quality.png")
     r.add_argument("--num-positions", type=int, default=2000, help="BrierLM-2 positions per entry")
-    r.add_argument("--context-len", type=int, help="tokens of context before each scored window (default: the largest up to 128 that keeps every window inside the positions the model was trained at)")
+    r.add_argument("--context-len", type=int, help=CONTEXT_LEN_HELP)
     r.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per timed generate()")
     r.add_argument("--repeats", type=int, default=3, help="timed runs per speed (median)")
     r.add_argument("--mauve-samples", type=int, default=400, help="continuations per entry for MAUVE")
