@@ -562,6 +562,7 @@ EVERY_TRAIN_FIELD = {
     "family": (["--family", "plm"], "plm"), "preset": (["--preset", "tiny"], "tiny"),
     "output_dir": (["--output-dir", "out"], "out"), "max_steps": (["--max-steps", "7"], 7),
     "stop_at_step": (["--stop-at-step", "3"], 3), "resume": (["--resume", "previous"], "previous"),
+    "overwrite_output_dir": (["--overwrite-output-dir"], True),
     "batch_size": (["--batch-size", "2"], 2), "grad_accum": (["--grad-accum", "4"], 4),
     "seq_len": (["--seq-len", "32"], 32), "learning_rate": (["--learning-rate", "0.01"], 0.01),
     "schedule": (["--schedule", "wsd"], "wsd"), "warmup_steps": (["--warmup-steps", "1"], 1),
