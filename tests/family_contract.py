@@ -203,8 +203,8 @@ def check_compiled_decoding_gives_the_same_tokens(model, rows, tokenizer, left_p
     methods = model.compiled_methods()
     assert len(graphs) >= len(methods), (len(graphs), methods)
     assert not any(name in vars(module) for module, name in methods)
-    # The graphs live on each method's own entry point, none on a decorator's code: transformers' decorators give
-    # every forward they wrap one shared code object, where graphs would count against one limit.
+    # The graphs live on each method's own entry point, none on a decorator's code: transformers' `deprecate_kwarg`
+    # gives every forward it decorates one shared code object, where graphs would count against one limit.
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from hf_latentlm.modeling.generation import compile_entry_point
@@ -411,19 +411,24 @@ def check_return_dict_false_gives_tuples(model, rows):
     torch.testing.assert_close(base[0], model.base_model(input_ids=ids).last_hidden_state)
 
 
-def check_past_key_values_continues_a_prefix(model, rows):
-    """`past_key_values` as transformers names it: the base model and the head model fill a cache with a prefix's keys
-    and return it, and the rest of the row run against it gives what the whole row gives."""
+def check_past_key_values_is_a_deprecated_alias_of_cache(model, rows):
     from transformers.cache_utils import DynamicCache
 
     ids = rows[1600:1601, :16]
     prefix, rest = ids[:, :8], ids[:, 8:]
-    base_cache = model.base_model(input_ids=prefix, past_key_values=DynamicCache(config=model.config)).past_key_values
-    lm_cache = model(input_ids=prefix, past_key_values=DynamicCache(config=model.config)).past_key_values
-    assert base_cache is not None and lm_cache.get_seq_length() == base_cache.get_seq_length() > 0
-    continued = model.base_model(input_ids=rest, past_key_values=base_cache).last_hidden_state
-    whole = model.base_model(input_ids=ids).last_hidden_state[:, -continued.shape[1]:]
-    torch.testing.assert_close(continued, whole, atol=1e-5, rtol=1e-4)
+    new = model.base_model(input_ids=prefix, cache=DynamicCache(config=model.config)).cache
+    with pytest.warns(FutureWarning, match="past_key_values"):
+        old = model.base_model(input_ids=prefix, past_key_values=DynamicCache(config=model.config)).cache
+    with pytest.warns(FutureWarning, match="past_key_values"):
+        lm_cache = model(input_ids=prefix, past_key_values=DynamicCache(config=model.config)).cache
+    assert lm_cache.get_seq_length() == old.get_seq_length()
+    assert old is not None and old.get_seq_length() == new.get_seq_length() > 0
+    with pytest.warns(FutureWarning):
+        via_old = model.base_model(input_ids=rest, past_key_values=old).last_hidden_state
+    via_new = model.base_model(input_ids=rest, cache=new).last_hidden_state
+    torch.testing.assert_close(via_old, via_new)
+    whole = model.base_model(input_ids=ids).last_hidden_state[:, -via_new.shape[1]:]
+    torch.testing.assert_close(via_new, whole, atol=1e-5, rtol=1e-4)
 
 
 def check_base_model_takes_input_ids_and_padding(model, rows, left_pad):

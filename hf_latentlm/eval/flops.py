@@ -197,12 +197,12 @@ def _calm_step_parts(model, prompt: torch.Tensor, draws: int, seed: int) -> dict
     from transformers.cache_utils import DynamicCache
 
     cfg = model.config
-    past_key_values = DynamicCache(config=cfg)
+    cache = DynamicCache(config=cfg)
     mask = torch.ones_like(prompt)
-    hidden = model(input_ids=prompt, attention_mask=mask, past_key_values=past_key_values).last_hidden_state[:, -1]
+    hidden = model(input_ids=prompt, attention_mask=mask, cache=cache).last_hidden_state[:, -1]
     chunk = _prompt(model, cfg.chunk_size, seed + 1)
     mask = torch.cat([mask, torch.ones_like(chunk)], dim=1)
-    backbone, out = count_flops(lambda: model(input_ids=chunk, attention_mask=mask, past_key_values=past_key_values), model)
+    backbone, out = count_flops(lambda: model(input_ids=chunk, attention_mask=mask, cache=cache), model)
     noise = torch.rand(1, draws, cfg.noise_size, generator=torch.Generator().manual_seed(seed)) - 0.5
     head, latents = count_flops(lambda: model.sample_latents(out.last_hidden_state[:, -1], noise.to(hidden)), model)
     # T = 1 decodes the single draw [B, l]; the pool decodes all of them [B, S, l] (the same products per draw).

@@ -20,7 +20,7 @@ class BlockLatentConfig(BackboneConfig):
     component_config_name = ""
     component_name = "component"
     time_samplers = TIME_SAMPLERS
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache"]
     has_token_likelihood = False
 
     block_size: int = 16  # latent positions per block of the prior

@@ -114,7 +114,7 @@ class CALMConfig(BackboneConfig):
 
     model_type = "calm"
     sub_configs_defaults = {"autoencoder_config": CALMAutoencoderConfig}
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache"]
     has_token_likelihood = False
 
     chunk_size: int = 4

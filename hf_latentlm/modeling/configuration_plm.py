@@ -18,7 +18,7 @@ class PLMConfig(BackboneConfig):
     """
 
     model_type = "plm"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache"]
 
     # K, targets per decoder block in training. The paper uses 16 at 0.1–3B parameters; at CPU scale few tokens past
     # the first ~4 are reconstructed, so 8 keeps the decoder's capacity on positions that can be used.

@@ -293,9 +293,10 @@ def compile_entry_point(cls: type, name: str):
     """`cls.<name>` behind a function with a code object of its own, made once per (class, method).
 
     torch.compile keeps its graphs, and at most `recompile_limit` of them (default 8), on the code object of the
-    function it is given. Every forward that a transformers decorator wraps (`capture_outputs`, `can_return_tuple`)
-    shares that wrapper's code object, so compiling the decorated methods themselves would pool the graphs of every
-    network of every model in the process under one limit, and the networks past it would silently run eager. Behind its own code object each method's graphs are
+    function it is given. Every forward that transformers' `deprecate_kwarg` decorates shares that decorator's code
+    object, so compiling the decorated methods themselves pooled the graphs of every network of every model in the
+    process under one limit: a bench of four families reached it and silently ran the rest eager, and so did
+    transformers' own compiled generate() of a Llama afterwards. Behind its own code object each method's graphs are
     counted apart, and one class's graphs serve every model of that class and every later call."""
     method = getattr(cls, name)
 

@@ -182,13 +182,13 @@ class Attention(nn.Module):
     `config._attn_implementation` names (looked up at every call in transformers' `ALL_ATTENTION_FUNCTIONS`, as
     Llama does; "eager" is `eager_attention_forward`, no config means "sdpa").
 
-    forward(hidden_states [B, T, hidden], cos, sin [B, T, head_dim], attention_mask, past_key_values=None) -> [B, T, hidden]
+    forward(hidden_states [B, T, hidden], cos, sin [B, T, head_dim], attention_mask, cache=None) -> [B, T, hidden]
 
     - `attention_mask`: bool, True = may attend, broadcastable to [B, H, T, Tk] where Tk = cached + T keys.
       `None` means every query sees every key (no causality!). For "flex_attention" it becomes a `BlockMask`.
       Flash attention takes no such masks: with it, attention is causal and `attention_mask` is None or the padding
       mask [B, Tk] (1 = real key), which only a family whose masks are plain causal ones passes.
-    - `past_key_values`: a `transformers.cache_utils.Cache` (e.g. `DynamicCache`); the new keys/values are appended with
+    - `cache`: a `transformers.cache_utils.Cache` (e.g. `DynamicCache`); the new keys/values are appended with
       `cache.update(k, v, layer_idx)` and attention runs over all cached keys. Keys are cached AFTER rotary, so the
       cos/sin passed in must be those of the current call's positions only.
     - Fully masked query rows (no visible key) return exactly ZERO attention output (before `o_proj`, so the
@@ -242,7 +242,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
     ) -> torch.Tensor:
         bsz, q_len, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
@@ -252,10 +252,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos, sin)
 
-        if past_key_values is not None:
+        if cache is not None:
             if self.layer_idx is None:
                 raise ValueError("Attention needs a layer_idx to use a cache")
-            k, v = past_key_values.update(k, v, self.layer_idx)
+            k, v = cache.update(k, v, self.layer_idx)
 
         implementation = getattr(self.config, "_attn_implementation", None) or "sdpa"
         flash_kwargs, row_has_key = {}, None
@@ -292,13 +292,13 @@ class AttentionProbs(nn.Identity):
 class DecoderBlock(GradientCheckpointingLayer):
     """Pre-norm transformer block: h = x + attn(norm(x)); out = h + mlp(norm(h)).
 
-    forward(hidden_states, cos, sin, attention_mask, past_key_values=None, return_mid=False) returns `out`, or `(out, mid)`
+    forward(hidden_states, cos, sin, attention_mask, cache=None, return_mid=False) returns `out`, or `(out, mid)`
     with `return_mid=True`, where `mid = h` is the residual stream between attention and MLP (used by PLM's
     representation alignment).
 
     Gradient checkpointing (set by `PreTrainedModel.gradient_checkpointing_enable`) recomputes `forward`; pass
     `hidden_states` positionally (required by reentrant checkpointing). While checkpointing in training mode,
-    transformers drops a `past_key_values=` keyword argument (set to None) so the cache is not written twice.
+    transformers drops a `cache=` keyword argument (set to None) so the cache is not written twice.
     """
 
     def __init__(
@@ -324,9 +324,9 @@ class DecoderBlock(GradientCheckpointingLayer):
         self.mlp = SwiGLUMLP(hidden_size, intermediate_size)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, past_key_values: Cache | None = None,
+                attention_mask: torch.Tensor | None = None, cache: Cache | None = None,
                 return_mid: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        attn_out = self.self_attn(self.input_layernorm(hidden_states), cos, sin, attention_mask, past_key_values=past_key_values)
+        attn_out = self.self_attn(self.input_layernorm(hidden_states), cos, sin, attention_mask, cache=cache)
         mid = hidden_states + attn_out
         out = mid + self.mlp(self.post_attention_layernorm(mid))
         if return_mid:
@@ -608,7 +608,7 @@ class DiTBlock(GradientCheckpointingLayer):
         h = x + gate_a · attn(LN(x)·(1 + scale_a) + shift_a),  out = h + gate_m · mlp(LN(h)·(1 + scale_m) + shift_m),
     with LN a LayerNorm without affine parameters. `modulation` (SiLU -> Linear(d, 6d)) starts at zero, so every
     block starts as the identity. forward(hidden_states [B, T, d], conditioning [B, T, d], cos, sin, attention_mask,
-    past_key_values=None); attention is the shared `Attention` (GQA, RoPE, optional QK-norm)."""
+    cache=None); attention is the shared `Attention` (GQA, RoPE, optional QK-norm)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None, intermediate_size: int,
                  head_dim: int | None = None, rms_norm_eps: float = 1e-6, qk_norm: bool = False,
@@ -624,10 +624,10 @@ class DiTBlock(GradientCheckpointingLayer):
         self.modulation[1].zero_init = True
 
     def forward(self, hidden_states: torch.Tensor, conditioning: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, past_key_values: Cache | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, cache: Cache | None = None) -> torch.Tensor:
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.modulation(conditioning).chunk(6, dim=-1)
         x = self.attention_norm(hidden_states) * (1 + scale_a) + shift_a
-        hidden_states = hidden_states + gate_a * self.self_attn(x, cos, sin, attention_mask, past_key_values=past_key_values)
+        hidden_states = hidden_states + gate_a * self.self_attn(x, cos, sin, attention_mask, cache=cache)
         x = self.mlp_norm(hidden_states) * (1 + scale_m) + shift_m
         return hidden_states + gate_m * self.mlp(x)
 

@@ -22,6 +22,7 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import ModelOutput
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_aurora import SELF_CONDITION_DRAFTS, AuroraAutoencoderConfig, AuroraConfig
@@ -62,7 +63,7 @@ class AuroraOutput(ModelOutput):
 
     loss: torch.Tensor | None = None
     last_hidden_state: torch.Tensor | None = None
-    past_key_values: DynamicCache | None = None
+    cache: DynamicCache | None = None
     denoising_loss: torch.Tensor | None = None
     consistency_loss: torch.Tensor | None = None
     consistency_weight: torch.Tensor | None = None
@@ -115,7 +116,7 @@ class QueryStack(nn.Module):
         self.query_states = QueryStates()
 
     def read(self, context: torch.Tensor, is_context: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-             past_key_values=None, query_start: torch.Tensor | None = None) -> torch.Tensor:
+             cache=None, query_start: torch.Tensor | None = None) -> torch.Tensor:
         """query_start [B, m, d]: what each query starts from (default: the learned query alone)."""
         batch, dtype = context.shape[0], self.query.dtype
         # Index tensors once per call (boolean indexing would sync with the device at every layer).
@@ -128,14 +129,14 @@ class QueryStack(nn.Module):
         # The query items' states are carried on their own and put into the stream for each layer (the context items
         # are reset to the given context), so that the recorded states are the ones the output is computed from.
         for layer in self.layers:
-            out = layer(stream.index_copy(1, query_index, state), cos, sin, mask, past_key_values=past_key_values)
+            out = layer(stream.index_copy(1, query_index, state), cos, sin, mask, cache=cache)
             state = self.query_states(state, out.index_select(1, query_index))
         return self.norm(state)
 
-    def read_one_per_position(self, context: torch.Tensor, attention_mask: torch.Tensor | None, past_key_values) -> torch.Tensor:
+    def read_one_per_position(self, context: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
         """Keep ratio 1: query i shares position i with context item i (interleaved stream), so left padding
         (`attention_mask` [B, cached + n]) and a cache of earlier items work as for a causal LM."""
-        past = past_key_values.get_seq_length() // 2 if past_key_values is not None else 0
+        past = cache.get_seq_length() // 2 if cache is not None else 0
         if attention_mask is not None:
             positions = make_padding_position_ids(attention_mask)
         else:
@@ -144,7 +145,7 @@ class QueryStack(nn.Module):
         mask = causal_by_position_mask(key_pos[:, 2 * past:], key_pos, key_valid)
         # The residual copy path: query i starts from the learned query plus item i, which it shares a position with.
         start = self.query + context if self.query_residual else None
-        return self.read(context, is_context[2 * past:], key_pos[:, 2 * past:], mask, past_key_values=past_key_values, query_start=start)
+        return self.read(context, is_context[2 * past:], key_pos[:, 2 * past:], mask, cache=cache, query_start=start)
 
     def read_compressed(self, context: torch.Tensor, context_positions: torch.Tensor,
                         query_positions: torch.Tensor) -> torch.Tensor:
@@ -172,12 +173,12 @@ class AuroraQueryEncoder(QueryStack):
         self.keep_ratio = config.keep_ratio
 
     def forward(self, token_embeds: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values=None) -> torch.Tensor:
+                cache=None) -> torch.Tensor:
         """attention_mask [B, cached + L] (left padding; keep ratio 1 only); cache: keys of earlier tokens (written;
         keep ratio 1 only)."""
         if self.keep_ratio == 1:
-            return self.read_one_per_position(token_embeds, attention_mask, past_key_values)
-        check_compressed_call(attention_mask, past_key_values)
+            return self.read_one_per_position(token_embeds, attention_mask, cache)
+        check_compressed_call(attention_mask, cache)
         length, device = token_embeds.shape[1], token_embeds.device
         slots = compressed_slot_count(length, self.keep_ratio)
         # Slot i sits at the position of the last token it covers: ⌈(i+1)L/N⌉ − 1.
@@ -194,14 +195,14 @@ class AuroraQueryDecoder(QueryStack):
         self.keep_ratio = config.keep_ratio
 
     def forward(self, latents: torch.Tensor, length: int | None = None, attention_mask: torch.Tensor | None = None,
-                past_key_values=None) -> torch.Tensor:
+                cache=None) -> torch.Tensor:
         """length: L (default N at keep ratio 1); attention_mask [B, cached + N] and cache: keep ratio 1 only."""
         slots, device = latents.shape[1], latents.device
         if self.keep_ratio == 1:
             if length not in (None, slots):
                 raise ValueError(f"at keep_ratio 1 the decoder gives one token per slot ({slots}), not {length}")
-            return self.read_one_per_position(latents, attention_mask, past_key_values)
-        check_compressed_call(attention_mask, past_key_values)
+            return self.read_one_per_position(latents, attention_mask, cache)
+        check_compressed_call(attention_mask, cache)
         if length is None or compressed_slot_count(length, self.keep_ratio) != slots:
             raise ValueError(f"{slots} slots at keep_ratio {self.keep_ratio} do not decode to length {length}")
         # Slot i becomes visible at the first position j with ⌊j·N/L⌋ ≥ i, i.e. j = ⌈i·L/N⌉.
@@ -227,8 +228,8 @@ def compressed_slot_count(length: int, keep_ratio: float) -> int:
     return max(1, round(keep_ratio * length))
 
 
-def check_compressed_call(attention_mask: torch.Tensor | None, past_key_values) -> None:
-    if past_key_values is not None or (attention_mask is not None and not bool(attention_mask.bool().all())):
+def check_compressed_call(attention_mask: torch.Tensor | None, cache) -> None:
+    if cache is not None or (attention_mask is not None and not bool(attention_mask.bool().all())):
         raise ValueError("an AURORA autoencoder with keep_ratio < 1 takes whole unpadded rows without a cache (slots "
                          "and tokens are not one-to-one); use keep_ratio 1 for padding, caching and generation")
 
@@ -274,27 +275,27 @@ class AuroraAutoencoder(BackbonePreTrainedModel):
         return None  # the logits go through the input embedding itself: h·Eᵀ
 
     @recording_nothing
-    def encode(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None, past_key_values=None,
+    def encode(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None, cache=None,
                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Raw latents [B, N, D] (float32) of the tokens (ids, or their embeddings `inputs_embeds` [B, N, D]). Token
         dropout applies in training mode."""
-        return self.latents_of(input_ids, attention_mask, past_key_values, inputs_embeds)
+        return self.latents_of(input_ids, attention_mask, cache, inputs_embeds)
 
-    def latents_of(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None, past_key_values=None,
+    def latents_of(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None, cache=None,
                    inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """`encode` inside this model's own forward (where its states are recorded)."""
         embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.training and self.config.token_dropout > 0:
             keep = torch.rand(embeds.shape[:2], device=embeds.device) >= self.config.token_dropout
             embeds = embeds * keep[..., None].to(embeds.dtype)
-        return self.encoder(embeds, attention_mask, past_key_values=past_key_values).float()
+        return self.encoder(embeds, attention_mask, cache=cache).float()
 
     def decode_logits(self, latents: torch.Tensor, length: int | None = None,
-                      attention_mask: torch.Tensor | None = None, past_key_values=None) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """Raw latents [B, N, D] -> logits [B, L, V] through the tied embedding. Latent dropout applies in training."""
         if self.training and self.config.latent_dropout > 0:
             latents = latents * (torch.rand_like(latents) >= self.config.latent_dropout).to(latents.dtype)
-        states = self.decoder(latents, length, attention_mask, past_key_values=past_key_values)
+        states = self.decoder(latents, length, attention_mask, cache=cache)
         return F.linear(states, self.embed_tokens.weight)
 
     def standardize(self, latents: torch.Tensor) -> torch.Tensor:
@@ -374,7 +375,7 @@ class AuroraDenoiser(nn.Module):
 
     def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, noisy: torch.Tensor | None,
                 self_condition: torch.Tensor | None, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                past_key_values=None) -> torch.Tensor:
+                cache=None) -> torch.Tensor:
         dtype = self.clean_in.weight.dtype
         latents = latents.to(dtype)
         hidden = self.clean_in(latents)
@@ -389,7 +390,7 @@ class AuroraDenoiser(nn.Module):
             hidden = hidden + self.time_proj[i](time)
             if use_draft:
                 hidden = hidden + self.self_condition_proj[i](self_condition.to(dtype))
-            hidden = layer(hidden, cos, sin, mask, past_key_values=past_key_values)
+            hidden = layer(hidden, cos, sin, mask, cache=cache)
         return self.norm(hidden)
 
 
@@ -438,14 +439,15 @@ class AuroraModel(AuroraPreTrainedModel):
         return self.config.block_size
 
     def encode_tokens(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
-                      past_key_values=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                      cache=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The autoencoder's latents [B, T, D] of the tokens (ids, or their embeddings), standardised."""
-        return self.autoencoder.standardize(self.autoencoder.encode(input_ids, attention_mask, past_key_values=past_key_values,
+        return self.autoencoder.standardize(self.autoencoder.encode(input_ids, attention_mask, cache=cache,
                                                                     inputs_embeds=inputs_embeds))
 
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @capture_outputs
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                 timesteps: torch.Tensor | None = None, noisy: torch.Tensor | None = None,
                 self_condition: torch.Tensor | None = None, latents: torch.Tensor | None = None,
@@ -457,11 +459,11 @@ class AuroraModel(AuroraPreTrainedModel):
         cached + T] with `position_ids`. timesteps [B, T] (default 0: clean); noisy [B, T] bool: positions that take
         the noisy-input bottleneck (default none); self_condition [B, T, D]: the draft (default none).
         `output_hidden_states` / `output_attentions` (eager) are recorded for the denoiser's blocks."""
-        inputs = self.prior_inputs(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, latents, use_cache,
+        inputs = self.prior_inputs(input_ids, attention_mask, position_ids, cache, inputs_embeds, latents, use_cache,
                                    timesteps, kwargs)
         hidden = self.denoiser(inputs.latents, inputs.timesteps, noisy, self_condition, inputs.position_ids,
-                               inputs.mask, past_key_values=inputs.past_key_values)
-        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=inputs.past_key_values)
+                               inputs.mask, cache=inputs.cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=inputs.cache)
 
 
 @dataclass
@@ -545,18 +547,18 @@ class AuroraBlockVelocity(BlockVelocityField):
         self.draft = None  # the previous call's prediction
 
     def predict(self, x: torch.Tensor, sigma: torch.Tensor, mask: torch.Tensor, draft: torch.Tensor | None,
-                past_key_values) -> torch.Tensor:
+                cache) -> torch.Tensor:
         self.calls += 1
-        return self.model.predict_x0(x, self.block_times(sigma), self.noisy, draft, mask, self.positions, past_key_values=past_key_values)
+        return self.model.predict_x0(x, self.block_times(sigma), self.noisy, draft, mask, self.positions, cache=cache)
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         options = self.options
         draft = None
         if self.uses_draft:
             draft = torch.zeros_like(x) if self.draft is None else self.draft
-        prediction = aware = self.predict(x, sigma, self.conditional_mask, draft, self.past_key_values)
+        prediction = aware = self.predict(x, sigma, self.conditional_mask, draft, self.cache)
         if self.draft is not None and options.self_condition_guidance != 1.0:
-            blind = self.predict(x, sigma, self.conditional_mask, torch.zeros_like(draft), self.past_key_values)
+            blind = self.predict(x, sigma, self.conditional_mask, torch.zeros_like(draft), self.cache)
             prediction = classifier_free_guidance(prediction, blind, options.self_condition_guidance)
         if self.guided and float(sigma) >= options.cfg_min_sigma:
             prediction = self.guide(prediction, self.predict(x, sigma, self.alone_mask, draft, None))
@@ -654,15 +656,15 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentForCausalLM):
 
     def predict_x0(self, latents: torch.Tensor, timesteps: torch.Tensor, noisy: torch.Tensor | None = None,
                    self_condition: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                   position_ids: torch.Tensor | None = None, past_key_values=None, ema: bool = False) -> torch.Tensor:
+                   position_ids: torch.Tensor | None = None, cache=None, ema: bool = False) -> torch.Tensor:
         """The predicted clean latents [B, T, D] (float32) of standardised latents [B, T, D] at per-position σ [B, T]:
         one denoiser evaluation, through the base model's forward (where call counters see it), or through the EMA
         copy with `ema=True` (then `attention_mask` must be a ready 4-D mask with `position_ids`)."""
         if ema:
-            hidden = self.ema_denoiser(latents, timesteps, noisy, self_condition, position_ids, attention_mask, past_key_values)
+            hidden = self.ema_denoiser(latents, timesteps, noisy, self_condition, position_ids, attention_mask, cache)
             return self.ema_denoiser.x0_head(hidden).float()
         hidden = self.model(latents=latents, timesteps=timesteps, noisy=noisy, self_condition=self_condition,
-                            attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values).last_hidden_state
+                            attention_mask=attention_mask, position_ids=position_ids, cache=cache).last_hidden_state
         return self.model.denoiser.x0_head(hidden).float()
 
     def training_objective(self, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -814,10 +816,10 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentForCausalLM):
                              f"{keep_ratio}")
         return super()._encode_prompt(input_ids, real)
 
-    def _decode_latents(self, latents: torch.Tensor, attention_mask: torch.Tensor, past_key_values) -> torch.Tensor:
+    def _decode_latents(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
         autoencoder = self.model.autoencoder
         return autoencoder.decode_logits(autoencoder.unstandardize(latents), attention_mask=attention_mask,
-                                         past_key_values=past_key_values)
+                                         cache=cache)
 
 
 __all__ = ["AuroraAutoencoder", "AuroraAutoencoderConfig", "AuroraAutoencoderOutput", "AuroraConfig",

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 
 from .flow import FlowMatchEulerSampler, classifier_free_guidance
 from .generation import BlockDecodingState, BlockLatentGenerationMixin, DenoisedBlock
@@ -29,7 +30,7 @@ class PriorInputs(NamedTuple):
     timesteps: torch.Tensor
     position_ids: torch.Tensor
     mask: torch.Tensor
-    past_key_values: DynamicCache | None
+    cache: DynamicCache | None
 
 
 class BlockVelocityField:
@@ -42,7 +43,7 @@ class BlockVelocityField:
         self.model, self.options = model, state.options
         self.positions, self.conditional_mask = positions, conditional_mask
         self.known_mask = state.known_mask
-        self.past_key_values = ReadOnlyCache(state.prior_cache)  # the history's keys: read at every step, never extended
+        self.cache = ReadOnlyCache(state.prior_cache)  # the history's keys: read at every step, never extended
         # The unconditional branch of guidance sees the block alone.
         self.alone_mask = torch.ones(1, 1, block_size, block_size, dtype=torch.bool, device=positions.device)
         self.has_history = state.has_history[:, None, None]
@@ -82,7 +83,7 @@ class BlockLatentPreTrainedModel(BackbonePreTrainedModel):
         self.component.set_input_embeddings(value)
 
     def prior_inputs(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
-                     position_ids: torch.Tensor | None, past_key_values: DynamicCache | None,
+                     position_ids: torch.Tensor | None, cache: DynamicCache | None,
                      inputs_embeds: torch.Tensor | None, latents: torch.Tensor | None, use_cache: bool | None,
                      timesteps: torch.Tensor | None, kwargs: dict) -> PriorInputs:
         """The start of the base model's forward: the checks, the cache, the latents (`input_ids` or their token
@@ -93,12 +94,12 @@ class BlockLatentPreTrainedModel(BackbonePreTrainedModel):
         check_backbone_inputs(self, kwargs, input_ids=input_ids, inputs_embeds=inputs_embeds, latents=latents)
         check_forward_kwargs(self, kwargs)
         batch, length = next(x for x in (input_ids, inputs_embeds, latents) if x is not None).shape[:2]
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past = cache.get_seq_length() if cache is not None else 0
         if latents is None:
-            encoder_cache = None if past_key_values is None else OffsetCache(past_key_values, self.config.num_hidden_layers)
-            latents = self.encode_tokens(input_ids, attention_mask, past_key_values=encoder_cache, inputs_embeds=inputs_embeds)
+            encoder_cache = None if cache is None else OffsetCache(cache, self.config.num_hidden_layers)
+            latents = self.encode_tokens(input_ids, attention_mask, cache=encoder_cache, inputs_embeds=inputs_embeds)
         device = latents.device
         if timesteps is None:
             timesteps = torch.zeros(batch, length, device=device)
@@ -109,7 +110,7 @@ class BlockLatentPreTrainedModel(BackbonePreTrainedModel):
         else:
             position_ids, mask = block_causal_layout(attention_mask, batch, length, past, self.config.block_size,
                                                      device, position_ids)
-        return PriorInputs(latents, timesteps, position_ids, mask, past_key_values)
+        return PriorInputs(latents, timesteps, position_ids, mask, cache)
 
 
 class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMixin):
@@ -164,9 +165,10 @@ class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMi
         """The networks of `network_names`, in that order."""
         return [self.model, self.component.encoder, self.component.decoder]
 
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None, latents: torch.Tensor | None = None, **kwargs):
         """input_ids [B, T] (or their token embeddings `inputs_embeds`, or the prior's input `latents` [B, T, D]):
@@ -175,13 +177,13 @@ class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMi
         `output_hidden_states`, `output_attentions`, `return_dict` apply."""
         check_forward_kwargs(self, kwargs)
         if labels is not None:
-            if past_key_values is not None or inputs_embeds is not None or latents is not None or position_ids is not None:
+            if cache is not None or inputs_embeds is not None or latents is not None or position_ids is not None:
                 raise ValueError(f"the {self.generation_family} training objective takes input_ids, labels and "
                                  f"attention_mask only")
             return self.training_objective(input_ids, labels, attention_mask)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                          inputs_embeds=inputs_embeds, latents=latents, use_cache=use_cache, **kwargs)
-        return self.output_class(last_hidden_state=out.last_hidden_state, past_key_values=out.past_key_values,
+        return self.output_class(last_hidden_state=out.last_hidden_state, cache=out.cache,
                                  hidden_states=out.hidden_states, attentions=out.attentions)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -191,8 +193,8 @@ class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMi
     def _encode_prompt(self, input_ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         return self.model.encode_tokens(input_ids, real.long())
 
-    def _append_to_prior(self, latents: torch.Tensor, attention_mask: torch.Tensor, past_key_values) -> None:
-        self.model(latents=latents, attention_mask=attention_mask, past_key_values=past_key_values)
+    def _append_to_prior(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> None:
+        self.model(latents=latents, attention_mask=attention_mask, cache=cache)
 
     def _block_solver(self, options) -> FlowMatchEulerSampler:
         return FlowMatchEulerSampler(options.num_inference_steps, shift=options.timestep_shift)

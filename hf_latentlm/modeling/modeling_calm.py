@@ -22,6 +22,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import ModelOutput, can_return_tuple
 from transformers.utils.generic import is_flash_attention_requested
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_calm import TEMPERATURE_SAMPLERS, CALMAutoencoderConfig, CALMConfig
@@ -59,7 +60,7 @@ class CALMOutput(ModelOutput):
 
     loss: torch.Tensor | None = None
     last_hidden_state: torch.Tensor | None = None
-    past_key_values: DynamicCache | None = None
+    cache: DynamicCache | None = None
     energy_fidelity: torch.Tensor | None = None
     energy_diversity: torch.Tensor | None = None
     context_spread: torch.Tensor | None = None
@@ -126,7 +127,7 @@ class CALMGenerationOptions(GenerationOptions):
 class CALMDecodingState:
     """What CALM decoding carries from one step to the next."""
 
-    past_key_values: DynamicCache  # backbone keys of every chunk so far
+    cache: DynamicCache  # backbone keys of every chunk so far
     attention_mask: torch.Tensor  # [B, tokens so far] token-level mask (prompt left-fill and padding are 0)
     hidden: torch.Tensor  # [B, d] last hidden state: the energy head draws the next chunk from it
     last_chunk: torch.Tensor | None  # [B, K] chunk drawn last step, fed back at the start of the next one
@@ -461,9 +462,10 @@ class CALMModel(CALMPreTrainedModel):
         x = token_embeds.reshape(batch, length // K, K * width)
         return self.compress_norm(self.compress_out(F.silu(self.compress_in(x))))
 
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @capture_outputs
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                 **kwargs) -> BaseModelOutputWithPast:
         """The backbone over chunk steps, as transformers' base models: one hidden state per chunk of K tokens.
@@ -481,9 +483,9 @@ class CALMModel(CALMPreTrainedModel):
             chunk_tokens(input_ids, K)  # refuses ids that are not [batch, whole chunks]
         hidden = self.compress(self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds)
         batch, length = hidden.shape[:2]
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past = cache.get_seq_length() if cache is not None else 0
         chunk_mask = None
         if attention_mask is not None:
             if attention_mask.shape[-1] != (past + length) * K:
@@ -495,8 +497,8 @@ class CALMModel(CALMPreTrainedModel):
             mask = chunk_mask
         cos, sin = self.rotary(position_ids, dtype=hidden.dtype)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, mask, past_key_values=past_key_values)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=past_key_values)
+            hidden = layer(hidden, cos, sin, mask, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=cache)
 
 
 class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
@@ -545,9 +547,10 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
     # forward
     # ------------------------------------------------------------------------------------------------------------
 
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None, **kwargs) -> CALMOutput:
         """input_ids [B, T], T a multiple of chunk_size; returns one hidden state per chunk (CALM has no token
@@ -556,13 +559,13 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         Transformers' `output_hidden_states`, `output_attentions`, `return_dict` apply."""
         check_forward_kwargs(self, kwargs)
         if labels is not None:
-            if past_key_values is not None or inputs_embeds is not None:
+            if cache is not None or inputs_embeds is not None:
                 raise ValueError("the CALM training objective takes input_ids and labels only (no cache/inputs_embeds)")
             K = self.config.chunk_size
             return self.energy_objective(chunk_tokens(input_ids, K), chunk_tokens(labels, K), attention_mask, **kwargs)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                          inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        return CALMOutput(last_hidden_state=out.last_hidden_state, past_key_values=out.past_key_values, hidden_states=out.hidden_states,
+        return CALMOutput(last_hidden_state=out.last_hidden_state, cache=out.cache, hidden_states=out.hidden_states,
                           attentions=out.attentions)
 
     def sample_latents(self, hidden: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -647,10 +650,10 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         ids = torch.cat([input_ids.new_full((batch, fill), fill_token), input_ids], dim=1)
         mask = torch.cat([request.attention_mask.new_zeros((batch, fill)), request.attention_mask], dim=1)
         ids = torch.where(mask.bool(), ids, torch.full_like(ids, fill_token))
-        past_key_values = DynamicCache(config=cfg)
-        hidden = self(input_ids=ids, attention_mask=mask, past_key_values=past_key_values).last_hidden_state[:, -1]
+        cache = DynamicCache(config=cfg)
+        hidden = self(input_ids=ids, attention_mask=mask, cache=cache).last_hidden_state[:, -1]
         generators = [torch.Generator().manual_seed(s) for s in options.noise_seeds]
-        return CALMDecodingState(past_key_values, mask, hidden, None, generators, options), 1
+        return CALMDecodingState(cache, mask, hidden, None, generators, options), 1
 
     def _decoding_step(self, state: CALMDecodingState, new_tokens) -> DecodingStep:
         """Feed the previous chunk back (one backbone call; the first chunk comes from the prefill), then draw
@@ -660,7 +663,7 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
             state.attention_mask = torch.cat([state.attention_mask, state.attention_mask.new_ones(
                 state.last_chunk.shape)], dim=1)
             state.hidden = self(input_ids=state.last_chunk, attention_mask=state.attention_mask,
-                                past_key_values=state.past_key_values).last_hidden_state[:, -1]
+                                cache=state.cache).last_hidden_state[:, -1]
         opt, hidden, generators = state.options, state.hidden, state.generators
         if not opt.do_sample:
             chunk = self._pool_step(hidden, generators, opt.temperature_pool_size, 0.0)

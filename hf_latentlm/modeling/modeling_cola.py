@@ -23,6 +23,7 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import ModelOutput
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_cola import ODE_SOLVERS, ColaConfig, ColaVAEConfig
@@ -65,7 +66,7 @@ class ColaOutput(ModelOutput):
 
     loss: torch.Tensor | None = None
     last_hidden_state: torch.Tensor | None = None
-    past_key_values: DynamicCache | None = None
+    cache: DynamicCache | None = None
     flow_matching_loss: torch.Tensor | None = None
     vae_loss: torch.Tensor | None = None
     reconstruction_nll: torch.Tensor | None = None
@@ -108,24 +109,24 @@ class ColaVAEEncoder(nn.Module):
         self.rotary = RotaryEmbedding.from_config(config)
 
     def forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
-                masked: torch.Tensor | None = None, past_key_values=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                masked: torch.Tensor | None = None, cache=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] (or their token embeddings `inputs_embeds` [B, T, hidden]); attention_mask [B, cached + T]
         (left padding); masked [B, T] bool: positions whose input is the mask embedding; cache: keys of earlier
         tokens (written). Returns μ [B, T, d_z] in float32."""
-        return self.posterior_mean(self.states(input_ids, attention_mask, masked, past_key_values, inputs_embeds))
+        return self.posterior_mean(self.states(input_ids, attention_mask, masked, cache, inputs_embeds))
 
     def states(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
-               masked: torch.Tensor | None = None, past_key_values=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+               masked: torch.Tensor | None = None, cache=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The final normed states [B, T, hidden] that `forward` reads μ from (same arguments)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if masked is not None:
             x = torch.where(masked[..., None], self.mask_embedding.weight[0].to(x.dtype), x)
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past = cache.get_seq_length() if cache is not None else 0
         positions, mask = block_causal_layout(attention_mask, x.shape[0], x.shape[1], past,
                                               self.config.vae_block_size, x.device)
         cos, sin = self.rotary(positions, dtype=x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, past_key_values=past_key_values)
+            x = layer(x, cos, sin, mask, cache=cache)
         return self.norm(x)
 
     def posterior_mean(self, states: torch.Tensor) -> torch.Tensor:
@@ -149,15 +150,15 @@ class ColaVAEDecoder(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding.from_config(config)
 
-    def forward(self, latents: torch.Tensor, attention_mask: torch.Tensor | None = None, past_key_values=None,
+    def forward(self, latents: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.latent_in(latents.to(self.latent_in.weight.dtype))
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past = cache.get_seq_length() if cache is not None else 0
         positions, mask = block_causal_layout(attention_mask, x.shape[0], x.shape[1], past,
                                               self.config.vae_block_size, x.device, position_ids)
         cos, sin = self.rotary(positions, dtype=x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, past_key_values=past_key_values)
+            x = layer(x, cos, sin, mask, cache=cache)
         return self.lm_head(self.norm(x))
 
 
@@ -220,10 +221,10 @@ class ColaTextVAE(BackbonePreTrainedModel):
         self.decoder.lm_head = value
 
     @recording_nothing
-    def encode(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None, past_key_values=None,
+    def encode(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None, cache=None,
                inputs_embeds: torch.Tensor | None = None, masked: torch.Tensor | None = None) -> torch.Tensor:
         """The posterior mean μ [B, T, d_z] (what inference uses) of the tokens (ids, or their embeddings)."""
-        return self.encoder(input_ids, attention_mask, masked=masked, past_key_values=past_key_values, inputs_embeds=inputs_embeds)
+        return self.encoder(input_ids, attention_mask, masked=masked, cache=cache, inputs_embeds=inputs_embeds)
 
     def sample_latents(self, mean: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
         """z = μ + σ·ε (ε standard normal; drawn from the global RNG unless given)."""
@@ -372,24 +373,25 @@ class ColaModel(ColaPreTrainedModel):
         return self.config.block_size
 
     def denoiser(self, latents: torch.Tensor, timesteps: torch.Tensor, position_ids: torch.Tensor,
-                 mask: torch.Tensor | None, past_key_values=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 mask: torch.Tensor | None, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The DiT on latents [B, T, d_z] at per-position times [B, T] (0 = clean): final states [B, T, d] (normed,
         before the velocity head's modulation) and the time conditioning [B, T, d] the head needs."""
         hidden = self.latent_in(latents.to(self.latent_in.weight.dtype))
         conditioning = self.time_embedding(timesteps).to(hidden.dtype)
         cos, sin = self.rotary(position_ids, dtype=hidden.dtype)
         for layer in self.layers:
-            hidden = layer(hidden, conditioning, cos, sin, mask, past_key_values=past_key_values)
+            hidden = layer(hidden, conditioning, cos, sin, mask, cache=cache)
         return self.norm(hidden), conditioning
 
     def encode_tokens(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
-                      past_key_values=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                      cache=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The VAE's posterior mean [B, T, d_z] of the tokens (ids, or their embeddings)."""
-        return self.vae.encode(input_ids, attention_mask, past_key_values=past_key_values, inputs_embeds=inputs_embeds)
+        return self.vae.encode(input_ids, attention_mask, cache=cache, inputs_embeds=inputs_embeds)
 
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @capture_outputs
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                 timesteps: torch.Tensor | None = None, latents: torch.Tensor | None = None,
                 **kwargs) -> BaseModelOutputWithPast:
@@ -399,11 +401,11 @@ class ColaModel(ColaPreTrainedModel):
         padding; blocks are counted from each row's first real token), or a ready bool mask [B, 1, T, cached + T]
         with `position_ids`. timesteps [B, T] (default 0: clean).
         `output_hidden_states` / `output_attentions` (eager) are recorded for the DiT's blocks."""
-        inputs = self.prior_inputs(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, latents, use_cache,
+        inputs = self.prior_inputs(input_ids, attention_mask, position_ids, cache, inputs_embeds, latents, use_cache,
                                    timesteps, kwargs)
         hidden, _ = self.denoiser(inputs.latents, inputs.timesteps, inputs.position_ids, inputs.mask,
-                                  past_key_values=inputs.past_key_values)
-        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=inputs.past_key_values)
+                                  cache=inputs.cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=inputs.cache)
 
 
 class VelocityHead(nn.Module):
@@ -464,7 +466,7 @@ class ColaBlockVelocity(BlockVelocityField):
 
     def __call__(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         times = self.block_times(t)
-        conditional = self.model.velocity(x, times, self.conditional_mask, self.positions, past_key_values=self.past_key_values)
+        conditional = self.model.velocity(x, times, self.conditional_mask, self.positions, cache=self.cache)
         self.calls += 1
         if not self.guided:
             return conditional
@@ -532,12 +534,12 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
         return cfg.trains_vae and not (cfg.vae_frozen_steps and int(self.optimizer_steps) < cfg.vae_frozen_steps)
 
     def velocity(self, latents: torch.Tensor, timesteps: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None, past_key_values=None) -> torch.Tensor:
+                 position_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """Predicted velocity [B, T, d_z] (float32) of latents [B, T, d_z] at per-position times [B, T]: one DiT
         evaluation through the base model's forward (where call counters see it). attention_mask: 2-D over cached +
         new positions, or a ready 4-D bool mask (then position_ids are required)."""
         hidden = self.model(latents=latents, timesteps=timesteps, attention_mask=attention_mask,
-                            position_ids=position_ids, past_key_values=past_key_values).last_hidden_state
+                            position_ids=position_ids, cache=cache).last_hidden_state
         return self.velocity_head(hidden, self.model.time_embedding(timesteps).to(hidden.dtype))
 
     def training_objective(self, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -622,8 +624,8 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
     # generate (the block loop is `BlockLatentGenerationMixin`'s, the shared steps `BlockLatentForCausalLM`'s)
     # ------------------------------------------------------------------------------------------------------------
 
-    def _decode_latents(self, latents: torch.Tensor, attention_mask: torch.Tensor, past_key_values) -> torch.Tensor:
-        return self.model.vae.decoder(latents, attention_mask, past_key_values=past_key_values)
+    def _decode_latents(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
+        return self.model.vae.decoder(latents, attention_mask, cache=cache)
 
     def _block_solver(self, options: ColaGenerationOptions) -> FlowMatchEulerSampler:
         solver_class = FlowMatchHeunSampler if options.ode_solver == "heun" else FlowMatchEulerSampler

@@ -20,6 +20,7 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .auxiliaries import (
@@ -62,7 +63,7 @@ class PLMOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     decoder_logits: torch.Tensor | None = None
-    past_key_values: DynamicCache | None = None
+    cache: DynamicCache | None = None
     encoder_nll: torch.Tensor | None = None
     decoder_nll: torch.Tensor | None = None
     alignment_loss: torch.Tensor | None = None
@@ -180,7 +181,7 @@ class PLMGenerationOptions(GenerationOptions):
 class PLMDecodingState:
     """What quadratic decoding carries from one call to the next, per row."""
 
-    past_key_values: DynamicCache  # keys of the prompt and of the verify rows kept so far
+    cache: DynamicCache  # keys of the prompt and of the verify rows kept so far
     key_valid: torch.Tensor  # [B, S] False for padding and for verify rows rejected in this row only
     last_token: torch.Tensor  # [B] last committed token (input of the first verify row)
     next_pos: torch.Tensor  # [B] position of the next token to commit
@@ -290,7 +291,7 @@ class QuadraticDecoder:
         # verify keys rejected in every row, and mark those rejected in some rows only as invalid.
         kept, num_rows = 1 + int(accepted.max()), logits.shape[1]
         if num_rows > kept:
-            state.past_key_values.crop(-(num_rows - kept))
+            state.cache.crop(-(num_rows - kept))
         state.key_valid = torch.cat([state.key_valid, torch.arange(kept, device=q.device) <= accepted[:, None]], 1)
         state.last_token = committed.gather(1, accepted[:, None]).squeeze(1)
         state.next_pos = state.next_pos + accepted + 1
@@ -357,9 +358,10 @@ class PLMModel(PLMPreTrainedModel):
         embedded = e_u if self.auxiliary_proj is None else self.auxiliary_proj(e_u)
         return torch.where((aux_index >= 0)[..., None], embedded, self.mask_auxiliary.to(embedded.dtype))
 
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @capture_outputs
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                 capture_layers: tuple[int, ...] = (), **kwargs) -> PLMModelOutput:
         """The causal encoder over `input_ids` (or `inputs_embeds`), as transformers' base models.
@@ -373,9 +375,9 @@ class PLMModel(PLMPreTrainedModel):
         check_backbone_inputs(self, kwargs, input_ids=input_ids, inputs_embeds=inputs_embeds)
         embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, length = embeds.shape[:2]
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past = cache.get_seq_length() if cache is not None else 0
         if attention_mask is not None and attention_mask.dim() == 4:
             mask = attention_mask.bool()
             if position_ids is None:
@@ -387,10 +389,10 @@ class PLMModel(PLMPreTrainedModel):
         captured = {}
         for index, layer in enumerate(self.layers):
             if index in capture_layers:
-                hidden, captured[index] = layer(hidden, cos, sin, mask, past_key_values=past_key_values, return_mid=True)
+                hidden, captured[index] = layer(hidden, cos, sin, mask, cache=cache, return_mid=True)
             else:
-                hidden = layer(hidden, cos, sin, mask, past_key_values=past_key_values)
-        return PLMModelOutput(last_hidden_state=self.norm(hidden), past_key_values=past_key_values,
+                hidden = layer(hidden, cos, sin, mask, cache=cache)
+        return PLMModelOutput(last_hidden_state=self.norm(hidden), cache=cache,
                               mid_residuals=tuple(captured[i] for i in capture_layers) or None)
 
 
@@ -425,9 +427,10 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
     # forward
     # ------------------------------------------------------------------------------------------------
 
+    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None, logits_to_keep: int = 0, **kwargs) -> PLMOutput:
         """Without `labels`: the causal encoder, `logits` [B, T, V] (the last `logits_to_keep` if set). With `labels`
@@ -435,13 +438,13 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         are in `decoder_logits`. Transformers' `output_hidden_states`, `output_attentions`, `return_dict` apply."""
         check_forward_kwargs(self, kwargs)
         if labels is not None:
-            if past_key_values is not None or inputs_embeds is not None:
+            if cache is not None or inputs_embeds is not None:
                 raise ValueError("the PLM training objective takes input_ids and labels only (no cache/inputs_embeds)")
             return self.plm_loss(input_ids, labels, attention_mask, **kwargs)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                          inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         hidden = out.last_hidden_state[:, -logits_to_keep:] if logits_to_keep else out.last_hidden_state
-        return PLMOutput(logits=self.lm_head(hidden), past_key_values=out.past_key_values, hidden_states=out.hidden_states,
+        return PLMOutput(logits=self.lm_head(hidden), cache=out.cache, hidden_states=out.hidden_states,
                          attentions=out.attentions)
 
     def auxiliary_owners(self, logits: torch.Tensor, observed: torch.Tensor | None = None
@@ -616,15 +619,15 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         dec_pos = layout[0]
         length = input_ids.shape[1]
         positions = self._token_positions(input_ids, attention_mask)
-        past_key_values = DynamicCache(config=self.config)
-        enc = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=past_key_values,
+        cache = DynamicCache(config=self.config)
+        enc = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
                          capture_layers=capture[:1] if capture else (), **kwargs)
         enc_logits = self.lm_head(enc.last_hidden_state)
         tv = None
         if aux is None:
             aux, tv = self.draw_auxiliaries(enc_logits[:, :-1].detach(), input_ids, dec_pos)
         dec = self.model(inputs_embeds=self.model.embed_auxiliaries(aux), position_ids=positions[:, dec_pos],
-                         attention_mask=self._objective_visibility(layout, attention_mask, length, False), past_key_values=past_key_values,
+                         attention_mask=self._objective_visibility(layout, attention_mask, length, False), cache=cache,
                          capture_layers=capture[1:] if capture else ())
         mids = (enc.mid_residuals[0], dec.mid_residuals[0]) if capture else None
         return ObjectivePasses(enc_logits, self.lm_head(dec.last_hidden_state), mids, aux, tv, enc)
@@ -707,16 +710,16 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
             torch.randint(cfg.num_auxiliaries, (request.max_new_tokens + 2 * width,),
                           generator=torch.Generator().manual_seed(seed))
             for seed in options.auxiliary_seeds]).to(device)
-        past_key_values = DynamicCache(config=cfg)
+        cache = DynamicCache(config=cfg)
         positions = make_padding_position_ids(request.attention_mask)
         if input_ids.shape[1] > 1:
             self(input_ids=input_ids[:, :-1], attention_mask=request.attention_mask[:, :-1],
-                 position_ids=positions[:, :-1], past_key_values=past_key_values)
+                 position_ids=positions[:, :-1], cache=cache)
         decoder = QuadraticDecoder(width, options.decoding == "quadratic", options.acceptance_rule,
                                    self.auxiliary_sampler, (self.lm_head.weight, self.model.auxiliary_bank), device,
                                    greedy=options.do_sample is False)
         state = PLMDecodingState(
-            past_key_values=past_key_values, key_valid=request.attention_mask[:, :-1].bool(),
+            cache=cache, key_valid=request.attention_mask[:, :-1].bool(),
             last_token=input_ids[:, -1], next_pos=request.attention_mask.long().sum(1),
             pending=torch.zeros(batch, width - 1, dtype=torch.long, device=device),
             pending_ok=torch.zeros(batch, dtype=torch.bool, device=device),  # False forces m = 0 (first round)
@@ -731,7 +734,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         if aux is not None:
             embeds = torch.cat([embeds, self.model.embed_auxiliaries(aux)], dim=1)
         logits = self(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
-                      past_key_values=state.past_key_values).logits.float()
+                      cache=state.cache).logits.float()
         return state.decoder.advance(state, logits, new_tokens.count)
 
 

@@ -70,11 +70,11 @@ def test_calm_step_is_the_sum_of_its_parts(calm):
     result = inference_flops_per_token(calm, context)
     # The three pieces of a decoding step, called here by hand on a cache holding `context` tokens.
     prompt = torch.randint(3, cfg.vocab_size, (1, context))
-    past_key_values = DynamicCache(config=cfg)
-    calm(input_ids=prompt, past_key_values=past_key_values)
+    cache = DynamicCache(config=cfg)
+    calm(input_ids=prompt, cache=cache)
     chunk = torch.randint(3, cfg.vocab_size, (1, K))
     mask = torch.ones(1, context + K, dtype=torch.long)
-    backbone, out = count_flops(lambda: calm(input_ids=chunk, attention_mask=mask, past_key_values=past_key_values), calm)
+    backbone, out = count_flops(lambda: calm(input_ids=chunk, attention_mask=mask, cache=cache), calm)
     head, latents = count_flops(lambda: calm.sample_latents(out.last_hidden_state[:, -1],
                                                             torch.rand(1, 1, cfg.noise_size) - 0.5), calm)
     decoder, _ = count_flops(lambda: calm.autoencoder.decode(latents[:, 0]))

@@ -37,8 +37,8 @@ def run(attn: Attention, implementation: str, x, mask, past: int = 0):
     cache = DynamicCache()
     with torch.no_grad():
         if past:
-            attn(x[:, :past], cos[:, :past], sin[:, :past], None, past_key_values=cache)
-        return attn(x[:, past:], cos[:, past:], sin[:, past:], mask, past_key_values=cache)
+            attn(x[:, :past], cos[:, :past], sin[:, :past], None, cache=cache)
+        return attn(x[:, past:], cos[:, past:], sin[:, past:], mask, cache=cache)
 
 
 @pytest.fixture
@@ -178,7 +178,7 @@ def test_calm_takes_flash_attention_with_its_padding_mask(tokenizer, monkeypatch
         full = model.model(input_ids=ids, attention_mask=padding).last_hidden_state
         prefix = model.model(input_ids=ids[:, : 4 * chunk], attention_mask=padding[:, : 4 * chunk], use_cache=True)
         continued = model.model(input_ids=ids[:, 4 * chunk:], attention_mask=padding,
-                                past_key_values=prefix.past_key_values).last_hidden_state
+                                cache=prefix.cache).last_hidden_state
     torch.testing.assert_close(full[0, 2:], expected[0, 2:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(full[1], expected[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(continued, expected[:, 4:], atol=1e-5, rtol=1e-5)

@@ -60,8 +60,8 @@ class DenoiserSpy:
         self.original, self.denoiser, self.calls = denoiser.forward, denoiser, []
         monkeypatch.setattr(denoiser, "forward", self)
 
-    def __call__(self, latents, timesteps, noisy, self_condition, position_ids, mask, past_key_values=None):
-        hidden = self.original(latents, timesteps, noisy, self_condition, position_ids, mask, past_key_values=past_key_values)
+    def __call__(self, latents, timesteps, noisy, self_condition, position_ids, mask, cache=None):
+        hidden = self.original(latents, timesteps, noisy, self_condition, position_ids, mask, cache=cache)
         with torch.no_grad():
             x0 = self.denoiser.x0_head(hidden).float()
         self.calls.append(dict(latents=latents.detach(), timesteps=timesteps, noisy=noisy,
@@ -212,9 +212,9 @@ def test_compressed_autoencoder_refuses_padding_and_caches():
     padded[0, :3] = 0
     latents = torch.randn(2, 4, D)
     with torch.no_grad():
-        for call in (lambda: autoencoder.encode(ids, padded), lambda: autoencoder.encode(ids, past_key_values=DynamicCache()),
+        for call in (lambda: autoencoder.encode(ids, padded), lambda: autoencoder.encode(ids, cache=DynamicCache()),
                      lambda: autoencoder.decode_logits(latents, 8, attention_mask=padded[:, :4]),
-                     lambda: autoencoder.decode_logits(latents, 8, past_key_values=DynamicCache())):
+                     lambda: autoencoder.decode_logits(latents, 8, cache=DynamicCache())):
             with pytest.raises(ValueError, match="keep_ratio < 1 takes whole unpadded rows without a cache"):
                 call()
         # A mask without padding is no padding: the same latents as without a mask.
@@ -952,9 +952,9 @@ def test_sc_cfg_and_prompt_cfg_mix_their_branches_on_rows_with_history(generator
     predictions, fields = [], []
     original_predict, original_call = AuroraBlockVelocity.predict, AuroraBlockVelocity.__call__
 
-    def predict(self, x, sigma, mask, draft, past_key_values):
-        out = original_predict(self, x, sigma, mask, draft, past_key_values)
-        alone, blind = past_key_values is None, not bool(draft.any())
+    def predict(self, x, sigma, mask, draft, cache):
+        out = original_predict(self, x, sigma, mask, draft, cache)
+        alone, blind = cache is None, not bool(draft.any())
         out = out + (0.3 if alone else 0.0) + (-0.2 if blind else 0.0)  # the branches differ by input
         predictions.append(dict(alone=alone, mask=mask, draft=draft.clone(), out=out.clone()))
         return out
@@ -1091,8 +1091,8 @@ def test_the_next_draft_is_the_guided_or_the_aware_prediction(generator_model, m
     calls = []
     original = AuroraBlockVelocity.predict
 
-    def recorded(self, x, sigma, mask, draft_in, past_key_values):
-        out = original(self, x, sigma, mask, draft_in, past_key_values)
+    def recorded(self, x, sigma, mask, draft_in, cache):
+        out = original(self, x, sigma, mask, draft_in, cache)
         calls.append((draft_in.clone(), out.clone()))
         return out
 

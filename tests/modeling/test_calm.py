@@ -543,11 +543,11 @@ def test_backbone_is_causal_over_chunks_and_cache_matches(trained_calm, tiny_row
     changed = ids.clone()
     changed[:, 20:] = 7
     torch.testing.assert_close(trained_calm(input_ids=changed).last_hidden_state[:, :5], full[:, :5])
-    past_key_values = None
+    cache = None
     steps = []
     for start in range(0, 32, 8):
-        out = trained_calm(input_ids=ids[:, start:start + 8], past_key_values=past_key_values, use_cache=True)
-        past_key_values = out.past_key_values
+        out = trained_calm(input_ids=ids[:, start:start + 8], cache=cache, use_cache=True)
+        cache = out.cache
         steps.append(out.last_hidden_state)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
 

@@ -53,10 +53,10 @@ class VelocitySpy:
         self.original, self.calls = model.velocity, []
         model.velocity = self
 
-    def __call__(self, latents, timesteps, attention_mask=None, position_ids=None, past_key_values=None):
-        out = self.original(latents, timesteps, attention_mask, position_ids, past_key_values=past_key_values)
+    def __call__(self, latents, timesteps, attention_mask=None, position_ids=None, cache=None):
+        out = self.original(latents, timesteps, attention_mask, position_ids, cache=cache)
         self.calls.append(dict(latents=latents, timesteps=timesteps, attention_mask=attention_mask,
-                               position_ids=position_ids, past_key_values=past_key_values, velocity=out))
+                               position_ids=position_ids, cache=cache, velocity=out))
         return out
 
 
@@ -723,8 +723,8 @@ def test_guided_velocity_is_the_cfg_mix_of_its_two_branches_on_rows_with_history
     ids, mask = lf.left_padded([tokens(1, 9, seed=20)[0], tokens(1, 3, seed=21)[0]])  # history / none
     spy = VelocitySpy(model)
     real = spy.original
-    spy.original = lambda latents, timesteps, attention_mask, position_ids, past_key_values=None: (
-        real(latents, timesteps, attention_mask, position_ids, past_key_values=past_key_values) + (0.5 if past_key_values is not None else 0.0))
+    spy.original = lambda latents, timesteps, attention_mask, position_ids, cache=None: (
+        real(latents, timesteps, attention_mask, position_ids, cache=cache) + (0.5 if cache is not None else 0.0))
     fields = []
     original_call = ColaBlockVelocity.__call__
 
@@ -743,8 +743,8 @@ def test_guided_velocity_is_the_cfg_mix_of_its_two_branches_on_rows_with_history
     assert len(fields) == 3 and [h.tolist() for _, h, _, _ in fields] == [[True, False]] * 3
     for x, _, calls, out in fields:
         assert len(calls) == 2
-        (cond,) = [c for c in calls if c["past_key_values"] is not None]
-        (uncond,) = [c for c in calls if c["past_key_values"] is None]
+        (cond,) = [c for c in calls if c["cache"] is not None]
+        (uncond,) = [c for c in calls if c["cache"] is None]
         alone = uncond["attention_mask"]
         assert alone.shape[-2:] == (Q, Q) and bool(alone.all())
         v_cond, v_uncond = cond["velocity"].detach(), uncond["velocity"].detach()

@@ -312,12 +312,12 @@ def test_attention_cache_two_chunks_matches_full(qk_norm, num_kv_heads):
     pos = torch.arange(T)[None].expand(B, T)
     full = _full_pass(attn, x, pos)
 
-    past_key_values = DynamicCache()
+    cache = DynamicCache()
     with torch.no_grad():
-        first = attn(x[:, :P], *_rotary(pos[:, :P]), causal_mask(P, P, device="cpu"), past_key_values=past_key_values)
-        assert past_key_values.get_seq_length() == P
-        second = attn(x[:, P:], *_rotary(pos[:, P:]), causal_mask(T - P, T, device="cpu"), past_key_values=past_key_values)
-    assert past_key_values.get_seq_length() == T
+        first = attn(x[:, :P], *_rotary(pos[:, :P]), causal_mask(P, P, device="cpu"), cache=cache)
+        assert cache.get_seq_length() == P
+        second = attn(x[:, P:], *_rotary(pos[:, P:]), causal_mask(T - P, T, device="cpu"), cache=cache)
+    assert cache.get_seq_length() == T
     torch.testing.assert_close(first, full[:, :P], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(second, full[:, P:], atol=1e-5, rtol=1e-5)
 
@@ -329,11 +329,11 @@ def test_attention_cache_token_by_token_matches_full():
     x = torch.randn(B, T, HIDDEN)
     pos = torch.arange(T)[None].expand(B, T)
     full = _full_pass(attn, x, pos)
-    past_key_values = DynamicCache()
+    cache = DynamicCache()
     outs = []
     with torch.no_grad():
         for t in range(T):
-            outs.append(attn(x[:, t : t + 1], *_rotary(pos[:, t : t + 1]), causal_mask(1, t + 1, device="cpu"), past_key_values))
+            outs.append(attn(x[:, t : t + 1], *_rotary(pos[:, t : t + 1]), causal_mask(1, t + 1, device="cpu"), cache))
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
 
 
@@ -344,17 +344,17 @@ def test_decoder_blocks_with_cache_match_full():
     x = torch.randn(B, T, HIDDEN)
     pos = torch.arange(T)[None].expand(B, T)
 
-    def run(h, p, mask, past_key_values=None):
+    def run(h, p, mask, cache=None):
         cos, sin = _rotary(p)
         for blk in blocks:
-            h = blk(h, cos, sin, mask, past_key_values=past_key_values)
+            h = blk(h, cos, sin, mask, cache=cache)
         return h
 
     with torch.no_grad():
         full = run(x, pos, causal_mask(T, T, device="cpu"))
-        past_key_values = DynamicCache()
-        run(x[:, :P], pos[:, :P], causal_mask(P, P, device="cpu"), past_key_values)
-        cont = run(x[:, P:], pos[:, P:], causal_mask(T - P, T, device="cpu"), past_key_values)
+        cache = DynamicCache()
+        run(x[:, :P], pos[:, :P], causal_mask(P, P, device="cpu"), cache)
+        cont = run(x[:, P:], pos[:, P:], causal_mask(T - P, T, device="cpu"), cache)
     torch.testing.assert_close(cont, full[:, P:], atol=1e-5, rtol=1e-5)
 
 
@@ -768,19 +768,19 @@ def test_read_only_cache_attends_over_cached_then_new_keys_and_stores_nothing():
     full_mask = causal_mask(P + T, P + T, device="cpu").clone()
     full_mask[..., P:, :] = True
     expected = _reference_attention(attn, x, cos, sin, full_mask)[:, P:]
-    past_key_values = DynamicCache()
+    cache = DynamicCache()
     with torch.no_grad():
-        attn(x[:, :P], cos[:, :P], sin[:, :P], causal_mask(P, P, device="cpu"), past_key_values=past_key_values)
-        keys, values = past_key_values.layers[0].keys.clone(), past_key_values.layers[0].values.clone()
-        view = ReadOnlyCache(past_key_values)
+        attn(x[:, :P], cos[:, :P], sin[:, :P], causal_mask(P, P, device="cpu"), cache=cache)
+        keys, values = cache.layers[0].keys.clone(), cache.layers[0].values.clone()
+        view = ReadOnlyCache(cache)
         assert view.get_seq_length() == P
         new_mask = torch.ones(1, 1, T, P + T, dtype=torch.bool)
-        first = attn(x[:, P:], cos[:, P:], sin[:, P:], new_mask, past_key_values=view)
-        second = attn(x[:, P:], cos[:, P:], sin[:, P:], new_mask, past_key_values=view)
+        first = attn(x[:, P:], cos[:, P:], sin[:, P:], new_mask, cache=view)
+        second = attn(x[:, P:], cos[:, P:], sin[:, P:], new_mask, cache=view)
     torch.testing.assert_close(first, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(first, second), "a read-only view must not accumulate keys"
-    assert past_key_values.get_seq_length() == P and len(past_key_values.layers) == 1
-    assert torch.equal(past_key_values.layers[0].keys, keys) and torch.equal(past_key_values.layers[0].values, values)
+    assert cache.get_seq_length() == P and len(cache.layers) == 1
+    assert torch.equal(cache.layers[0].keys, keys) and torch.equal(cache.layers[0].values, values)
 
 
 def test_read_only_cache_of_an_empty_cache_is_no_cache():
@@ -788,28 +788,28 @@ def test_read_only_cache_of_an_empty_cache_is_no_cache():
     torch.manual_seed(6)
     x = torch.randn(2, 4, HIDDEN)
     cos, sin = _rotary(torch.arange(4)[None].expand(2, 4))
-    for past_key_values in (DynamicCache(), DynamicCache(config=_backbone_config(2))):
+    for cache in (DynamicCache(), DynamicCache(config=_backbone_config(2))):
         with torch.no_grad():
-            out = attn(x, cos, sin, None, past_key_values=ReadOnlyCache(past_key_values))
+            out = attn(x, cos, sin, None, cache=ReadOnlyCache(cache))
             torch.testing.assert_close(out, attn(x, cos, sin, None), atol=0, rtol=0)
-        assert past_key_values.get_seq_length() == 0
+        assert cache.get_seq_length() == 0
 
 
 def test_offset_cache_writes_at_offset_layers_and_grows_a_fixed_cache():
     torch.manual_seed(7)
-    past_key_values = DynamicCache(config=_backbone_config(2))
-    assert len(past_key_values.layers) == 2
-    view = OffsetCache(past_key_values, 2)
+    cache = DynamicCache(config=_backbone_config(2))
+    assert len(cache.layers) == 2
+    view = OffsetCache(cache, 2)
     assert view.get_seq_length() == 0 and view.get_seq_length(1) == 0
     k1, v1, k2, v2 = (torch.randn(1, KV_HEADS, n, HEAD_DIM) for n in (3, 3, 2, 2))
     keys, values = view.update(k1, v1, 1)  # the view's layer 1 = the cache's layer 3
     assert torch.equal(keys, k1) and torch.equal(values, v1)
-    assert len(past_key_values.layers) == 4
-    assert torch.equal(past_key_values.layers[3].keys, k1) and torch.equal(past_key_values.layers[3].values, v1)
+    assert len(cache.layers) == 4
+    assert torch.equal(cache.layers[3].keys, k1) and torch.equal(cache.layers[3].values, v1)
     keys, _ = view.update(k2, v2, 1)
-    assert torch.equal(keys, torch.cat([k1, k2], dim=-2)) and torch.equal(past_key_values.layers[3].keys, keys)
+    assert torch.equal(keys, torch.cat([k1, k2], dim=-2)) and torch.equal(cache.layers[3].keys, keys)
     assert view.get_seq_length(1) == 5 and view.get_seq_length(0) == 0
-    assert past_key_values.get_seq_length(0) == 0 and past_key_values.get_seq_length(1) == 0  # the backbone's layers untouched
+    assert cache.get_seq_length(0) == 0 and cache.get_seq_length(1) == 0  # the backbone's layers untouched
 
     # Through attention: a block with layer_idx 0 writes the cache's layer `offset`, the same keys as alone.
     attn = _attn()
@@ -817,8 +817,8 @@ def test_offset_cache_writes_at_offset_layers_and_grows_a_fixed_cache():
     cos, sin = _rotary(torch.arange(4)[None].expand(2, 4))
     plain, shared = DynamicCache(), DynamicCache()
     with torch.no_grad():
-        a = attn(x, cos, sin, None, past_key_values=plain)
-        b = attn(x, cos, sin, None, past_key_values=OffsetCache(shared, 1))
+        a = attn(x, cos, sin, None, cache=plain)
+        b = attn(x, cos, sin, None, cache=OffsetCache(shared, 1))
     assert torch.equal(a, b)
     assert len(shared.layers) == 2 and torch.equal(shared.layers[1].keys, plain.layers[0].keys)
     assert shared.get_seq_length(0) == 0
