@@ -9,6 +9,7 @@ from .configuration_backbone import BackboneConfig, check_positive, run_validato
 TEMPERATURE_SAMPLERS = ("pool", "exact")
 ENERGY_HEAD_TYPES = ("reference", "swiglu")
 STAGE_LAYOUTS = ("per_stage", "split")
+INPUT_NORMS = ("rms", "layer")
 #: The reference implementation's autoencoder recipe (shaochenze/calm), as `CALMAutoencoderConfig` fields: its
 #: `num_encoder_layers` blocks are split around the squeeze (2 -> 1 + 1), embeddings start at std 0.02, and corrupted
 #: input tokens become token 0 (`input_ids * keep_mask`).
@@ -50,8 +51,11 @@ class CALMAutoencoderConfig(PreTrainedConfig):
     # Std of the token embedding, which is also the output layer (the reference: 0.02, its initializer_range); 1.0
     # reconstructs much better after a short training (scripts/experiments/calm_probes.py ae-init).
     embedding_init_std: int | float = 1.0
-    log_std_min: int | float = -10.0  # clamp of the posterior log σ, for numerical safety
-    log_std_max: int | float = 2.0
+    # Clamp of the posterior log σ, for numerical safety; both None = no clamp (the official form).
+    log_std_min: int | float | None = -10.0
+    log_std_max: int | float | None = 2.0
+    # Biases on the squeeze, latent-to-hidden and expand projections (the official form: True).
+    projection_bias: bool = False
     tie_word_embeddings: bool = False
     bos_token_id: int | list[int] | None = 0
     eos_token_id: int | list[int] | None = 0
@@ -74,7 +78,10 @@ class CALMAutoencoderConfig(PreTrainedConfig):
         if self.kl_weight < 0 or self.kl_clamp < 0:
             raise ValueError(f"CALMAutoencoderConfig.kl_weight and kl_clamp must be >= 0, got {self.kl_weight} and "
                              f"{self.kl_clamp}")
-        if not self.log_std_min < self.log_std_max:
+        if (self.log_std_min is None) != (self.log_std_max is None):
+            raise ValueError("CALMAutoencoderConfig.log_std_min and log_std_max must both be set or both be None "
+                             "(no clamp)")
+        if self.log_std_min is not None and not self.log_std_min < self.log_std_max:
             raise ValueError("CALMAutoencoderConfig.log_std_min must be below log_std_max")
         if self.stage_layout not in STAGE_LAYOUTS:
             raise ValueError(f"CALMAutoencoderConfig.stage_layout must be one of {STAGE_LAYOUTS}, "
@@ -134,6 +141,12 @@ class CALMConfig(BackboneConfig):
     # stepping 1/T down by one while no chunk has weight; approximate, tends to the tempered law as the pool grows) or
     # "exact" (rejection: n = ⌊1/T⌋ agreeing draws, then a Bernoulli-factory stage for the fractional part of 1/T).
     temperature_sampler: str = "pool"
+    # Norm closing the input compression: "rms" (RMSNorm, rms_norm_eps) or "layer" (LayerNorm with bias, the
+    # official form).
+    input_norm: str = "rms"
+    # eps of the LayerNorms (the "reference" energy head's, and a "layer" input norm); None = rms_norm_eps. The
+    # official form: 1e-6.
+    layer_norm_eps: int | float | None = None
     temperature_pool_size: int = 200
     exact_attempts: int = 16  # the exact sampler draws exact_attempts · ⌈1/T⌉ samples per pending row per round
     exact_max_rounds: int = 64  # rounds before the exact sampler gives up with an error
@@ -182,10 +195,14 @@ class CALMConfig(BackboneConfig):
         if self.energy_head_type not in ENERGY_HEAD_TYPES:
             raise ValueError(f"CALMConfig.energy_head_type must be one of {ENERGY_HEAD_TYPES}, "
                              f"got {self.energy_head_type!r}")
+        if self.input_norm not in INPUT_NORMS:
+            raise ValueError(f"CALMConfig.input_norm must be one of {INPUT_NORMS}, got {self.input_norm!r}")
+        if self.layer_norm_eps is not None and not self.layer_norm_eps > 0:
+            raise ValueError(f"CALMConfig.layer_norm_eps must be > 0 or None, got {self.layer_norm_eps}")
         if self.temperature_sampler not in TEMPERATURE_SAMPLERS:
             raise ValueError(f"CALMConfig.temperature_sampler must be one of {TEMPERATURE_SAMPLERS}, "
                              f"got {self.temperature_sampler!r}")
 
 
-__all__ = ["CALMAutoencoderConfig", "CALMConfig", "ENERGY_HEAD_TYPES", "REFERENCE_AUTOENCODER_RECIPE", "STAGE_LAYOUTS",
+__all__ = ["CALMAutoencoderConfig", "CALMConfig", "ENERGY_HEAD_TYPES", "INPUT_NORMS", "REFERENCE_AUTOENCODER_RECIPE", "STAGE_LAYOUTS",
            "TEMPERATURE_SAMPLERS"]

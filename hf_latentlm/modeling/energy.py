@@ -40,17 +40,31 @@ def energy_loss(samples: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
     return fidelity - diversity, fidelity, diversity
 
 
-def chunk_counts(chunks: torch.Tensor) -> torch.Tensor:
-    """chunks [B, S, K] (token ids >= 0) -> LongTensor [B, S]: how many draws of the same row decoded to draw s's
-    chunk.
+def chunk_keys(chunks: torch.Tensor) -> torch.Tensor:
+    """chunks [B, S, K] (token ids >= 0) -> LongTensor [B·S]: one key per (row, chunk) pair, equal keys = the same
+    row and the same chunk.
 
-    The (row, chunk) pair is ranked one token column at a time with 1-D `torch.unique` (a sort), so the keys stay
-    below B·S·V and nothing is S × S: pools of hundreds of draws for thousands of rows stay cheap."""
+    The pair is ranked one token column at a time with 1-D `torch.unique` (a sort), so the keys stay below B·S·V and
+    nothing is S × S: pools of hundreds of draws for thousands of rows stay cheap."""
     batch, size, k = chunks.shape
     key = torch.arange(batch, device=chunks.device).repeat_interleave(size)
     for column in chunks.reshape(batch * size, k).long().unbind(-1):
         _, key = torch.unique(key * (int(column.max()) + 1) + column, return_inverse=True)
-    return torch.bincount(key)[key].view(batch, size)
+    return key
+
+
+def chunk_counts(chunks: torch.Tensor) -> torch.Tensor:
+    """chunks [B, S, K] -> LongTensor [B, S]: how many draws of the same row decoded to draw s's chunk."""
+    key = chunk_keys(chunks)
+    return torch.bincount(key)[key].view(chunks.shape[:2])
+
+
+def first_draws(chunks: torch.Tensor) -> torch.Tensor:
+    """chunks [B, S, K] -> bool [B, S]: draw s is the first of its row to decode to its chunk."""
+    key = chunk_keys(chunks)
+    position = torch.arange(key.numel(), device=key.device)
+    first = torch.full((int(key.max()) + 1,), key.numel(), device=key.device).scatter_reduce(0, key, position, "amin")
+    return (first[key] == position).view(chunks.shape[:2])
 
 
 def inverse_temperature(temperature: float, tolerance: float = 1e-9) -> float:
@@ -85,7 +99,9 @@ def pool_temperature_choice(chunks: torch.Tensor, temperature: float, uniforms: 
     grows as count^r / Γ(r+1), so the choice law tends to p^(1/T)/Σ as the pool grows. When no chunk has a positive
     weight (every count ≤ r − 1), r steps down by one until one does (r → r−1 → …; every drawn chunk qualifies once
     r ≤ 2), the reference's cascade n → n−1 → … → 1 for integer r, then the same weighted random pick.
-    With T = 1 this is a plain uniform pick from the pool. `temperature=0` takes the most frequent chunk (the
+    The pick is the official code's: the distinct chunks in order of first appearance, the first whose cumulative
+    weight exceeds u · total; so the same draws and u give the same chunk. With T = 1 this is a plain uniform pick
+    from the pool. `temperature=0` takes the most frequent chunk (the
     T -> 0 limit, "greedy"). Returns LongTensor [B] of pool indices. Vectorised over rows and draws.
     """
     if chunks.dim() != 3 or uniforms.shape != chunks.shape[:1]:
@@ -97,10 +113,14 @@ def pool_temperature_choice(chunks: torch.Tensor, temperature: float, uniforms: 
     r = inverse_temperature(temperature)
     # Step-down, per row: the smallest k >= 0 with (most frequent count) > r − k − 1.
     steps = (r - counts.max(-1).values.double()).floor().clamp(min=0)  # [B]
-    log_w = log_binomial(counts, r - steps[:, None]) - counts.double().log()  # per copy: C(count, r') / count
+    # Each distinct chunk's weight C(count, r') sits on its first draw; later copies weigh 0.
+    log_w = torch.where(first_draws(chunks), log_binomial(counts, r - steps[:, None]), -math.inf)
     cdf = torch.softmax(log_w, dim=-1).cumsum(-1)
-    picked = torch.searchsorted(cdf, uniforms.double()[:, None].to(cdf.device) * cdf[:, -1:]).squeeze(-1)
-    return picked.clamp(max=chunks.shape[1] - 1)
+    target = uniforms.double()[:, None].to(cdf.device) * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=chunks.shape[1] - 1)
+    # A rounding overshoot can only land on a later copy; step back to a first draw of some chunk.
+    return torch.where(first_draws(chunks).gather(1, picked[:, None]).squeeze(1), picked,
+                       (log_w > -math.inf).long().cumsum(-1).argmax(-1))
 
 
 class RejectionState(NamedTuple):
@@ -180,5 +200,5 @@ def exact_temperature_scan(chunks: torch.Tensor, uniforms: torch.Tensor, tempera
     return RejectionState(candidate, agreed, trials, accepted)
 
 
-__all__ = ["energy_loss", "chunk_counts", "inverse_temperature", "log_binomial",
+__all__ = ["energy_loss", "chunk_counts", "chunk_keys", "first_draws", "inverse_temperature", "log_binomial",
            "pool_temperature_choice", "RejectionState", "exact_temperature_scan"]

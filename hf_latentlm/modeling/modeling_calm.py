@@ -92,6 +92,8 @@ class CALMGenerationOptions(GenerationOptions):
     do_sample=False takes the most frequent chunk of the pool (T -> 0).
     noise_seeds: one int per row; row b draws all its noise from a generator seeded with it, so a row gives the
         same tokens alone or in any batch. Default: seeds drawn from the global torch RNG.
+    draws: where the random numbers come from instead (`RowGenerators` or `ReplayedDraws`); `noise_seeds` is then
+        unused. `ReplayedDraws` reproduces another implementation's samples for the same recorded draws.
     top_k / top_p: refused unless 0 / 1.0 (CALM has no token probabilities).
     """
 
@@ -101,6 +103,7 @@ class CALMGenerationOptions(GenerationOptions):
     temperature_sampler: str | None = None
     temperature_pool_size: int | None = None
     noise_seeds: list[int] | None = None
+    draws: "RowGenerators | ReplayedDraws | None" = None
 
     def resolved(self, config: CALMConfig, batch_size: int) -> "CALMGenerationOptions":
         """Defaults from `config`, every value checked (ValueError naming the option), one seed per row."""
@@ -115,12 +118,46 @@ class CALMGenerationOptions(GenerationOptions):
         pool_size = config.temperature_pool_size if self.temperature_pool_size is None else self.temperature_pool_size
         if pool_size < 1:
             raise ValueError(f"temperature_pool_size must be at least 1, got {pool_size}")
+        seeds = row_seeds(self.noise_seeds, batch_size, "noise_seeds")
+        draws = RowGenerators(seeds) if self.draws is None else self.draws
+        if not isinstance(draws, (RowGenerators, ReplayedDraws)):
+            raise ValueError(f"draws must be a RowGenerators or a ReplayedDraws, got {type(draws).__name__}")
         return replace(self, temperature=temperature, temperature_sampler=sampler, temperature_pool_size=pool_size,
-                       noise_seeds=row_seeds(self.noise_seeds, batch_size, "noise_seeds"))
+                       noise_seeds=seeds, draws=draws)
 
     @classmethod
     def sampling_defaults(cls, config: CALMConfig) -> dict:
         return {"do_sample": True, "temperature": float(config.generation_temperature)}
+
+
+class RowGenerators:
+    """CALM decoding's random numbers: one torch.Generator per row, seeded from `seeds`, so that a row draws the same
+    numbers alone or in any batch."""
+
+    def __init__(self, seeds: list[int]):
+        self.generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
+
+    def uniform(self, rows: list[int], shape: tuple[int, ...], dtype=torch.float32) -> torch.Tensor:
+        """[len(rows), *shape] uniform in [0, 1), each row from its own generator."""
+        return torch.stack([torch.rand(shape, generator=self.generators[r], dtype=dtype) for r in rows])
+
+
+class ReplayedDraws:
+    """Uniform draws recorded elsewhere, replayed in order: each request takes the next tensor [batch, *shape] and
+    keeps the requested rows. With the draws another implementation made, decoding reproduces its samples
+    (hf_latentlm/official/calm.py records the official code's)."""
+
+    def __init__(self, draws: list[torch.Tensor]):
+        self.draws = list(draws)
+
+    def uniform(self, rows: list[int], shape: tuple[int, ...], dtype=torch.float32) -> torch.Tensor:
+        if not self.draws:
+            raise ValueError("ReplayedDraws ran out of recorded draws")
+        draw = self.draws.pop(0)
+        if tuple(draw.shape[1:]) != tuple(shape) or max(rows) >= draw.shape[0]:
+            raise ValueError(f"the next recorded draw has shape {tuple(draw.shape)}; decoding asked for rows {rows} "
+                             f"of shape {tuple(shape)}")
+        return draw[list(rows)].to(dtype)
 
 
 @dataclass
@@ -131,7 +168,7 @@ class CALMDecodingState:
     attention_mask: torch.Tensor  # [B, tokens so far] token-level mask (prompt left-fill and padding are 0)
     hidden: torch.Tensor  # [B, d] last hidden state: the energy head draws the next chunk from it
     last_chunk: torch.Tensor | None  # [B, K] chunk drawn last step, fed back at the start of the next one
-    generators: list[torch.Generator]  # one noise generator per row
+    draws: RowGenerators | ReplayedDraws  # where the noise and uniforms come from
     options: CALMGenerationOptions
 
 
@@ -185,13 +222,14 @@ class CALMAutoencoder(BackbonePreTrainedModel):
         decoder_chunk, decoder_token = config.stage_layers(config.num_decoder_layers)
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.encoder_token_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(encoder_token))
-        self.encoder_squeeze = nn.Linear(k * h, h, bias=False)
+        bias = config.projection_bias
+        self.encoder_squeeze = nn.Linear(k * h, h, bias=bias)
         self.encoder_chunk_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(encoder_chunk))
         self.encoder_norm = RMSNorm(h, eps=eps)
         self.to_posterior = nn.Linear(h, 2 * config.latent_size)
-        self.decoder_in = nn.Linear(config.latent_size, h, bias=False)
+        self.decoder_in = nn.Linear(config.latent_size, h, bias=bias)
         self.decoder_chunk_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(decoder_chunk))
-        self.decoder_expand = nn.Linear(h, k * h, bias=False)
+        self.decoder_expand = nn.Linear(h, k * h, bias=bias)
         self.decoder_token_layers = nn.ModuleList(ResidualMLP(h, i, eps) for _ in range(decoder_token))
         self.decoder_norm = RMSNorm(h, eps=eps)
         self.post_init()
@@ -211,6 +249,8 @@ class CALMAutoencoder(BackbonePreTrainedModel):
         for layer in self.encoder_chunk_layers:
             x = layer(x)
         mean, log_std = self.to_posterior(self.encoder_norm(x)).chunk(2, dim=-1)
+        if self.config.log_std_min is None:
+            return mean, log_std
         return mean, log_std.clamp(self.config.log_std_min, self.config.log_std_max)
 
     def decode_logits(self, latents: torch.Tensor) -> torch.Tensor:
@@ -358,7 +398,7 @@ class ReferenceEnergyHead(nn.Module):
 
     def __init__(self, config: CALMConfig):
         super().__init__()
-        d, eps = config.hidden_size, config.rms_norm_eps
+        d, eps = config.hidden_size, layer_norm_eps(config)
         self.hidden_proj = nn.Linear(d, d)
         self.hidden_norm = nn.LayerNorm(d, eps=eps)
         self.noise_proj = nn.Linear(config.noise_size, d)
@@ -378,6 +418,11 @@ class ReferenceEnergyHead(nn.Module):
 
 
 ENERGY_HEADS = {"reference": ReferenceEnergyHead, "swiglu": SwiGLUEnergyHead}
+
+
+def layer_norm_eps(config: CALMConfig) -> float:
+    """eps of CALM's LayerNorms: `config.layer_norm_eps`, or the RMSNorms' when unset."""
+    return config.rms_norm_eps if config.layer_norm_eps is None else config.layer_norm_eps
 
 
 def energy_head_parameter_count(config: CALMConfig) -> int:
@@ -446,7 +491,8 @@ class CALMModel(CALMPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
         self.compress_in = nn.Linear(config.chunk_size * d, 2 * d)
         self.compress_out = nn.Linear(2 * d, d)
-        self.compress_norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.compress_norm = (RMSNorm(d, eps=config.rms_norm_eps) if config.input_norm == "rms"
+                              else nn.LayerNorm(d, eps=layer_norm_eps(config)))
         self.layers = decoder_layers(config)
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.rotary = RotaryEmbedding.from_config(config)
@@ -652,8 +698,7 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         ids = torch.where(mask.bool(), ids, torch.full_like(ids, fill_token))
         cache = DynamicCache(config=cfg)
         hidden = self(input_ids=ids, attention_mask=mask, cache=cache).last_hidden_state[:, -1]
-        generators = [torch.Generator().manual_seed(s) for s in options.noise_seeds]
-        return CALMDecodingState(cache, mask, hidden, None, generators, options), 1
+        return CALMDecodingState(cache, mask, hidden, None, options.draws, options), 1
 
     def _decoding_step(self, state: CALMDecodingState, new_tokens) -> DecodingStep:
         """Feed the previous chunk back (one backbone call; the first chunk comes from the prefill), then draw
@@ -664,32 +709,32 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
                 state.last_chunk.shape)], dim=1)
             state.hidden = self(input_ids=state.last_chunk, attention_mask=state.attention_mask,
                                 cache=state.cache).last_hidden_state[:, -1]
-        opt, hidden, generators = state.options, state.hidden, state.generators
+        opt, hidden, draws = state.options, state.hidden, state.draws
         if not opt.do_sample:
-            chunk = self._pool_step(hidden, generators, opt.temperature_pool_size, 0.0)
+            chunk = self._pool_step(hidden, draws, opt.temperature_pool_size, 0.0)
         elif opt.temperature == 1.0:
-            chunk = self.autoencoder.decode(self.sample_latents(hidden, self._noise(generators, 1, hidden.device))[:, 0])
+            chunk = self.autoencoder.decode(self.sample_latents(hidden, self._noise(draws, 1, hidden))[:, 0])
         elif opt.temperature_sampler == "pool":
-            chunk = self._pool_step(hidden, generators, opt.temperature_pool_size, opt.temperature)
+            chunk = self._pool_step(hidden, draws, opt.temperature_pool_size, opt.temperature)
         else:
-            chunk = self._exact_step(hidden, generators, opt.temperature, ~new_tokens.finished)
+            chunk = self._exact_step(hidden, draws, opt.temperature, ~new_tokens.finished)
         state.last_chunk = chunk
         return DecodingStep(chunk, model_calls=int(called))
 
-    def _noise(self, generators: list[torch.Generator], count: int, device, rows: list[int] | None = None):
-        """[len(rows), count, d_noise] uniform noise in [-0.5, 0.5], each row from its own generator."""
-        rows = range(len(generators)) if rows is None else rows
-        draws = [torch.rand(count, self.config.noise_size, generator=generators[r]) for r in rows]
-        return (torch.stack(draws) - 0.5).to(device)
+    def _noise(self, draws, count: int, hidden: torch.Tensor, rows: list[int] | None = None):
+        """[len(rows), count, d_noise] noise in [-0.5, 0.5] (uniform draws − 0.5 in the hidden dtype, as the official
+        head draws it)."""
+        rows = list(range(hidden.shape[0])) if rows is None else rows
+        return draws.uniform(rows, (count, self.config.noise_size)).to(hidden) - 0.5
 
-    def _pool_step(self, hidden, generators, pool_size: int, temperature: float) -> torch.Tensor:
+    def _pool_step(self, hidden, draws, pool_size: int, temperature: float) -> torch.Tensor:
         """Approximate temperature sampling: decode a pool of draws per row, pick a chunk (C(count, 1/T) weights)."""
-        chunks = self.autoencoder.decode(self.sample_latents(hidden, self._noise(generators, pool_size, hidden.device)))
-        uniforms = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+        chunks = self.autoencoder.decode(self.sample_latents(hidden, self._noise(draws, pool_size, hidden)))
+        uniforms = draws.uniform(list(range(hidden.shape[0])), (), torch.float64)
         picked = pool_temperature_choice(chunks, temperature, uniforms.to(hidden.device))
         return chunks[torch.arange(chunks.shape[0], device=chunks.device), picked]
 
-    def _exact_step(self, hidden, generators, temperature: float, active: torch.Tensor) -> torch.Tensor:
+    def _exact_step(self, hidden, draws, temperature: float, active: torch.Tensor) -> torch.Tensor:
         """Exact temperature sampling (`exact_temperature_scan`) for the rows in `active`. Each round draws
         `exact_attempts` · ⌈1/T⌉ latents and as many uniforms per still-pending row (only those rows' generators
         advance); an attempt in progress carries over to the next round."""
@@ -700,11 +745,10 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
             rows = (active & ~state.accepted).nonzero().squeeze(1)
             if rows.numel() == 0:
                 break
-            noise = self._noise(generators, draws_per_round, hidden.device, rows.tolist())
-            uniforms = torch.stack([torch.rand(draws_per_round, generator=generators[r], dtype=torch.float64)
-                                    for r in rows.tolist()]).to(hidden.device)
-            draws = self.autoencoder.decode(self.sample_latents(hidden[rows], noise))
-            state = state.with_rows(rows, exact_temperature_scan(draws, uniforms, temperature, state.rows(rows)))
+            noise = self._noise(draws, draws_per_round, hidden, rows.tolist())
+            uniforms = draws.uniform(rows.tolist(), (draws_per_round,), torch.float64).to(hidden.device)
+            chunks = self.autoencoder.decode(self.sample_latents(hidden[rows], noise))
+            state = state.with_rows(rows, exact_temperature_scan(chunks, uniforms, temperature, state.rows(rows)))
         if bool((active & ~state.accepted).any()):
             raise ValueError(f"exact temperature sampling accepted no chunk at T = {temperature} in "
                              f"{cfg.exact_max_rounds * draws_per_round} draws; raise the temperature or use "
@@ -713,5 +757,5 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
 
 
 __all__ = ["CALMAutoencoder", "CALMAutoencoderOutput", "CALMForCausalLM", "CALMModel", "CALMPreTrainedModel",
-           "CALMOutput", "CALMGenerateOutput", "CALMGenerationOptions", "CALMDecodingState", "ENERGY_HEADS", "ReferenceEnergyHead",
+           "CALMOutput", "CALMGenerateOutput", "CALMGenerationOptions", "CALMDecodingState", "ReplayedDraws", "RowGenerators", "ENERGY_HEADS", "ReferenceEnergyHead",
            "SwiGLUEnergyHead", "chunk_tokens", "context_spread", "energy_head_parameter_count"]
