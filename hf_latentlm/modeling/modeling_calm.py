@@ -120,7 +120,7 @@ class CALMGenerationOptions(GenerationOptions):
             raise ValueError(f"temperature_pool_size must be at least 1, got {pool_size}")
         seeds = row_seeds(self.noise_seeds, batch_size, "noise_seeds")
         draws = RowGenerators(seeds) if self.draws is None else self.draws
-        if not isinstance(draws, (RowGenerators, ReplayedDraws)):
+        if not callable(getattr(draws, "uniform", None)):  # duck-typed: remote code has its own copies of the classes
             raise ValueError(f"draws must be a RowGenerators or a ReplayedDraws, got {type(draws).__name__}")
         return replace(self, temperature=temperature, temperature_sampler=sampler, temperature_pool_size=pool_size,
                        noise_seeds=seeds, draws=draws)

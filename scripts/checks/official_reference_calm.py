@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -51,6 +52,11 @@ def parse_args():
     parser.add_argument("--rope-theta", type=float, default=500000.0)
     parser.add_argument("--rms-norm-eps", type=float, default=1e-5)
     parser.add_argument("--perturb-std", type=float, default=0.05)
+    parser.add_argument("--pad-token-id", type=int, default=0)
+    parser.add_argument("--bos-token-id", type=int, default=1)
+    parser.add_argument("--eos-token-id", type=int, default=2)
+    parser.add_argument("--without-autoencoder-folder", action="store_true",
+                        help="keep only the CALM folder (its autoencoder is inside, as ae_model.*)")
     parser.add_argument("--rows", type=int, default=3)
     parser.add_argument("--chunks", type=int, default=5)
     parser.add_argument("--generate-chunks", type=int, default=4)
@@ -64,7 +70,7 @@ def build(args, models, folder: Path):
         vocab_size=args.vocab_size, hidden_size=args.ae_hidden_size, intermediate_size=args.ae_intermediate_size,
         num_encoder_layers=args.ae_encoder_layers, num_decoder_layers=args.ae_decoder_layers,
         latent_size=args.latent_size, patch_size=args.chunk_size, rms_norm_eps=args.ae_rms_norm_eps,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        pad_token_id=args.pad_token_id, bos_token_id=args.bos_token_id, eos_token_id=args.eos_token_id)
     autoencoder = models.Autoencoder(ae_config)
     perturb(autoencoder, args.perturb_std)
     autoencoder.save_pretrained(ae_dir, safe_serialization=False)
@@ -74,20 +80,23 @@ def build(args, models, folder: Path):
         num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads, patch_size=args.chunk_size,
         latent_size=args.latent_size, noise_size=args.noise_size, num_mlp_layers=args.num_mlp_layers,
         rope_theta=args.rope_theta, rms_norm_eps=args.rms_norm_eps, max_position_embeddings=512,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        pad_token_id=args.pad_token_id, bos_token_id=args.bos_token_id, eos_token_id=args.eos_token_id)
     model = models.EnergyTransformer(config)
-    perturb(model, args.perturb_std)
+    perturb(model, args.perturb_std, skip="ae_model.")  # its autoencoder is the frozen one saved above
     model.config.ae_path = "/path/to/the/autoencoder"  # a real checkpoint holds the training machine's path
     calm_dir.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(calm_dir)
     torch.save(model.state_dict(), calm_dir / "pytorch_model.bin")  # as the official trainer: aliases included
+    if args.without_autoencoder_folder:
+        shutil.rmtree(ae_dir)
     return autoencoder.eval(), model.eval()
 
 
 @torch.no_grad()
-def perturb(module: torch.nn.Module, std: float) -> None:
-    for parameter in module.parameters():
-        parameter.add_(torch.randn_like(parameter) * std)
+def perturb(module: torch.nn.Module, std: float, skip: str | None = None) -> None:
+    for name, parameter in module.named_parameters():
+        if skip is None or not name.startswith(skip):
+            parameter.add_(torch.randn_like(parameter) * std)
 
 
 class Recorder:
@@ -147,8 +156,8 @@ def record(args, autoencoder, model) -> dict[str, torch.Tensor]:
     with Recorder() as recorder:
         loss = model(input_ids=ids, labels=ids.clone()).loss
     out["energy_loss"] = loss.reshape(())
-    out["energy_model_noise"], = recorder.rand
-    out["energy_target_noise"], = recorder.randn
+    # The loss's own draws come first (its evaluation mode then estimates Brier scores with more draws).
+    out["energy_model_noise"], out["energy_target_noise"] = recorder.rand[0], recorder.randn[0]
     for name, temperature in (("generate_t1", 1.0), ("generate_t05", 0.5)):
         out.update(record_generate(model, ids[:, :2 * K], temperature, args.generate_chunks, name))
     return out
