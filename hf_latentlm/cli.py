@@ -1,4 +1,4 @@
-"""`hf-latentlm` command line: train, generate, eval, bench, sft, dpo, grpo, report, push, serve, lm-eval.
+"""`hf-latentlm` command line: train, generate, eval, bench, sft, dpo, grpo, report, push, serve, lm-eval, convert.
 
 `train`'s options are `TrainConfig`'s fields and `sft` / `dpo` / `grpo`'s those of `PostTrainingArguments`, built by
 TRL's dataclass parser, which imports neither torch nor transformers: `--help` and argument errors answer at once.
@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (arguments, help_text) in POST_TRAINING.items():
         sub.add_parser(name, dataclass_types=[arguments], help=help_text)
     add_push_and_serve_commands(sub)
+    add_convert_command(sub)
     return parser
 
 
@@ -214,6 +215,24 @@ def add_push_and_serve_commands(sub) -> None:
     s.add_argument("--device", help="torch device for the models (default: where they load, the CPU)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
+
+
+def add_convert_command(sub) -> None:
+    c = sub.add_parser("convert", help="an official CALM or Cola DLM checkpoint (folder or Hub id) -> an hf_latentlm "
+                                       "model folder (docs/checkpoints.md)")
+    kinds = c.add_subparsers(dest="official_family", required=True, parser_class=CommandParser)
+    calm = kinds.add_parser("calm", help="shaochenze/calm: an EnergyTransformer checkpoint and its autoencoder")
+    calm.add_argument("--model", required=True, metavar="SRC", help="the CALM checkpoint: folder or Hub id")
+    calm.add_argument("--autoencoder", metavar="SRC",
+                      help="the official autoencoder (default: the ae_model.* tensors inside --model)")
+    cola = kinds.add_parser("cola", help="ByteDance-Seed/Cola-DLM: the text VAE and the DiT")
+    cola.add_argument("--vae", required=True, metavar="SRC", help="the text VAE: folder or Hub id")
+    cola.add_argument("--dit", required=True, metavar="SRC", help="the DiT: folder or Hub id")
+    for kind in (calm, cola):
+        kind.add_argument("--tokenizer", metavar="SRC",
+                          help="tokenizer folder or Hub id saved with the model (default: none; pass token ids)")
+        kind.add_argument("--output-dir", required=True, help="the new model folder")
+        kind.add_argument("--overwrite-output-dir", action="store_true", help="replace a non-empty --output-dir")
 
 
 def resolve_context_len(context_len: int | None, configs: list[dict]) -> int:
@@ -467,6 +486,21 @@ def cmd_post_train(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from .official.convert import convert_calm, convert_cola
+
+    if args.official_family == "calm":
+        folder, notes = convert_calm(args.model, args.output_dir, args.autoencoder, args.tokenizer,
+                                     args.overwrite_output_dir)
+    else:
+        folder, notes = convert_cola(args.vae, args.dit, args.output_dir, args.tokenizer, args.overwrite_output_dir)
+    for note in notes:
+        print(f"note: {note}")
+    print(f"converted to {folder}; next:\n  hf-latentlm generate --model {folder} --prompt ..."
+          + ("" if args.tokenizer else " (no tokenizer: convert again with --tokenizer to generate from text)"))
+    return 0
+
+
 def cmd_push(args) -> int:
     from .hub import push_model
 
@@ -515,7 +549,7 @@ def cmd_serve(args) -> int:
 
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "bench": cmd_bench,
             "sft": cmd_post_train, "dpo": cmd_post_train, "grpo": cmd_post_train, "push": cmd_push, "report": cmd_report,
-            "serve": cmd_serve, "lm-eval": cmd_lm_eval}
+            "serve": cmd_serve, "lm-eval": cmd_lm_eval, "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,8 +165,11 @@ def test_synopsis_lists_every_option_of_every_subcommand():
     for name, parser in subparsers.choices.items():
         # An option may have several spellings (--output-dir, --output_dir; --train-file, --train-files): the
         # synopsis names one of each option's dashed spellings, and nothing the parser does not have.
+        # A command with its own subcommands (convert calm|cola): the options of each.
+        nested = [p for a in parser._actions if isinstance(a, argparse._SubParsersAction) for p in a.choices.values()]
         spellings = [{s for s in action.option_strings if s.startswith("--") and "_" not in s}
-                     for action in parser._actions if action.option_strings and action.dest != "help"]
+                     for each in [parser, *nested] for action in each._actions
+                     if action.option_strings and action.dest != "help"]
         listed = set(re.findall(r"--[a-z][a-z0-9-]*", written[name]))
         lacking = sorted(min(names) for names in spellings if not names & listed)
         unknown = sorted(listed - set().union(*spellings))

@@ -23,11 +23,16 @@ OFFICIAL_CALM_FORM = {"energy_head_type": "reference", "input_norm": "layer", "l
 #: The official `generate()` defaults: approximate temperature sampling at T = 1/2 from a pool of 200 draws.
 OFFICIAL_SAMPLING = {"generation_temperature": 0.5, "temperature_sampler": "pool", "temperature_pool_size": 200}
 
-# Official config fields that mean nothing here: where the trainer found the autoencoder, and transformers-4
-# bookkeeping. Ignored with a note.
-IGNORED_FIELDS = ("ae_path", "pretraining_tp", "architectures", "torch_dtype", "transformers_version", "model_type",
-                  "_name_or_path", "use_cache", "hidden_act", "attention_dropout", "max_position_embeddings",
-                  "ae_dropout", "initializer_range", "_from_model_config")
+# Official config fields read by the mapping below, and transformers-4 bookkeeping that means nothing here; any
+# other field is ignored with a note.
+READ_FIELDS = {
+    "vocab_size", "patch_size", "latent_size", "hidden_size", "intermediate_size", "num_encoder_layers",
+    "num_decoder_layers", "kl_weight", "kl_clamp", "ae_dropout", "rms_norm_eps", "initializer_range", "bos_token_id",
+    "eos_token_id", "pad_token_id", "hidden_act", "mlp_bias", "attention_bias", "tie_word_embeddings",
+    "max_position_embeddings", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rope_theta",
+    "rope_scaling", "noise_size", "num_mlp_layers", "num_samples", "beta", "ae_path", "ae_model_config_from_tensors"}
+BOOKKEEPING = {"architectures", "torch_dtype", "transformers_version", "model_type", "_name_or_path", "use_cache",
+               "pretraining_tp", "attention_dropout", "_from_model_config"}
 
 
 def _require(config: dict, field: str, allowed, label: str) -> None:
@@ -93,7 +98,8 @@ def calm_config_from_official(official: dict, autoencoder: CALMAutoencoderConfig
 
 
 def _notes(official: dict, config) -> list[str]:
-    notes = []
+    notes = [f"ignored {field} = {official[field]!r} (no counterpart here)"
+             for field in sorted(set(official) - READ_FIELDS - BOOKKEEPING)]
     if "ae_path" in official:
         notes.append(f"ignored ae_path = {official['ae_path']!r} (the autoencoder's weights are inside the "
                      f"converted checkpoint)")
@@ -225,6 +231,9 @@ def calm_from_official(official_config: dict, state: dict, autoencoder_config: d
                              "autoencoder too (--autoencoder)")
         autoencoder_config = _autoencoder_config_from_tensors(state, official_config)
     ae_config, ae_notes = autoencoder_config_from_official(autoencoder_config)
+    if "ae_model_config_from_tensors" in autoencoder_config:
+        ae_notes.append("the autoencoder's config was read off its ae_model.* tensors, with the official default "
+                        "rms_norm_eps = 1e-6 (not in the tensors); pass --autoencoder to use its own config.json")
     config, notes = calm_config_from_official(official_config, ae_config, **overrides)
     model = CALMForCausalLM(config).float().eval()
     load_into(model, calm_state_dict_from_official(state, config, autoencoder_state), "the official CALM checkpoint")
@@ -244,7 +253,7 @@ def _autoencoder_config_from_tensors(state: dict, official_config: dict) -> dict
     return {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": shape(
         "encoder.encoder_layers.0.mlp.gate_proj.weight")[0], "latent_size": shape("decoder.latent_to_hidden.weight")[1],
         "patch_size": shape("encoder.squeeze_layer.weight")[1] // hidden, "num_encoder_layers": count("encoder"),
-        "num_decoder_layers": count("decoder"), "rms_norm_eps": 1e-6,
+        "num_decoder_layers": count("decoder"), "rms_norm_eps": 1e-6, "ae_model_config_from_tensors": True,
         "bos_token_id": official_config.get("bos_token_id"), "eos_token_id": official_config.get("eos_token_id"),
         "pad_token_id": official_config.get("pad_token_id")}
 

@@ -127,6 +127,9 @@ def write_folder(model, output_dir: str, tokenizer: str | None, source: dict, no
     if tokenizer is not None:
         tokenizer_folder = fetch_source(tokenizer, "--tokenizer", TOKENIZER_PATTERNS)
         loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+        if len(loaded_tokenizer) > model.config.vocab_size:
+            raise ValueError(f"--tokenizer {tokenizer} has {len(loaded_tokenizer)} tokens, more than the model's "
+                             f"vocabulary ({model.config.vocab_size}): it is not this model's tokenizer")
     config = model.config
     model.generation_config = GenerationConfig(
         **model.generation_options_class.sampling_defaults(config), bos_token_id=config.bos_token_id,
