@@ -190,7 +190,8 @@ def add_push_and_serve_commands(sub) -> None:
     h.add_argument("--repo-id", required=True, metavar="OWNER/NAME")
     h.add_argument("--private", action="store_true", help="create the repository as private")
     h.add_argument("--revision", help="branch to push to (created if missing; default: main)")
-    h.add_argument("--license", default="apache-2.0", help="license in the model card")
+    h.add_argument("--license", help="license in the model card (default: a converted checkpoint's own, else "
+                                     "apache-2.0)")
     h.add_argument("--eval-results", metavar="FILE",
                    help="the model's `hf-latentlm eval` JSON, for the card's results and model-index (default: "
                         "eval_results.json in the model folder, if there is one)")

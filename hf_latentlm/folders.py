@@ -18,6 +18,8 @@ POST_TRAINING_RECORD = "post_training.json"
 #: The checkpoint's own `hf-latentlm eval` JSON, read by `push` when it gets no `--eval-results`
 #: (`hf-latentlm eval --model DIR > DIR/eval_results.json`).
 EVAL_RESULTS_FILE = "eval_results.json"
+#: Written by `hf-latentlm convert`: where the official weights came from (source, repository, license, notes).
+CONVERSION_RECORD = "conversion.json"
 
 
 def read_json_file(path: Path, label: str):

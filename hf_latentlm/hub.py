@@ -19,8 +19,8 @@ from pathlib import Path
 
 from .cards import default_card
 from .families import BASELINE_FAMILY, families_using, family_of_model_type, get_family
-from .folders import (EVAL_RESULTS_FILE, POST_TRAINING_RECORD, check_model_folder, check_tokenizer_files,
-                      read_json_file, weight_files)
+from .folders import (CONVERSION_RECORD, EVAL_RESULTS_FILE, POST_TRAINING_RECORD, check_model_folder,
+                      check_tokenizer_files, read_json_file, weight_files)
 
 UPLOAD_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json", "*.py",
                    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -34,6 +34,10 @@ CPU_SCALE = ("A research model at CPU scale ({parameters} parameters) trained on
              "Shakespeare-like pastiche, not facts, and is meant for studying decoding speed against quality next to "
              "the matched autoregressive baseline, not for any application.")
 
+CONVERTED_SCALE = ("The authors' trained weights ({repository}), converted to hf-latentlm's official form: in fp32 the "
+                   "converted model reproduces the official code's outputs within 1e-5 (checked in hf-latentlm's "
+                   "tests on official-format checkpoints). Quality and intended use are the authors'; see their "
+                   "repository and paper.")
 
 CARD_TEMPLATE = """---
 {{ card_data }}
@@ -272,7 +276,19 @@ def post_training_origin(folder: Path, base_model: str | None) -> tuple[str | No
     return source, stage
 
 
-def build_model_card(folder: Path, repo_id: str, license: str = "apache-2.0", revision: str | None = None,
+def conversion_record(folder: Path) -> dict | None:
+    """What `hf-latentlm convert` recorded about the official checkpoint the folder was converted from, or None."""
+    path = folder / CONVERSION_RECORD
+    return read_json_file(path, f"--model {str(folder)!r}") if path.is_file() else None
+
+
+def converted_summary(record: dict) -> str:
+    sources = ", ".join(f"`{value}`" for value in record["sources"].values() if value)
+    return (f"none here: the authors' released checkpoint ({sources}; {record['repository']}, license "
+            f"{record['license']}), converted by `hf-latentlm convert`")
+
+
+def build_model_card(folder: Path, repo_id: str, license: str | None = None, revision: str | None = None,
                      eval_file: Path | None = None, baseline_file: Path | None = None,
                      base_model: str | None = None, datasets: list[str] | None = None):
     """The model card of the model in `folder` as `repo_id` (see model_cards/README.md)."""
@@ -291,6 +307,8 @@ def build_model_card(folder: Path, repo_id: str, license: str = "apache-2.0", re
     parameters = f"{count_parameters(folder) / 1e6:.2f}M"
     base, post_training = post_training_origin(folder, base_model)
     remote = bool(config.get("auto_map"))
+    converted = conversion_record(folder)
+    license = license or (converted["license"] if converted else "apache-2.0")
     data = ModelCardData(
         library_name="transformers", pipeline_tag="text-generation", license=license,
         tags=[family, "custom_code", "hf-latentlm"] if remote else [family, "hf-latentlm"],
@@ -305,8 +323,9 @@ def build_model_card(folder: Path, repo_id: str, license: str = "apache-2.0", re
         load_args=(f", revision={json.dumps(revision)}" if revision else "") + (", trust_remote_code=True" if remote
                                                                                  else ""),
         remote_code=remote, components=bool(spec.components),
-        parameters=parameters, training=training_summary(folder, family, datasets),
-        cpu_scale=CPU_SCALE.format(parameters=parameters))
+        parameters=parameters,
+        training=converted_summary(converted) if converted else training_summary(folder, family, datasets),
+        cpu_scale=CONVERTED_SCALE.format(**converted) if converted else CPU_SCALE.format(parameters=parameters))
 
 
 def repo_id_problem(repo_id: str) -> str | None:
@@ -326,7 +345,7 @@ def is_hub_repo_id(name: str) -> bool:
 
 
 def push_model(folder: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
-               license: str = "apache-2.0", commit_message: str | None = None, eval_file: str | Path | None = None,
+               license: str | None = None, commit_message: str | None = None, eval_file: str | Path | None = None,
                baseline_file: str | Path | None = None, base_model: str | None = None,
                datasets: list[str] | None = None) -> str:
     """Create `repo_id` (and branch `revision`) if needed and upload the model folder plus a model card in one

@@ -52,7 +52,8 @@ def test_modeling_files_import_only_siblings_torch_and_transformers():
 #: from its own folder (training -> training); every import counts, function-local ones included.
 LAYERS = [("hf_latentlm.folders", "hf_latentlm.presets", "hf_latentlm.cards", "hf_latentlm.data"), ("hf_latentlm.modeling",),
           ("hf_latentlm.families",), ("hf_latentlm.loading",), ("hf_latentlm.training",), ("hf_latentlm.eval",),
-          ("hf_latentlm.hub", "hf_latentlm.recipes", "hf_latentlm.serving"), ("hf_latentlm.cli",)]
+          ("hf_latentlm.hub", "hf_latentlm.recipes", "hf_latentlm.serving"), ("hf_latentlm.official",),
+          ("hf_latentlm.cli",)]
 
 
 def package_modules() -> dict[str, Path]:

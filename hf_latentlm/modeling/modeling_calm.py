@@ -118,12 +118,11 @@ class CALMGenerationOptions(GenerationOptions):
         pool_size = config.temperature_pool_size if self.temperature_pool_size is None else self.temperature_pool_size
         if pool_size < 1:
             raise ValueError(f"temperature_pool_size must be at least 1, got {pool_size}")
-        seeds = row_seeds(self.noise_seeds, batch_size, "noise_seeds")
-        draws = RowGenerators(seeds) if self.draws is None else self.draws
-        if not callable(getattr(draws, "uniform", None)):  # duck-typed: remote code has its own copies of the classes
-            raise ValueError(f"draws must be a RowGenerators or a ReplayedDraws, got {type(draws).__name__}")
+        # Duck-typed: remote code has its own copies of the classes.
+        if self.draws is not None and not callable(getattr(self.draws, "uniform", None)):
+            raise ValueError(f"draws must be a RowGenerators or a ReplayedDraws, got {type(self.draws).__name__}")
         return replace(self, temperature=temperature, temperature_sampler=sampler, temperature_pool_size=pool_size,
-                       noise_seeds=seeds, draws=draws)
+                       noise_seeds=row_seeds(self.noise_seeds, batch_size, "noise_seeds"))
 
     @classmethod
     def sampling_defaults(cls, config: CALMConfig) -> dict:
@@ -698,7 +697,8 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         ids = torch.where(mask.bool(), ids, torch.full_like(ids, fill_token))
         cache = DynamicCache(config=cfg)
         hidden = self(input_ids=ids, attention_mask=mask, cache=cache).last_hidden_state[:, -1]
-        return CALMDecodingState(cache, mask, hidden, None, options.draws, options), 1
+        draws = RowGenerators(options.noise_seeds) if options.draws is None else options.draws
+        return CALMDecodingState(cache, mask, hidden, None, draws, options), 1
 
     def _decoding_step(self, state: CALMDecodingState, new_tokens) -> DecodingStep:
         """Feed the previous chunk back (one backbone call; the first chunk comes from the prefill), then draw

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..folders import hub_reachable
+from ..folders import CONVERSION_RECORD, hub_reachable
 from ..hub import is_hub_repo_id
 from ..training.checkpoint import atomic_directory_write, save_tokenizer
 
@@ -87,8 +87,8 @@ def convert_calm(model: str, output_dir: str, autoencoder: str | None = None, to
         ae_config, ae_state = read_config(ae_folder, "--autoencoder"), read_official_weights(ae_folder,
                                                                                              "--autoencoder")
     converted, notes = calm_from_official(official_config, state, ae_config, ae_state)
-    source = {"model": model, "autoencoder": autoencoder, "repository": "https://github.com/shaochenze/calm",
-              "license": "mit"}
+    source = {"sources": {"model": model, "autoencoder": autoencoder},
+              "repository": "https://github.com/shaochenze/calm", "license": "mit"}
     return write_folder(converted, output_dir, tokenizer, source, notes, overwrite), notes
 
 
@@ -109,7 +109,7 @@ def convert_cola(vae: str, dit: str, output_dir: str, tokenizer: str | None = No
     state = cola_state_dict_from_official(read_official_weights(vae_folder, "--vae"),
                                           read_official_weights(dit_folder, "--dit"), config)
     load_into(converted, state, "the official Cola checkpoint")
-    source = {"vae": vae, "dit": dit, "repository": "https://github.com/ByteDance-Seed/Cola-DLM",
+    source = {"sources": {"vae": vae, "dit": dit}, "repository": "https://github.com/ByteDance-Seed/Cola-DLM",
               "license": "apache-2.0"}
     return write_folder(converted, output_dir, tokenizer, source, notes, overwrite), notes
 
@@ -141,6 +141,7 @@ def write_folder(model, output_dir: str, tokenizer: str | None, source: dict, no
             save_tokenizer(loaded_tokenizer, tmp)
         (tmp / "README.md").write_text(model_card(model, source, notes, loaded_tokenizer is not None),
                                        encoding="utf-8")
+        (tmp / CONVERSION_RECORD).write_text(json.dumps({**source, "notes": notes}, indent=1) + "\n", encoding="utf-8")
 
     atomic_directory_write(target, write)
     return target
@@ -148,7 +149,7 @@ def write_folder(model, output_dir: str, tokenizer: str | None, source: dict, no
 
 def model_card(model, source: dict, notes: list[str], has_tokenizer: bool) -> str:
     family = type(model).__name__
-    origin = ", ".join(f"{k} `{v}`" for k, v in source.items() if k in ("model", "autoencoder", "vae", "dit") and v)
+    origin = ", ".join(f"{k} `{v}`" for k, v in source["sources"].items() if v)
     lines = [
         "---", f"license: {source['license']}", "library_name: transformers", "tags:", "- hf-latentlm",
         "- converted", "---", "",

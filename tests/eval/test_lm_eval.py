@@ -18,6 +18,7 @@ import torch
 lm_eval = pytest.importorskip("lm_eval")
 
 from family_contract import build_tiny  # noqa: E402
+from official_checkpoints import CONVERTED_CALM, convert_calm_fixture  # noqa: E402
 from lm_eval import utils as lm_eval_utils  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
@@ -30,6 +31,7 @@ from hf_latentlm.training.scorers import stable_int  # noqa: E402
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 FAMILIES = ("ar", "plm", "calm", "cola", "aurora")
 LATENT = ("calm", "cola", "aurora")
+MODELS = FAMILIES + (CONVERTED_CALM,)  # and the official CALM weights, converted
 CLI_FAMILY = "cola"
 SAMPLED = {"do_sample": True, "temperature": 1.0}  # what the sampled local task sets, accepted by every family
 PROMPTS = ["ROMEO.\nBut soft, what light", "HAMLET.\nTo be", "KING.\nNow is the winter of our discontent"]
@@ -50,6 +52,7 @@ def folders(tmp_path_factory, tokenizer):
             model.config.num_inference_steps = 2
         model.save_pretrained(saved[family])
         save_tokenizer(tokenizer, saved[family])
+    saved[CONVERTED_CALM] = convert_calm_fixture(root / CONVERTED_CALM)
     return saved
 
 
@@ -72,7 +75,7 @@ def cli_run(folders, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def adapters(folders):
-    return {family: HFLatentLM(pretrained=str(folders[family]), batch_size=2, device="cpu") for family in FAMILIES}
+    return {family: HFLatentLM(pretrained=str(folders[family]), batch_size=2, device="cpu") for family in MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -221,16 +224,16 @@ def test_plm_loglikelihoods_are_its_encoders_next_token_log_probabilities(folder
         [by_hand], abs=1e-5)
 
 
-@pytest.mark.parametrize("family", LATENT)
+@pytest.mark.parametrize("family", LATENT + (CONVERTED_CALM,))
 def test_latent_families_refuse_token_likelihoods_by_name(adapters, family):
     lm = adapters[family]
-    with pytest.raises(NotImplementedError, match=rf"the {family} family has no token likelihood.*generate_until"):
+    with pytest.raises(NotImplementedError, match=rf"the {family.removesuffix('-official')} family has no token likelihood.*generate_until"):
         lm.loglikelihood(instances("loglikelihood", PAIRS[:1]))
-    with pytest.raises(NotImplementedError, match=rf"the {family} family has no token likelihood.*generate_until"):
+    with pytest.raises(NotImplementedError, match=rf"the {family.removesuffix('-official')} family has no token likelihood.*generate_until"):
         lm.loglikelihood_rolling(instances("loglikelihood_rolling", [(PASSAGE,)]))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MODELS)
 def test_generate_until_is_the_familys_own_generate_cut_at_the_first_stop_string(adapters, family, tokenizer,
                                                                                   monkeypatch):
     lm, max_new = adapters[family], 16
@@ -261,7 +264,7 @@ def test_generate_until_is_the_familys_own_generate_cut_at_the_first_stop_string
     assert new_widths[0] < max_new
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MODELS)
 def test_greedy_generation_runs_on_every_family_as_its_own_greedy_generate(adapters, family, tokenizer):
     """The greedy task as written (do_sample false), and lm-eval's default for a task that sets no decoding: every
     family runs them, giving what its own generate(do_sample=False) gives on the prompt alone."""
@@ -347,7 +350,7 @@ def test_hf_latentlm_lm_eval_passes_every_argument_to_lm_evals_command_line(run_
     assert (code, seen) == (0, [argv])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MODELS)
 def test_repeats_of_one_request_draw_their_own_samples(adapters, family):
     """lm-eval runs a task with `repeats: N` by listing the same request object N times: each copy gets its own seed,
     so a sampled request's copies are independent draws, not one text N times."""

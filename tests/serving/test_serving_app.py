@@ -19,8 +19,10 @@ import pytest
 import torch
 
 from family_contract import build_tiny
+from official_checkpoints import CONVERTED_CALM, convert_calm_fixture
 
 FAMILIES = ("ar", "plm", "calm", "cola", "aurora")
+SERVED = FAMILIES + (CONVERTED_CALM,)  # and the official CALM weights, converted
 PROMPT = "ROMEO.\nWhat light"
 BATCH_WAIT_MS = 400  # long enough that requests sent together on loopback are batched together
 MAX_QUEUE = 2
@@ -33,8 +35,12 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def models(tokenizer):
-    return {family: build_tiny(family, tokenizer).eval() for family in FAMILIES}
+def models(tokenizer, tmp_path_factory):
+    from hf_latentlm.modeling.modeling_calm import CALMForCausalLM
+
+    converted = convert_calm_fixture(tmp_path_factory.mktemp("converted") / CONVERTED_CALM)
+    return {**{family: build_tiny(family, tokenizer).eval() for family in FAMILIES},
+            CONVERTED_CALM: CALMForCausalLM.from_pretrained(converted).eval()}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +50,7 @@ def server(models, tokenizer, tmp_path_factory):
         model.save_pretrained(root / family)
         tokenizer.save_pretrained(root / family)
     port = free_port()
-    command = [sys.executable, "-m", "hf_latentlm.cli", "serve", *(f"--model={f}={root / f}" for f in FAMILIES),
+    command = [sys.executable, "-m", "hf_latentlm.cli", "serve", *(f"--model={f}={root / f}" for f in SERVED),
                "--port", str(port), "--batch-wait-ms", str(BATCH_WAIT_MS), "--max-queue", str(MAX_QUEUE),
                "--log-level", "info"]
     log = open(root / "server.log", "w")
@@ -101,7 +107,7 @@ def metrics(server, family):
 
 
 def test_models_route_lists_every_served_model(client):
-    assert sorted(m.id for m in client.models.list().data) == sorted(FAMILIES)
+    assert sorted(m.id for m in client.models.list().data) == sorted(SERVED)
 
 
 def test_streamed_text_equals_the_whole_answer_and_generate_alone_for_every_family(client, models, tokenizer):
@@ -111,8 +117,8 @@ def test_streamed_text_equals_the_whole_answer_and_generate_alone_for_every_fami
         chunks = list(client.completions.create(stream=True, **options))
         return whole, chunks
 
-    with concurrent.futures.ThreadPoolExecutor(len(FAMILIES)) as pool:  # one worker per model: they run side by side
-        answers = dict(zip(FAMILIES, pool.map(check, FAMILIES)))
+    with concurrent.futures.ThreadPoolExecutor(len(SERVED)) as pool:  # one worker per model: they run side by side
+        answers = dict(zip(SERVED, pool.map(check, SERVED)))
     prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     for family, (whole, chunks) in answers.items():
         streamed = "".join(chunk.choices[0].text for chunk in chunks)
@@ -141,7 +147,7 @@ def test_chat_streams_what_it_answers_whole_and_refuses_a_system_message(client,
     assert err.value.body["param"] == "messages" and "system" in err.value.body["message"]
 
 
-@pytest.mark.parametrize("family", ["ar", "plm"])
+@pytest.mark.parametrize("family", ["ar", "plm", CONVERTED_CALM])
 def test_two_concurrent_clients_share_a_batch_and_get_their_tokens_alone(client, family):
     requests = [dict(model=family, prompt=PROMPT, max_tokens=9, seed=11, temperature=1.0 if family == "ar" else None),
                 dict(model=family, prompt="JULIET.\nO", max_tokens=5, seed=12)]

@@ -1,0 +1,79 @@
+"""The package's tools on a converted official CALM (the vocab-4096 official-format fixture): transformers'
+pipeline, training steps of the loop, `hf-latentlm sft --lora`, and `push` to the loopback Hub. lm-eval and the
+server run it next to the families (tests/eval/test_lm_eval.py, tests/serving/test_serving_app.py); batched
+left-padded generate() and the streamer are in the family contract (test_calm_official.py)."""
+
+import json
+import math
+
+import pytest
+import torch
+from fake_hub import fake_hub, hub_env  # noqa: F401  (fake_hub is a fixture)
+from official_checkpoints import convert_calm_fixture
+
+from hf_latentlm.modeling.modeling_calm import CALMForCausalLM
+from hf_latentlm.training.config import TrainConfig
+from hf_latentlm.training.loop import train
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    return convert_calm_fixture(tmp_path_factory.mktemp("converted") / "calm-official")
+
+
+def test_pipeline_generates_what_generate_does(converted, tokenizer):
+    from transformers import pipeline
+
+    generator = pipeline("text-generation", model=str(converted), trust_remote_code=True)
+    text = generator("ROMEO.\nWhat light", max_new_tokens=8, noise_seeds=[5], return_full_text=False)[0]
+    model = CALMForCausalLM.from_pretrained(converted)
+    ids = tokenizer("ROMEO.\nWhat light", return_tensors="pt").input_ids
+    # The pipeline's generation config carries the official sampling default, T = 1/2.
+    out = model.generate(ids, max_new_tokens=8, noise_seeds=[5], temperature=0.5)
+    assert text["generated_text"] == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert generator.model.generation_config.temperature == 0.5
+
+
+def test_training_steps_move_the_official_form_and_keep_its_autoencoder(converted, tokenizer, tiny_rows, tmp_path):
+    model = CALMForCausalLM.from_pretrained(converted)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = TrainConfig(family="calm", preset="tiny", output_dir=str(tmp_path / "run"), max_steps=2, batch_size=4,
+                      seq_len=32, eval_every=0, save_every=2, log_every=1, progress_bar=False)
+    metrics = train(cfg, model=model, tokenizer=tokenizer, train_rows=tiny_rows[:16, :32], val_rows=tiny_rows[16:20, :32])
+    assert math.isfinite(metrics["loss"])
+    trained = CALMForCausalLM.from_pretrained(tmp_path / "run")
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["input_norm"], config["energy_head_type"]) == ("layer", "reference")  # the official form stays
+    moved = {n for n, p in trained.named_parameters() if not torch.equal(p, before[n])}
+    assert any(n.startswith("model.layers.") for n in moved) and any(n.startswith("energy_head.") for n in moved)
+    assert "model.compress_norm.bias" in moved  # the official LayerNorm's bias trains too
+    assert not any(n.startswith("autoencoder.") for n in moved)  # frozen
+
+
+def test_sft_with_lora_runs_on_the_converted_model(converted, run_cli, tmp_path):
+    code, out, err = run_cli("sft", "--model", str(converted), "--output-dir", str(tmp_path / "sft"), "--lora",
+                             "--max-steps", "2", "--batch-size", "4", "--train-size", "16")
+    assert code == 0, err
+    tuned = CALMForCausalLM.from_pretrained(tmp_path / "sft")
+    base = CALMForCausalLM.from_pretrained(converted)
+    changed = [n for n, p in tuned.named_parameters() if not torch.equal(p, base.state_dict()[n])]
+    assert changed and all(n.startswith("model.layers.") for n in changed), changed  # LoRA merged into the backbone
+    assert json.loads((tmp_path / "sft" / "post_training.json").read_text())["lora"] is True
+
+
+def test_push_names_the_official_source_and_its_license(converted, tmp_path, fake_hub):
+    import subprocess
+    import sys
+
+    endpoint, hub = fake_hub
+    push = "import sys; from hf_latentlm.cli import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", push, "push", "--model", str(converted), "--repo-id",
+                           "someone/calm-official"], env=hub_env(endpoint, tmp_path / "home"), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = hub.repos["someone/calm-official"]["main"]
+    assert files["model.safetensors"] == (converted / "model.safetensors").read_bytes()
+    assert "conversion.json" not in files and "tokenizer.json" in files
+    card = files["README.md"].decode()
+    assert "license: mit" in card and "shaochenze/calm" in card and "hf-latentlm convert" in card
+    assert "trained on a small corpus" not in card  # the CPU-scale caveat is for models trained here
