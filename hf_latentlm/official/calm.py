@@ -259,6 +259,38 @@ def _autoencoder_config_from_tensors(state: dict, official_config: dict) -> dict
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Paper sizes
+# ---------------------------------------------------------------------------------------------------------------------
+
+# The official configs of the published checkpoints, as the official training scripts write them: the config
+# class's defaults, the scripts' `--config_overrides`, and the tokenizer's ids and size (Llama 3: 128,256 entries,
+# no pad token). CALM-L and CALM-XL are published without their configs in the code; convert their folders instead.
+LLAMA3_TOKENS = {"vocab_size": 128256, "bos_token_id": 128000, "eos_token_id": 128001, "pad_token_id": None}
+OFFICIAL_AUTOENCODER_CONFIG = {
+    "patch_size": 4, "latent_size": 128, "hidden_size": 512, "intermediate_size": 1280, "num_encoder_layers": 2,
+    "num_decoder_layers": 2, "kl_weight": 1e-3, "kl_clamp": 0.5, "ae_dropout": 0.15, "rms_norm_eps": 1e-6,
+    "hidden_act": "silu", "mlp_bias": False, "tie_word_embeddings": False, **LLAMA3_TOKENS}
+OFFICIAL_CALM_CONFIGS = {
+    "calm-m": {"patch_size": 4, "latent_size": 128, "num_mlp_layers": 4, "noise_size": 64, "num_samples": 8,
+               "beta": 1.0, "hidden_size": 1024, "intermediate_size": 2752, "num_hidden_layers": 16,
+               "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 2048,
+               "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False,
+               "mlp_bias": False, "tie_word_embeddings": False, **LLAMA3_TOKENS},
+}
+
+
+def official_calm_config(name: str) -> CALMConfig:
+    """The `CALMConfig` (official form, with its autoencoder's config) of a published CALM size, for a model with
+    fresh weights at that size (`CALMForCausalLM(official_calm_config("calm-m"))`)."""
+    if name not in OFFICIAL_CALM_CONFIGS:
+        raise ValueError(f"unknown official CALM size {name!r}; known: {sorted(OFFICIAL_CALM_CONFIGS)} (convert a "
+                         f"published folder for the others: hf-latentlm convert calm --model ...)")
+    autoencoder, _ = autoencoder_config_from_official(OFFICIAL_AUTOENCODER_CONFIG)
+    config, _ = calm_config_from_official(OFFICIAL_CALM_CONFIGS[name], autoencoder)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Parity with the official outputs
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -331,4 +363,4 @@ def _generate_difference(model: CALMForCausalLM, reference: dict, name: str) -> 
 
 __all__ = ["OFFICIAL_AUTOENCODER_FORM", "OFFICIAL_CALM_FORM", "OFFICIAL_SAMPLING", "autoencoder_config_from_official",
            "autoencoder_state_dict_from_official", "calm_config_from_official", "calm_from_official", "calm_parity",
-           "calm_state_dict_from_official", "load_into"]
+           "calm_state_dict_from_official", "load_into", "official_calm_config", "OFFICIAL_CALM_CONFIGS"]

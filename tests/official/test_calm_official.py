@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import family_contract as contract
 from hf_latentlm.modeling.configuration_calm import CALMConfig
 from hf_latentlm.modeling.modeling_calm import CALMForCausalLM, ReplayedDraws
-from hf_latentlm.official.calm import calm_from_official, calm_parity
+from hf_latentlm.official.calm import calm_from_official, calm_parity, official_calm_config
 from hf_latentlm.official.convert import read_official_weights
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "official"
@@ -226,3 +226,18 @@ def test_converted_model_passes_the_family_contract(check, converted, request):
         arguments[name] = converted if name == "model" else request.getfixturevalue(
             {"rows": "tiny_rows"}.get(name, name))
     CONTRACT[check](**arguments)
+
+
+def test_calm_m_at_its_official_size_has_the_official_parameter_counts():
+    # The official code's counts for CALM-M (README: 371M) and its autoencoder (75M), built on the meta device.
+    with torch.device("meta"):
+        model = CALMForCausalLM(official_calm_config("calm-m"))
+    autoencoder = sum(p.numel() for p in model.autoencoder.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    assert (total - autoencoder, autoencoder) == (371_731_584, 75_831_552)
+    assert model.config.vocab_size == 128256 and model.config.chunk_size == 4
+
+
+def test_unknown_official_calm_size_names_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown official CALM size 'calm-xxl'.*\['calm-m'\]"):
+        official_calm_config("calm-xxl")
