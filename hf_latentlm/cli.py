@@ -131,6 +131,8 @@ def add_model_commands(sub) -> None:
     e = sub.add_parser("eval", help="Brier-n / BrierLM / BrierLM-2 (+ NLL, MAUVE) as JSON")
     e.add_argument("--model", required=True)
     e.add_argument("--split", default="validation", choices=["validation", "test"])
+    e.add_argument("--text-file", action="extend", nargs=1, metavar="FILE", help="evaluate on your own texts instead "
+                   "of the embedded corpus (repeatable): a text file is one document, a JSON-lines file one per line")
     e.add_argument("--num-positions", type=int, default=20000)
     e.add_argument("--context-len", type=int, help=CONTEXT_LEN_HELP)
     e.add_argument("--batch-size", type=int, default=64)
@@ -361,11 +363,16 @@ def cmd_eval(args) -> int:
     from .eval.harness import evaluate_model  # torch: after every argument check
     from .eval.optimum import optimum_headline
     from .loading import load_model_and_tokenizer
+    from .training.corpus import load_text_documents
 
+    documents = load_text_documents(args.text_file) if args.text_file else None
     model, tokenizer = load_model_and_tokenizer(args.model)
     language = GeneratedLanguage.from_folder(args.model)  # None unless it was trained on a generated language
+    if language is not None and documents is not None:
+        raise ValueError(f"{args.model} was trained on generated:{language.name}; it is evaluated on that language's "
+                         f"own texts, not on --text-file")
     result = evaluate_model(model, tokenizer, args.split, args.num_positions, context_len, args.batch_size,
-                            args.seed, mauve=args.mauve, progress=True, language=language)
+                            args.seed, mauve=args.mauve, progress=True, language=language, documents=documents)
     result["model"] = args.model
     print(json.dumps(result, indent=1))
     if language is not None:

@@ -88,6 +88,22 @@ def test_train_generate_eval_round_trip(tmp_path, run_cli):
         entry = result["brier"][key]
         assert entry["ci_low"] <= entry["value"] <= entry["ci_high"]
     assert result["brier"]["num_positions"] == 64
+
+    # Your own texts: a JSON-lines file (one document a line, as the official CALM evaluation set) evaluates as the
+    # same documents given one text file each, and not as the embedded corpus.
+    texts = ["To be, or not to be, that is the question. " * 12, "Now is the winter of our discontent. " * 14]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    for i, text in enumerate(texts):
+        (tmp_path / f"doc{i}.txt").write_text(text)
+    options = ["--num-positions", "64", "--batch-size", "32", "--context-len", "32"]
+    jsonl = json.loads(run_cli("eval", "--model", str(out), *options, "--text-file", str(tmp_path / "eval.jsonl"))[1])
+    files = json.loads(run_cli("eval", "--model", str(out), *options, "--text-file", str(tmp_path / "doc0.txt"),
+                               "--text-file", str(tmp_path / "doc1.txt"))[1])
+    assert jsonl["split"] == files["split"] == "documents" and jsonl["brier"] == files["brier"]
+    assert jsonl["nll"] == files["nll"] and jsonl["nll"] != result["nll"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    code, _, err = run_cli("eval", "--model", str(out), "--text-file", str(tmp_path / "bad.jsonl"))
+    assert code == 2 and 'bad.jsonl\': line 2 has no string "text" field' in err
     assert 0 < result["nll"]["nll"] < 10 and result["nll"]["perplexity"] > 1
 
 

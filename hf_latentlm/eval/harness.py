@@ -51,10 +51,12 @@ def generate_mauve_texts(model, tokenizer, stream: torch.Tensor, num_samples: in
 def evaluate_model(model, tokenizer, split: str = "validation", num_positions: int = 20000, context_len: int = 128,
                    batch_size: int = 64, seed: int = 0, mauve: bool = False, mauve_samples: int = 400,
                    progress: bool = False, generate_kwargs: dict | None = None, nll: bool = True,
-                   language: GeneratedLanguage | None = None) -> dict:
+                   language: GeneratedLanguage | None = None, documents: list[str] | None = None) -> dict:
     """Brier-1..4, BrierLM, BrierLM-2 (with intervals); NLL/perplexity when the model has a
     likelihood (and `nll`); MAUVE when asked (needs the `eval` extra). `generate_kwargs`: extra `generate()` options
     for the Brier and MAUVE samples, merged over the unbiased-sampling defaults (NLL does not sample).
+
+    `documents`: texts to evaluate on instead of the embedded corpus's `split`.
 
     `language`: the generated language the model was trained on. The windows then come from its `split` and the
     result has an `optimum` entry: the true language and its unigram on the same windows, and the gap the model
@@ -71,8 +73,8 @@ def evaluate_model(model, tokenizer, split: str = "validation", num_positions: i
                                            likelihood=nll)
         result = {"split": split, "brier": {**optimum.pop("model"), "context_len": context_len}, "optimum": optimum}
     else:
-        stream = split_stream(tokenizer, split)
-        result = {"split": split, "brier": evaluate_brier(model, stream, num_positions, context_len, batch_size, seed,
+        stream = split_stream(tokenizer, split) if documents is None else token_stream(documents, tokenizer)
+        result = {"split": split if documents is None else "documents", "brier": evaluate_brier(model, stream, num_positions, context_len, batch_size, seed,
                                                           progress=progress, generate_kwargs=generate_kwargs)}
     if nll and has_likelihood(model):
         row_length = trained_row_length(model.config, NLL_ROW_LENGTH)

@@ -9,6 +9,8 @@ trained on the train split. Both live in ``hf_latentlm/data/`` and are rebuilt b
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 from ..data import TOKENIZER_DIR, read_corpus_records
@@ -42,7 +44,9 @@ def load_default_tokenizer():
 
 def load_text_documents(paths: list[str]) -> list[str]:
     """Users' own UTF-8 text files, one document per file, in the given order: a leading byte-order mark is dropped
-    and line endings become ``\\n``; ValueError for a path that is not a readable, non-blank UTF-8 file."""
+    and line endings become ``\\n``; ValueError for a path that is not a readable, non-blank UTF-8 file. A JSON-lines
+    file (`.jsonl`, or `.json` whose every line is an object) gives one document per line, its "text" field: the
+    format of datasets' `to_json` and of the official CALM evaluation set."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     documents = []
@@ -57,5 +61,28 @@ def load_text_documents(paths: list[str]) -> list[str]:
             raise ValueError(f"text file {str(path)!r} cannot be read as UTF-8 text ({err})") from err
         if not text.strip():
             raise ValueError(f"text file {str(path)!r} is empty")
-        documents.append(text)
+        records = json_lines(text) if p.suffix in (".json", ".jsonl") else None
+        if records is None:
+            documents.append(text)
+            continue
+        for number, record in enumerate(records, 1):
+            if not isinstance(record.get("text"), str):
+                raise ValueError(f"JSON-lines file {str(path)!r}: line {number} has no string \"text\" field")
+            documents.append(record["text"])
     return documents
+
+
+def json_lines(text: str) -> list[dict] | None:
+    """The objects of a JSON-lines text, or None when it is not one (a plain text, a single JSON document)."""
+    records = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(record, dict):
+            return None
+        records.append(record)
+    return records or None

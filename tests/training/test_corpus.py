@@ -150,6 +150,12 @@ def test_load_text_documents(tmp_path):
     b.write_text("Another document.\n", encoding="utf-8")
     assert load_text_documents([str(a), str(b)]) == ["First line\nsecond line\n", "Another document.\n"]
     assert load_text_documents([b]) == ["Another document.\n"]
+    # JSON lines: a document per line; a JSON file that is one document (not lines of objects) stays one text.
+    lines, single = tmp_path / "docs.jsonl", tmp_path / "one.json"
+    lines.write_text('{"text": "one"}\n\n{"text": "two", "id": 2}\n', encoding="utf-8")
+    single.write_text('[{"text": "one"}]\n', encoding="utf-8")
+    assert load_text_documents([lines, b]) == ["one", "two", "Another document.\n"]
+    assert load_text_documents([single]) == ['[{"text": "one"}]\n']
 
 
 def test_load_text_documents_errors(tmp_path):
