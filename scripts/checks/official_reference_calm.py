@@ -33,28 +33,14 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--official-clone", required=True, help="a clone of shaochenze/calm")
     parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab-size", type=int, default=67)
-    parser.add_argument("--chunk-size", type=int, default=4)
-    parser.add_argument("--latent-size", type=int, default=24)
-    parser.add_argument("--ae-hidden-size", type=int, default=48)
-    parser.add_argument("--ae-intermediate-size", type=int, default=80)
-    parser.add_argument("--ae-encoder-layers", type=int, default=4)
-    parser.add_argument("--ae-decoder-layers", type=int, default=2)
-    parser.add_argument("--ae-rms-norm-eps", type=float, default=1e-6)
-    parser.add_argument("--hidden-size", type=int, default=32)
-    parser.add_argument("--intermediate-size", type=int, default=72)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-kv-heads", type=int, default=2)
-    parser.add_argument("--noise-size", type=int, default=12)
-    parser.add_argument("--num-mlp-layers", type=int, default=3)
-    parser.add_argument("--rope-theta", type=float, default=500000.0)
-    parser.add_argument("--rms-norm-eps", type=float, default=1e-5)
-    parser.add_argument("--perturb-std", type=float, default=0.05)
-    parser.add_argument("--pad-token-id", type=int, default=0)
-    parser.add_argument("--bos-token-id", type=int, default=1)
-    parser.add_argument("--eos-token-id", type=int, default=2)
+    # Sizes, ids and the perturbation: the defaults make the shared reference; other values make held-out ones.
+    sizes = {"seed": 0, "vocab-size": 67, "chunk-size": 4, "latent-size": 24, "ae-hidden-size": 48,
+             "ae-intermediate-size": 80, "ae-encoder-layers": 4, "ae-decoder-layers": 2, "ae-rms-norm-eps": 1e-6,
+             "hidden-size": 32, "intermediate-size": 72, "num-layers": 2, "num-heads": 4, "num-kv-heads": 2,
+             "noise-size": 12, "num-mlp-layers": 3, "rope-theta": 500000.0, "rms-norm-eps": 1e-5,
+             "perturb-std": 0.05, "pad-token-id": 0, "bos-token-id": 1, "eos-token-id": 2}
+    for name, default in sizes.items():
+        parser.add_argument(f"--{name}", type=type(default), default=default)
     parser.add_argument("--without-autoencoder-folder", action="store_true",
                         help="keep only the CALM folder (its autoencoder is inside, as ae_model.*)")
     parser.add_argument("--rows", type=int, default=3)
