@@ -17,10 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import ModelOutput
 from transformers.utils.deprecation import deprecate_kwarg
@@ -29,9 +32,9 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_cola import ODE_SOLVERS, ColaConfig, ColaVAEConfig
 from .flow import FlowMatchEulerSampler, FlowMatchHeunSampler, TimestepEmbedding, make_time_sampler
 from .generation import BlockLatentGenerationOptions
-from .layers import (AttentionProbs, DecoderBlock, DiTBlock, RMSNorm, RotaryEmbedding, block_causal_layout,
-                     decoder_layers, dit_layers, draw_block_conditions, dual_stream_mask, evaluation_generator,
-                     fixed_row_draw, init_backbone_weights)
+from .layers import (AttentionProbs, DecoderBlock, DiTBlock, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary,
+                     block_causal_layout, decoder_layers, dit_layers, draw_block_conditions, dual_stream_mask,
+                     evaluation_generator, fixed_row_draw, init_backbone_weights)
 from .modeling_backbone import (BackbonePreTrainedModel, check_backbone_inputs, check_block_training_rows,
                                 check_forward_kwargs, masked_cross_entropy, recording_nothing, scored_positions)
 from .modeling_block_latent import BlockLatentForCausalLM, BlockLatentPreTrainedModel, BlockVelocityField
@@ -79,6 +82,183 @@ class ColaOutput(ModelOutput):
 
 
 # ====================================================================================================================
+# The official form's modules (ByteDance-Seed/Cola-DLM), used when a config asks for it
+# ====================================================================================================================
+
+class InterleavedRotaryEmbedding(RotaryEmbedding):
+    """RoPE tables for the official DiT: frequencies over `head_dim` = the rotated channels only, each angle repeated
+    for an adjacent pair of channels (interleaved layout, not rotate-half)."""
+
+    @torch.no_grad()
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype | None = None):
+        with torch.autocast(device_type=position_ids.device.type, enabled=False):
+            freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device, torch.float32)
+            emb = freqs.repeat_interleave(2, dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+        if dtype is not None:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
+
+
+def apply_interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] channels of x [B, H, T, D] in adjacent pairs (x0, x1) -> (x0·c − x1·s,
+    x1·c + x0·s); the other channels pass unchanged. Computed in float32."""
+    rotated = cos.shape[-1]
+    cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+    head = x[..., :rotated].float()
+    pairs = head.unflatten(-1, (-1, 2))
+    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return torch.cat((head * cos + turned * sin, x[..., rotated:].float()), dim=-1).to(x.dtype)
+
+
+class OfficialAttention(nn.Module):
+    """Self-attention of the official Cola blocks. QK-norm: a LayerNorm (affine, eps) over the whole q and k widths
+    (`qk_norm="full"`, the VAE) or over each head (`"head"`, the DiT). RoPE: rotate-half over the whole head
+    (`rotary="half"`, cos/sin [B, T, head_dim]) or interleaved pairs over the first channels (`"interleaved"`, cos/sin
+    [B, T, rope_dim]). Scores are q·scale @ kᵀ plus an additive mask, then softmax and @ v, written out in the
+    official order so that the result matches it; `attention_dtype="bfloat16"` runs them under bfloat16 autocast as
+    the official DiT does. Keys are cached after norm and rotary. Masks: bool, True = may attend."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: str, eps: float,
+                 qkv_bias: bool, out_bias: bool, rotary: str, attention_dtype: str | None = None,
+                 layer_idx: int | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.qk_norm_type, self.rotary, self.layer_idx = qk_norm, rotary, layer_idx
+        self.attention_dtype = getattr(torch, attention_dtype) if attention_dtype else None
+        self.attention_probs = AttentionProbs()
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=out_bias)
+        q_width, k_width = (num_heads * head_dim, num_kv_heads * head_dim) if qk_norm == "full" else (head_dim,) * 2
+        self.q_norm = nn.LayerNorm(q_width, eps=eps)
+        self.k_norm = nn.LayerNorm(k_width, eps=eps)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        bsz, q_len, _ = hidden_states.shape
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        if self.qk_norm_type == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm_type == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary == "interleaved":
+            q, k = apply_interleaved_rotary(q, cos, sin), apply_interleaved_rotary(k, cos, sin)
+        else:
+            q, k = apply_rotary(q.float(), k.float(), cos.float(), sin.float())
+            q, k = q.to(v.dtype), k.to(v.dtype)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        additive = None
+        if attention_mask is not None:
+            attention_mask = attention_mask.view((1,) * (4 - attention_mask.dim()) + attention_mask.shape)
+            additive = torch.zeros(attention_mask.shape, dtype=torch.float32, device=q.device)
+            additive = additive.masked_fill(~attention_mask, torch.finfo(torch.float32).min)
+        with torch.autocast(q.device.type, dtype=self.attention_dtype or torch.bfloat16,
+                            enabled=self.attention_dtype is not None):
+            scores = q.mul(self.head_dim**-0.5) @ k.transpose(-2, -1)
+            if additive is not None:
+                scores = scores + additive.to(scores.dtype)
+            probs = self.attention_probs(scores.softmax(dim=-1))
+            out = probs @ v
+        out = out.to(hidden_states.dtype).transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class OfficialVAEBlock(GradientCheckpointingLayer):
+    """The official VAE block (post-norm): x <- LN(x) + attn(x); out = x + LN(mlp(x)), SwiGLU MLP with biases."""
+
+    def __init__(self, config: ColaVAEConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = OfficialAttention(config.hidden_size, config.num_attention_heads,
+                                           config.num_key_value_heads, config.head_dim, "full", config.rms_norm_eps,
+                                           config.qkv_bias, True, "half", layer_idx=layer_idx)
+        self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, bias=True)
+        self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        attended = self.self_attn(hidden_states, cos, sin, attention_mask, cache=cache)
+        hidden_states = self.attention_norm(hidden_states) + attended
+        return hidden_states + self.mlp_norm(self.mlp(hidden_states))
+
+
+def vae_layers(config: ColaVAEConfig, num_layers: int) -> nn.ModuleList:
+    """The VAE's blocks: ours (`decoder_layers`) or the official form's."""
+    if config.official:
+        return nn.ModuleList(OfficialVAEBlock(config, i) for i in range(num_layers))
+    if num_layers == config.num_hidden_layers:
+        return decoder_layers(config)
+    return decoder_layers(replace_layers(config, num_layers))
+
+
+def replace_layers(config, num_layers: int):
+    """A copy of a config with another `num_hidden_layers` (to size a stack of blocks)."""
+    copy = type(config).from_dict(config.to_dict())
+    copy.num_hidden_layers = num_layers
+    return copy
+
+
+class GeluMLP(nn.Module):
+    """proj_out(GELU_tanh(proj_in(x))), with biases: the official DiT's MLP."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.proj_in = nn.Linear(hidden_size, intermediate_size)
+        self.proj_out = nn.Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj_out(F.gelu(self.proj_in(x), approximate="tanh"))
+
+
+class OfficialDiTBlock(DiTBlock):
+    """`DiTBlock`'s adaLN computation with the official DiT's sublayers: `OfficialAttention` (per-head LayerNorm
+    QK-norm, interleaved RoPE on `rope_dim` channels) and `GeluMLP`. The official four modulation layers (shift and
+    scale in, gate out, for attention and MLP) are the rows of the one `modulation` layer, in its order."""
+
+    def __init__(self, config: ColaConfig, layer_idx: int):
+        GradientCheckpointingLayer.__init__(self)
+        self.layer_idx = layer_idx
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.attention_norm = nn.LayerNorm(size, eps=eps, elementwise_affine=False)
+        self.self_attn = OfficialAttention(size, config.num_attention_heads, config.num_key_value_heads,
+                                           config.head_dim, "head", eps, False, False, "interleaved",
+                                           config.attention_dtype, layer_idx=layer_idx)
+        self.mlp_norm = nn.LayerNorm(size, eps=eps, elementwise_affine=False)
+        self.mlp = GeluMLP(size, config.intermediate_size)
+        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(size, 6 * size))
+        self.modulation[1].zero_init = True
+
+
+class OfficialTimestepEmbedding(nn.Module):
+    """The official DiT's time conditioning: sinusoidal(time_scale·t; 256 features: sines, then cosines, frequencies
+    10000^(−i/128)) -> Linear -> SiLU -> Linear -> SiLU -> Linear."""
+
+    def __init__(self, hidden_size: int, frequency_size: int = 256, time_scale: float = 1000.0):
+        super().__init__()
+        self.frequency_size, self.time_scale = frequency_size, time_scale
+        self.linear_1 = nn.Linear(frequency_size, hidden_size)
+        self.linear_2 = nn.Linear(hidden_size, hidden_size)
+        self.linear_3 = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        half = self.frequency_size // 2
+        # The official expression order (exponent divided by `half` last): other orders move the angles by an ulp.
+        exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half
+        angles = (t.float() * self.time_scale)[..., None] * torch.exp(exponent)
+        features = torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1).to(self.linear_1.weight.dtype)
+        return self.linear_3(F.silu(self.linear_2(F.silu(self.linear_1(features)))))
+
+
+# ====================================================================================================================
 # Text VAE
 # ====================================================================================================================
 
@@ -100,12 +280,16 @@ class ColaVAEEncoder(nn.Module):
     def __init__(self, config: ColaVAEConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.mask_embedding = nn.Embedding(1, config.hidden_size)  # the BERT-style pass's [MASK] input
-        self.layers = decoder_layers(config)
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.to_latent = nn.Linear(config.hidden_size, config.latent_size)
-        self.logsnr = LogSNR(config)
+        official = config.official
+        # The official embedding's extra last row serves as the [MASK] input here (its code ships no VAE training).
+        self.embed_tokens = nn.Embedding(config.vocab_size + official, config.hidden_size)
+        if not official:
+            self.mask_embedding = nn.Embedding(1, config.hidden_size)  # the BERT-style pass's [MASK] input
+        self.patch_in = nn.Linear(config.hidden_size, config.hidden_size) if official else None
+        self.layers = vae_layers(config, config.num_hidden_layers)
+        self.norm = None if official else RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.to_latent = nn.Linear(config.hidden_size, config.latent_size * (2 if official else 1))
+        self.logsnr = None if official else LogSNR(config)
         self.rotary = RotaryEmbedding.from_config(config)
 
     def forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
@@ -120,21 +304,54 @@ class ColaVAEEncoder(nn.Module):
         """The final normed states [B, T, hidden] that `forward` reads μ from (same arguments)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if masked is not None:
-            x = torch.where(masked[..., None], self.mask_embedding.weight[0].to(x.dtype), x)
+            mask_row = (self.embed_tokens.weight[self.config.vocab_size] if self.config.official
+                        else self.mask_embedding.weight[0])
+            x = torch.where(masked[..., None], mask_row.to(x.dtype), x)
+        if self.patch_in is not None:
+            x = self.patch_in(x)
         past = cache.get_seq_length() if cache is not None else 0
         positions, mask = block_causal_layout(attention_mask, x.shape[0], x.shape[1], past,
                                               self.config.vae_block_size, x.device)
         cos, sin = self.rotary(positions, dtype=x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache=cache)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
     def posterior_mean(self, states: torch.Tensor) -> torch.Tensor:
-        mean = self.to_latent(states).float()
-        return F.layer_norm(mean, (mean.shape[-1],))  # no affine parameters: power ≈ 1 per channel (code)
+        return self.posterior(states)[0]
+
+    def posterior(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(μ [B, T, d_z], σ) of the final states, float32: σ is one scalar (the logSNR's), or [B, T, d_z] from the
+        posterior's own log-variance in the official form."""
+        out = self.to_latent(states).float()
+        if not self.config.official:
+            # No affine parameters: power ≈ 1 per channel (code).
+            return F.layer_norm(out, (out.shape[-1],)), self.posterior_std()
+        mean, logvar = self._official_parameters(out)
+        return mean, torch.exp(0.5 * logvar)
+
+    def _official_parameters(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, logvar = out.chunk(2, dim=-1)
+        return F.layer_norm(mean, (mean.shape[-1],), eps=self.config.rms_norm_eps), logvar.clamp(-30.0, 20.0)
+
+    def posterior_log_variance(self, states: torch.Tensor) -> torch.Tensor:
+        """log σ² [B, T, d_z] of the final states."""
+        if self.config.official:
+            return self._official_parameters(self.to_latent(states).float())[1]
+        return (-self.logsnr()).expand(*states.shape[:-1], self.config.latent_size)
 
     def posterior_std(self) -> torch.Tensor:
+        if self.logsnr is None:
+            raise ValueError("the official-form VAE has a posterior σ per position: read it from posterior(states)")
         return torch.exp(-0.5 * self.logsnr())
+
+    def logsnr_value(self, mean: torch.Tensor | None = None, std: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The logSNR parameter; in the official form its estimate log(mean μ² / mean σ²) from a pass, if given."""
+        if self.logsnr is not None:
+            return self.logsnr()
+        if mean is None or std is None:
+            return None
+        return torch.log(mean.detach().pow(2).mean() / std.detach().pow(2).mean().clamp(min=1e-30))
 
 
 class ColaVAEDecoder(nn.Module):
@@ -144,10 +361,13 @@ class ColaVAEDecoder(nn.Module):
     def __init__(self, config: ColaVAEConfig):
         super().__init__()
         self.config = config
+        official = config.official
         self.latent_in = nn.Linear(config.latent_size, config.hidden_size)
-        self.layers = decoder_layers(config)
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.layers = vae_layers(config, config.num_decoder_blocks)
+        self.patch_out = nn.Linear(config.hidden_size, config.hidden_size) if official else None
+        self.norm = (nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps) if official
+                     else RMSNorm(config.hidden_size, eps=config.rms_norm_eps))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=official)
         self.rotary = RotaryEmbedding.from_config(config)
 
     def forward(self, latents: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
@@ -159,6 +379,8 @@ class ColaVAEDecoder(nn.Module):
         cos, sin = self.rotary(positions, dtype=x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache=cache)
+        if self.patch_out is not None:
+            x = self.patch_out(x)
         return self.lm_head(self.norm(x))
 
 
@@ -168,6 +390,14 @@ def init_cola_weights(module: nn.Module, std: float) -> None:
     init_backbone_weights(module, std)
     if isinstance(module, LogSNR):
         module.value.fill_(module.initial)
+    elif isinstance(module, nn.LayerNorm) and module.weight is not None:  # the official form's affine norms
+        module.weight.fill_(1.0)
+        if module.bias is not None:
+            module.bias.zero_()
+
+
+def _detached(value: torch.Tensor | None) -> torch.Tensor | None:
+    return None if value is None else value.detach()
 
 
 def gaussian_kl(mean: torch.Tensor, std: torch.Tensor, ref_mean: torch.Tensor, ref_std: torch.Tensor) -> torch.Tensor:
@@ -202,7 +432,8 @@ class ColaTextVAE(BackbonePreTrainedModel):
 
     def freeze_components(self) -> None:
         """A fixed logSNR (`learn_logsnr=False`) gets no gradient."""
-        self.encoder.logsnr.value.requires_grad_(self.config.learn_logsnr)
+        if self.encoder.logsnr is not None:
+            self.encoder.logsnr.value.requires_grad_(self.config.learn_logsnr)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -226,10 +457,24 @@ class ColaTextVAE(BackbonePreTrainedModel):
         """The posterior mean μ [B, T, d_z] (what inference uses) of the tokens (ids, or their embeddings)."""
         return self.encoder(input_ids, attention_mask, masked=masked, cache=cache, inputs_embeds=inputs_embeds)
 
-    def sample_latents(self, mean: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
-        """z = μ + σ·ε (ε standard normal; drawn from the global RNG unless given)."""
+    @recording_nothing
+    def encode_posterior(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                         masked: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(μ, σ) of the tokens (`ColaVAEEncoder.posterior`)."""
+        return self.encoder.posterior(self.encoder.states(input_ids, attention_mask, masked=masked))
+
+    def sample_latents(self, mean: torch.Tensor, noise: torch.Tensor | None = None,
+                       std: torch.Tensor | None = None) -> torch.Tensor:
+        """z = μ + σ·ε (ε standard normal; drawn from the global RNG unless given; σ the logSNR's unless given)."""
         noise = torch.randn_like(mean) if noise is None else noise
-        return mean + self.encoder.posterior_std() * noise
+        return mean + (self.encoder.posterior_std() if std is None else std) * noise
+
+    def to_prior_space(self, latents: torch.Tensor) -> torch.Tensor:
+        """(z − latent_shifting_factor) · latent_scaling_factor: the space of the DiT and of the decoder's input."""
+        cfg = self.config
+        if cfg.latent_scaling_factor == 1 and cfg.latent_shifting_factor == 0:
+            return latents
+        return (latents - cfg.latent_shifting_factor) * cfg.latent_scaling_factor
 
     def decode_logits(self, latents: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.decoder(latents, attention_mask)
@@ -245,9 +490,8 @@ class ColaTextVAE(BackbonePreTrainedModel):
         cfg = self.config
         scored = scored_positions(labels, attention_mask)
         states = self.encoder.states(input_ids, attention_mask)
-        mean = self.encoder.posterior_mean(states)
-        std = self.encoder.posterior_std()
-        z = self.sample_latents(mean, latent_noise) if sample_latent else mean
+        mean, std = self.encoder.posterior(states)
+        z = self.sample_latents(mean, latent_noise, std) if sample_latent else mean
         logits = self.decoder(z, attention_mask)
         reconstruction = masked_cross_entropy(logits, labels, scored)
         zero = torch.zeros((), device=mean.device)
@@ -257,14 +501,15 @@ class ColaTextVAE(BackbonePreTrainedModel):
         mask_nll = None
         if self.training and cfg.mask_loss_weight > 0 and cfg.mask_prob > 0:
             masked = (torch.rand(scored.shape, device=scored.device) < cfg.mask_prob) & scored
-            masked_z = self.sample_latents(self.encode(input_ids, attention_mask, masked=masked))  # not recorded
+            masked_mean, masked_std = self.encode_posterior(input_ids, attention_mask, masked=masked)  # not recorded
+            masked_z = self.sample_latents(masked_mean, std=masked_std)
             mask_nll = masked_cross_entropy(self.decoder(masked_z, attention_mask), labels, masked)
             loss = loss + cfg.mask_loss_weight * mask_nll
         accuracy = ((logits.argmax(-1) == labels) & scored).sum() / scored.sum().clamp(min=1)
         out = ColaVAEOutput(loss=loss, logits=logits, latent_mean=mean, last_hidden_state=states,
                             reconstruction_nll=reconstruction.detach(),
                             kl=kl.detach(), mask_nll=None if mask_nll is None else mask_nll.detach(),
-                            token_accuracy=accuracy, logsnr=self.encoder.logsnr().detach())
+                            token_accuracy=accuracy, logsnr=_detached(self.encoder.logsnr_value(mean, std)))
         return out, z
 
     @capture_outputs
@@ -280,10 +525,10 @@ class ColaTextVAE(BackbonePreTrainedModel):
         sample = self.training if sample_latent is None else sample_latent
         if labels is None:
             states = self.encoder.states(input_ids, attention_mask, inputs_embeds=inputs_embeds)
-            mean = self.encoder.posterior_mean(states)
-            z = self.sample_latents(mean) if sample else mean
+            mean, std = self.encoder.posterior(states)
+            z = self.sample_latents(mean, std=std) if sample else mean
             return ColaVAEOutput(logits=self.decoder(z, attention_mask), latent_mean=mean, last_hidden_state=states,
-                                 logsnr=self.encoder.logsnr().detach())
+                                 logsnr=_detached(self.encoder.logsnr_value(mean, std)))
         if inputs_embeds is not None:
             raise ValueError("the Cola VAE loss takes input_ids and labels (not inputs_embeds)")
         return self.losses(input_ids, labels, attention_mask, sample_latent=sample)[0]
@@ -294,7 +539,7 @@ class ColaTextVAE(BackbonePreTrainedModel):
         """Token accuracy on clean input (eval mode, no masking) of decoding the posterior mean and a sampled z, and
         of decoding z_t = (1 − t)·z + t·ε for each t in `noise_levels` (the paper's robustness curve), plus the
         logSNR. input_ids [B, T]."""
-        mean = self.encoder(input_ids)
+        mean, std = self.encode_posterior(input_ids)
 
         def accuracy(latents):
             return (self.decoder(latents).argmax(-1) == input_ids).float().mean().item()
@@ -302,10 +547,10 @@ class ColaTextVAE(BackbonePreTrainedModel):
         def normal():
             return torch.randn(mean.shape, generator=generator).to(mean.device)
 
-        sampled = mean + self.encoder.posterior_std() * normal()
+        sampled = mean + std * normal()
         return {"accuracy_mean": accuracy(mean), "accuracy_sampled": accuracy(sampled),
                 "accuracy_vs_noise": {float(t): accuracy((1 - t) * sampled + t * normal()) for t in noise_levels},
-                "logsnr": self.encoder.logsnr().item()}
+                "logsnr": self.encoder.logsnr_value(mean, std).item()}
 
 
 # ====================================================================================================================
@@ -361,10 +606,17 @@ class ColaModel(ColaPreTrainedModel):
         super().__init__(config)
         self.vae = ColaTextVAE(config.vae_config)
         self.latent_in = nn.Linear(config.latent_size, config.hidden_size)
-        self.time_embedding = TimestepEmbedding(config.hidden_size)
-        self.layers = dit_layers(config)
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps, elementwise_affine=False)
-        self.rotary = RotaryEmbedding.from_config(config)
+        official = config.dit_architecture == "official"
+        if official:
+            self.time_embedding = OfficialTimestepEmbedding(config.hidden_size)
+            self.layers = nn.ModuleList(OfficialDiTBlock(config, i) for i in range(config.num_hidden_layers))
+            self.rotary = InterleavedRotaryEmbedding(config.rope_dim or config.head_dim,
+                                                     base=config.rope_parameters["rope_theta"])
+        else:
+            self.time_embedding = TimestepEmbedding(config.hidden_size)
+            self.layers = dit_layers(config)
+            self.rotary = RotaryEmbedding.from_config(config)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps, elementwise_affine=official)
         self.post_init()
 
     @property
@@ -385,8 +637,9 @@ class ColaModel(ColaPreTrainedModel):
 
     def encode_tokens(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                       cache=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """The VAE's posterior mean [B, T, d_z] of the tokens (ids, or their embeddings)."""
-        return self.vae.encode(input_ids, attention_mask, cache=cache, inputs_embeds=inputs_embeds)
+        """The VAE's posterior mean [B, T, d_z] of the tokens (ids, or their embeddings), in the DiT's space."""
+        return self.vae.to_prior_space(self.vae.encode(input_ids, attention_mask, cache=cache,
+                                                       inputs_embeds=inputs_embeds))
 
     @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @capture_outputs
@@ -569,14 +822,16 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
             mean = vae_out.latent_mean
         else:
             with torch.no_grad():
-                mean = vae.encode(input_ids, attention_mask)
-                z0 = vae.sample_latents(mean, latent_noise)
+                mean, std = vae.encode_posterior(input_ids, attention_mask)
+                z0 = vae.sample_latents(mean, latent_noise, std)
+        z0 = vae.to_prior_space(z0)
         scored = scored_positions(labels, attention_mask)
         if self.reference_encoder is not None and joint:
             with torch.no_grad():
-                ref_mean = self.reference_encoder(input_ids, attention_mask)
-                ref_std = self.reference_encoder.posterior_std()
-            ref_kl = gaussian_kl(mean, vae.encoder.posterior_std(), ref_mean, ref_std)
+                ref_mean, ref_std = self.reference_encoder.posterior(self.reference_encoder.states(input_ids,
+                                                                                                   attention_mask))
+            std = vae.encoder.posterior(vae_out.last_hidden_state)[1]
+            ref_kl = gaussian_kl(mean, std, ref_mean, ref_std)
             parts["reference_kl"] = (ref_kl * scored).sum() / scored.sum().clamp(min=1)
 
         Q, device = cfg.block_size, input_ids.device
@@ -594,7 +849,8 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
         if "reference_kl" in parts:
             loss = loss + cfg.reference_kl_weight * parts["reference_kl"]
         detached = {name: None if value is None else value.detach() for name, value in parts.items()}
-        return ColaOutput(loss=loss, flow_matching_loss=flow_matching.detach(), logsnr=vae.encoder.logsnr().detach(),
+        return ColaOutput(loss=loss, flow_matching_loss=flow_matching.detach(),
+                          logsnr=_detached(vae.encoder.logsnr_value()),
                           **detached)
 
     joint_objective = training_objective  # its name before the block-latent base
