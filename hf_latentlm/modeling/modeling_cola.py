@@ -501,8 +501,11 @@ class ColaTextVAE(BackbonePreTrainedModel):
         mask_nll = None
         if self.training and cfg.mask_loss_weight > 0 and cfg.mask_prob > 0:
             masked = (torch.rand(scored.shape, device=scored.device) < cfg.mask_prob) & scored
-            masked_mean, masked_std = self.encode_posterior(input_ids, attention_mask, masked=masked)  # not recorded
-            masked_z = self.sample_latents(masked_mean, std=masked_std)
+            if cfg.official:  # σ per position: from the same pass
+                masked_mean, masked_std = self.encode_posterior(input_ids, attention_mask, masked=masked)
+                masked_z = self.sample_latents(masked_mean, std=masked_std)
+            else:
+                masked_z = self.sample_latents(self.encode(input_ids, attention_mask, masked=masked))  # not recorded
             mask_nll = masked_cross_entropy(self.decoder(masked_z, attention_mask), labels, masked)
             loss = loss + cfg.mask_loss_weight * mask_nll
         accuracy = ((logits.argmax(-1) == labels) & scored).sum() / scored.sum().clamp(min=1)
