@@ -78,7 +78,8 @@ def cola_config_from_official(vae: dict, dit: dict, **overrides) -> tuple[ColaCo
         latent_scaling_factor=vae.get("scaling_factor", 1.0), latent_shifting_factor=vae.get("shifting_factor", 0.0),
         architecture="official", **ids)
     fields = dict(
-        vocab_size=vae["vocab_size"], hidden_size=dit["txt_dim"], intermediate_size=dit["txt_dim"] * dit["expand_ratio"],
+        vocab_size=vae["vocab_size"], hidden_size=dit["txt_dim"],
+        intermediate_size=dit["txt_dim"] * dit["expand_ratio"],
         num_hidden_layers=dit["num_layers"], num_attention_heads=dit["heads"], num_key_value_heads=dit["heads"],
         head_dim=dit["head_dim"], rms_norm_eps=dit["norm_eps"], max_position_embeddings=8192,
         rope_parameters={"rope_type": "default", "rope_theta": DIT_ROPE_THETA}, rope_dim=dit["rope_dim"],
@@ -195,11 +196,15 @@ def _dit_state(state: dict, config: ColaConfig, label: str) -> dict[str, torch.T
 
 
 def cola_state_dict_from_official(vae_state: dict, dit_state: dict, config: ColaConfig) -> dict[str, torch.Tensor]:
-    """The official VAE and DiT tensors -> `ColaForCausalLM.state_dict()` keys (a model built with
-    `vae_learning_rate_ratio=0`, which keeps no reference encoder). An unknown tensor is an error naming it; missing
+    """The official VAE and DiT tensors -> `ColaForCausalLM.state_dict()` keys (with a reference encoder, a copy of
+    the VAE's encoder, when the config trains the VAE jointly). An unknown tensor is an error naming it; missing
     and mis-shaped ones are named by `load_into`."""
-    return {**_vae_state(vae_state, config.vae_config, "the official Cola VAE checkpoint"),
-            **_dit_state(dit_state, config, "the official Cola DiT checkpoint")}
+    out = {**_vae_state(vae_state, config.vae_config, "the official Cola VAE checkpoint"),
+           **_dit_state(dit_state, config, "the official Cola DiT checkpoint")}
+    if config.trains_vae and config.reference_kl_weight > 0:  # joint training's frozen anchor starts as the encoder
+        prefix = "model.vae.encoder."
+        out.update({"reference_encoder." + k[len(prefix):]: v for k, v in list(out.items()) if k.startswith(prefix)})
+    return out
 
 
 def cola_from_official(vae_config: dict, dit_config: dict, vae_state: dict, dit_state: dict,
