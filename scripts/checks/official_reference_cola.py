@@ -33,7 +33,10 @@ from safetensors.torch import save_file
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--official-clone", required=True, help="a clone of ByteDance-Seed/Cola-DLM")
-    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--output-dir", help="where to write (not needed with --count-released-sizes)")
+    parser.add_argument("--count-released-sizes", action="store_true",
+                        help="only print the parameter counts of the official default configs (the released "
+                             "sizes), built on the meta device")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=71)
     parser.add_argument("--dim", type=int, default=40)
@@ -72,6 +75,13 @@ def main() -> int:
     from cola_dlm.modeling_cola_dit import ColaDiTModel
     from cola_dlm.modeling_cola_vae import ColaTextVAEModel
 
+    if args.count_released_sizes:
+        with torch.device("meta"):
+            for name, module in (("VAE", ColaTextVAEModel(ColaTextVAEConfig())), ("DiT", ColaDiTModel(ColaDiTConfig()))):
+                print(f"official {name}: {sum(p.numel() for p in module.parameters()):,} parameters")
+        return 0
+    if args.output_dir is None:
+        raise SystemExit("--output-dir is required")
     torch.manual_seed(args.seed)
     pad = args.vocab_size - 1
     vae = ColaTextVAEModel(ColaTextVAEConfig(
