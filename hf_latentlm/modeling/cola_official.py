@@ -54,8 +54,9 @@ class OfficialAttention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: str, eps: float,
                  qkv_bias: bool, out_bias: bool, rotary: str, attention_dtype: str | None = None,
-                 layer_idx: int | None = None):
+                 layer_idx: int | None = None, config=None):
         super().__init__()
+        self.config = config
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_norm_type, self.rotary, self.layer_idx = qk_norm, rotary, layer_idx
         self.attention_dtype = getattr(torch, attention_dtype) if attention_dtype else None
@@ -98,7 +99,10 @@ class OfficialAttention(nn.Module):
             scores = q.mul(self.head_dim**-0.5) @ k.transpose(-2, -1)
             if additive is not None:
                 scores = scores + additive.to(scores.dtype)
-            probs = self.attention_probs(scores.softmax(dim=-1))
+            probs = scores.softmax(dim=-1)
+            # Recorded for `output_attentions` only under "eager", as transformers' models do.
+            if getattr(self.config, "_attn_implementation", None) == "eager":
+                probs = self.attention_probs(probs)
             out = probs @ v
         out = out.to(hidden_states.dtype).transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
         return self.o_proj(out)
@@ -112,7 +116,7 @@ class OfficialVAEBlock(GradientCheckpointingLayer):
         self.layer_idx = layer_idx
         self.self_attn = OfficialAttention(config.hidden_size, config.num_attention_heads,
                                            config.num_key_value_heads, config.head_dim, "full", config.rms_norm_eps,
-                                           config.qkv_bias, True, "half", layer_idx=layer_idx)
+                                           config.qkv_bias, True, "half", layer_idx=layer_idx, config=config)
         self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, bias=True)
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -164,7 +168,7 @@ class OfficialDiTBlock(DiTBlock):
         self.attention_norm = nn.LayerNorm(size, eps=eps, elementwise_affine=False)
         self.self_attn = OfficialAttention(size, config.num_attention_heads, config.num_key_value_heads,
                                            config.head_dim, "head", eps, False, False, "interleaved",
-                                           config.attention_dtype, layer_idx=layer_idx)
+                                           config.attention_dtype, layer_idx=layer_idx, config=config)
         self.mlp_norm = nn.LayerNorm(size, eps=eps, elementwise_affine=False)
         self.mlp = GeluMLP(size, config.intermediate_size)
         self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(size, 6 * size))
