@@ -9,6 +9,10 @@ from .configuration_backbone import (BackboneConfig, check_fraction, check_non_n
 from .configuration_block_latent import TIME_SAMPLERS, BlockLatentConfig
 
 ODE_SOLVERS = ("euler", "heun")
+#: `architecture` of the VAE and `dit_architecture` of the DiT: this project's modules, or the official code's
+#: (ByteDance-Seed/Cola-DLM), which a converted checkpoint uses (hf_latentlm/official/cola.py).
+ARCHITECTURES = ("ours", "official")
+ATTENTION_DTYPES = (None, "bfloat16")
 
 
 @strict
@@ -23,6 +27,16 @@ class ColaVAEConfig(BackboneConfig):
     linear to the vocabulary; position i yields the logits of token i, so a block of latents decodes in ONE pass.
     The backbone fields size both halves: `num_hidden_layers` blocks EACH (paper: 4 + 4).
     Loss: reconstruction CE (clean input, sampled z) + kl_weight·KL + mask_loss_weight·masked CE.
+
+    `architecture="official"` is the official form (ByteDance-Seed/Cola-DLM's `ColaTextVAEModel`, patch size 1):
+    the embedding has one row more than the vocabulary (used here as the masked pass's [MASK] input); a linear
+    patch embedding follows it; the blocks are post-norm with LayerNorms (eps `rms_norm_eps`): x <- LN(x) +
+    attn(x), then x <- x + LN(mlp(x)), with biases on the attention output and the SwiGLU MLP (its fused up/gate
+    projection split into `up_proj` and `gate_proj`), `qkv_bias` on the q/k/v projections and a LayerNorm QK-norm
+    over the whole q and k widths (not per head); `num_key_value_heads` = heads / the official `shared_heads_kv`.
+    The encoder has no final norm and emits mean and log-variance (the posterior's own, clamped to [-30, 20]; no
+    logSNR parameter). The decoder has `num_decoder_layers` blocks, a linear un-patch layer, an affine LayerNorm
+    and a read-out with bias.
     """
 
     model_type = "cola_vae"
@@ -46,11 +60,34 @@ class ColaVAEConfig(BackboneConfig):
     # λ_mask of the cross-entropy, at the masked positions only, of decoding the masked input's latents (**choice**:
     # a second encoder pass; the clean pass trains reconstruction).
     mask_loss_weight: int | float = 0.5
+    architecture: str = "ours"  # "official": the official form (class docstring)
+    num_decoder_layers: int | None = None  # None -> num_hidden_layers (the official form may differ)
+    qkv_bias: bool = False  # biases on the q/k/v projections (official form only; the official `qk_bias`)
+    # The DiT works on (μ − shifting) · scaling, and the decoder reads latents in that space (the official
+    # `scaling_factor` / `shifting_factor`; 1 and 0 leave the latents as the encoder gives them).
+    latent_scaling_factor: int | float = 1.0
+    latent_shifting_factor: int | float = 0.0
+
+    @property
+    def official(self) -> bool:
+        return self.architecture == "official"
+
+    @property
+    def num_decoder_blocks(self) -> int:
+        return self.num_hidden_layers if self.num_decoder_layers is None else self.num_decoder_layers
 
     def validate_architecture(self) -> None:
         """Raise a ValueError naming the first bad field."""
         super().validate_architecture()
         check_positive(self, ("latent_size", "vae_block_size"))
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"ColaVAEConfig.architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
+        if self.num_decoder_layers is not None and self.num_decoder_layers < 1:
+            raise ValueError(f"ColaVAEConfig.num_decoder_layers must be None or >= 1, got {self.num_decoder_layers}")
+        if self.qkv_bias and not self.official:
+            raise ValueError("ColaVAEConfig.qkv_bias is an option of the official form (architecture='official')")
+        if not self.latent_scaling_factor > 0:
+            raise ValueError(f"ColaVAEConfig.latent_scaling_factor must be > 0, got {self.latent_scaling_factor}")
         check_fraction(self, ("mask_prob",))
         if self.kl_weight < 0 or self.mask_loss_weight < 0:
             raise ValueError(f"ColaVAEConfig.kl_weight and mask_loss_weight must be >= 0, got {self.kl_weight} and "
@@ -73,6 +110,15 @@ class ColaConfig(BlockLatentConfig):
     publishes none of the λ values: these are choices, logged as loss parts.
     Generation: `num_inference_steps` Euler (or Heun) steps per block; `cfg_scale` is forced to 1 for a block with no
     history.
+
+    `dit_architecture="official"` is the official form (ByteDance-Seed/Cola-DLM's `ColaDiTModel`, patch size 1):
+    the timestep embedding is sinusoidal(1000·t, 256 features, sin first) -> Linear -> SiLU -> Linear -> SiLU ->
+    Linear; each block's adaLN modulation is the official four (shift/scale and gate of both sublayers, stacked in
+    our one `modulation`); attention has a per-head LayerNorm QK-norm with affine parameters and rotates only the
+    first `rope_dim` channels of each head, in interleaved pairs, with θ = rope_theta (official: 10000); the MLP is
+    Linear -> GELU(tanh) -> Linear with biases (`intermediate_size` = expand_ratio · hidden); the final norm is an
+    affine LayerNorm. `attention_dtype="bfloat16"` computes the attention products under bfloat16 autocast, as
+    the official DiT does on every device (needed to reproduce its outputs closely).
     """
 
     model_type = "cola"
@@ -95,6 +141,9 @@ class ColaConfig(BlockLatentConfig):
     # VAE's parameters get no gradient: launch with `find_unused_parameters=True`.
     vae_frozen_steps: int = 0
     ode_solver: str = "euler"
+    dit_architecture: str = "ours"  # "official": the official form (class docstring)
+    rope_dim: int | None = None  # official form: rotated channels per head (None -> head_dim)
+    attention_dtype: str | None = None  # None (the inputs' dtype) or "bfloat16" (official form, class docstring)
 
     def __post_init__(self, **kwargs):
         self.embed_component_config(vocab_size=self.vocab_size)
@@ -116,6 +165,18 @@ class ColaConfig(BlockLatentConfig):
                              "vae_learning_rate_ratio > 0 (at 0 the VAE is frozen throughout)")
         if self.ode_solver not in ODE_SOLVERS:
             raise ValueError(f"ColaConfig.ode_solver must be one of {ODE_SOLVERS}, got {self.ode_solver!r}")
+        if self.dit_architecture not in ARCHITECTURES:
+            raise ValueError(f"ColaConfig.dit_architecture must be one of {ARCHITECTURES}, got "
+                             f"{self.dit_architecture!r}")
+        if self.attention_dtype not in ATTENTION_DTYPES:
+            raise ValueError(f"ColaConfig.attention_dtype must be one of {ATTENTION_DTYPES}, got "
+                             f"{self.attention_dtype!r}")
+        if (self.rope_dim is not None or self.attention_dtype is not None) and self.dit_architecture != "official":
+            raise ValueError("ColaConfig.rope_dim and attention_dtype are options of the official form "
+                             "(dit_architecture='official')")
+        if self.rope_dim is not None and not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
+            raise ValueError(f"ColaConfig.rope_dim must be an even number in (0, head_dim = {self.head_dim}], got "
+                             f"{self.rope_dim}")
 
     def validate_component(self) -> None:
         super().validate_component()
@@ -124,4 +185,4 @@ class ColaConfig(BlockLatentConfig):
                              f"vae_block_size ({self.vae_config.vae_block_size})")
 
 
-__all__ = ["ColaConfig", "ColaVAEConfig", "ODE_SOLVERS", "TIME_SAMPLERS"]
+__all__ = ["ARCHITECTURES", "ATTENTION_DTYPES", "ColaConfig", "ColaVAEConfig", "ODE_SOLVERS", "TIME_SAMPLERS"]

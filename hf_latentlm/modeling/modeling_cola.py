@@ -26,12 +26,13 @@ from transformers.utils import ModelOutput
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .cola_official import InterleavedRotaryEmbedding, OfficialDiTBlock, OfficialTimestepEmbedding, vae_layers
 from .configuration_cola import ODE_SOLVERS, ColaConfig, ColaVAEConfig
 from .flow import FlowMatchEulerSampler, FlowMatchHeunSampler, TimestepEmbedding, make_time_sampler
 from .generation import BlockLatentGenerationOptions
 from .layers import (AttentionProbs, DecoderBlock, DiTBlock, RMSNorm, RotaryEmbedding, block_causal_layout,
-                     decoder_layers, dit_layers, draw_block_conditions, dual_stream_mask, evaluation_generator,
-                     fixed_row_draw, init_backbone_weights)
+                     dit_layers, draw_block_conditions, dual_stream_mask, evaluation_generator, fixed_row_draw,
+                     init_backbone_weights)
 from .modeling_backbone import (BackbonePreTrainedModel, check_backbone_inputs, check_block_training_rows,
                                 check_forward_kwargs, masked_cross_entropy, recording_nothing, scored_positions)
 from .modeling_block_latent import BlockLatentForCausalLM, BlockLatentPreTrainedModel, BlockVelocityField
@@ -100,12 +101,16 @@ class ColaVAEEncoder(nn.Module):
     def __init__(self, config: ColaVAEConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.mask_embedding = nn.Embedding(1, config.hidden_size)  # the BERT-style pass's [MASK] input
-        self.layers = decoder_layers(config)
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.to_latent = nn.Linear(config.hidden_size, config.latent_size)
-        self.logsnr = LogSNR(config)
+        official = config.official
+        # The official embedding's extra last row serves as the [MASK] input here (its code ships no VAE training).
+        self.embed_tokens = nn.Embedding(config.vocab_size + official, config.hidden_size)
+        if not official:
+            self.mask_embedding = nn.Embedding(1, config.hidden_size)  # the BERT-style pass's [MASK] input
+        self.patch_in = nn.Linear(config.hidden_size, config.hidden_size) if official else None
+        self.layers = vae_layers(config, config.num_hidden_layers)
+        self.norm = None if official else RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.to_latent = nn.Linear(config.hidden_size, config.latent_size * (2 if official else 1))
+        self.logsnr = None if official else LogSNR(config)
         self.rotary = RotaryEmbedding.from_config(config)
 
     def forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
@@ -120,21 +125,54 @@ class ColaVAEEncoder(nn.Module):
         """The final normed states [B, T, hidden] that `forward` reads μ from (same arguments)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if masked is not None:
-            x = torch.where(masked[..., None], self.mask_embedding.weight[0].to(x.dtype), x)
+            mask_row = (self.embed_tokens.weight[self.config.vocab_size] if self.config.official
+                        else self.mask_embedding.weight[0])
+            x = torch.where(masked[..., None], mask_row.to(x.dtype), x)
+        if self.patch_in is not None:
+            x = self.patch_in(x)
         past = cache.get_seq_length() if cache is not None else 0
         positions, mask = block_causal_layout(attention_mask, x.shape[0], x.shape[1], past,
                                               self.config.vae_block_size, x.device)
         cos, sin = self.rotary(positions, dtype=x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache=cache)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
     def posterior_mean(self, states: torch.Tensor) -> torch.Tensor:
-        mean = self.to_latent(states).float()
-        return F.layer_norm(mean, (mean.shape[-1],))  # no affine parameters: power ≈ 1 per channel (code)
+        return self.posterior(states)[0]
+
+    def posterior(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(μ [B, T, d_z], σ) of the final states, float32: σ is one scalar (the logSNR's), or [B, T, d_z] from the
+        posterior's own log-variance in the official form."""
+        out = self.to_latent(states).float()
+        if not self.config.official:
+            # No affine parameters: power ≈ 1 per channel (code).
+            return F.layer_norm(out, (out.shape[-1],)), self.posterior_std()
+        mean, logvar = self._official_parameters(out)
+        return mean, torch.exp(0.5 * logvar)
+
+    def _official_parameters(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, logvar = out.chunk(2, dim=-1)
+        return F.layer_norm(mean, (mean.shape[-1],), eps=self.config.rms_norm_eps), logvar.clamp(-30.0, 20.0)
+
+    def posterior_log_variance(self, states: torch.Tensor) -> torch.Tensor:
+        """log σ² [B, T, d_z] of the final states."""
+        if self.config.official:
+            return self._official_parameters(self.to_latent(states).float())[1]
+        return (-self.logsnr()).expand(*states.shape[:-1], self.config.latent_size)
 
     def posterior_std(self) -> torch.Tensor:
+        if self.logsnr is None:
+            raise ValueError("the official-form VAE has a posterior σ per position: read it from posterior(states)")
         return torch.exp(-0.5 * self.logsnr())
+
+    def logsnr_value(self, mean: torch.Tensor | None = None, std: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The logSNR parameter; in the official form its estimate log(mean μ² / mean σ²) from a pass, if given."""
+        if self.logsnr is not None:
+            return self.logsnr()
+        if mean is None or std is None:
+            return None
+        return torch.log(mean.detach().pow(2).mean() / std.detach().pow(2).mean().clamp(min=1e-30))
 
 
 class ColaVAEDecoder(nn.Module):
@@ -144,10 +182,13 @@ class ColaVAEDecoder(nn.Module):
     def __init__(self, config: ColaVAEConfig):
         super().__init__()
         self.config = config
+        official = config.official
         self.latent_in = nn.Linear(config.latent_size, config.hidden_size)
-        self.layers = decoder_layers(config)
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.layers = vae_layers(config, config.num_decoder_blocks)
+        self.patch_out = nn.Linear(config.hidden_size, config.hidden_size) if official else None
+        self.norm = (nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps) if official
+                     else RMSNorm(config.hidden_size, eps=config.rms_norm_eps))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=official)
         self.rotary = RotaryEmbedding.from_config(config)
 
     def forward(self, latents: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
@@ -159,6 +200,8 @@ class ColaVAEDecoder(nn.Module):
         cos, sin = self.rotary(positions, dtype=x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache=cache)
+        if self.patch_out is not None:
+            x = self.patch_out(x)
         return self.lm_head(self.norm(x))
 
 
@@ -168,6 +211,14 @@ def init_cola_weights(module: nn.Module, std: float) -> None:
     init_backbone_weights(module, std)
     if isinstance(module, LogSNR):
         module.value.fill_(module.initial)
+    elif isinstance(module, nn.LayerNorm) and module.weight is not None:  # the official form's affine norms
+        module.weight.fill_(1.0)
+        if module.bias is not None:
+            module.bias.zero_()
+
+
+def _detached(value: torch.Tensor | None) -> torch.Tensor | None:
+    return None if value is None else value.detach()
 
 
 def gaussian_kl(mean: torch.Tensor, std: torch.Tensor, ref_mean: torch.Tensor, ref_std: torch.Tensor) -> torch.Tensor:
@@ -202,7 +253,8 @@ class ColaTextVAE(BackbonePreTrainedModel):
 
     def freeze_components(self) -> None:
         """A fixed logSNR (`learn_logsnr=False`) gets no gradient."""
-        self.encoder.logsnr.value.requires_grad_(self.config.learn_logsnr)
+        if self.encoder.logsnr is not None:
+            self.encoder.logsnr.value.requires_grad_(self.config.learn_logsnr)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -226,10 +278,24 @@ class ColaTextVAE(BackbonePreTrainedModel):
         """The posterior mean μ [B, T, d_z] (what inference uses) of the tokens (ids, or their embeddings)."""
         return self.encoder(input_ids, attention_mask, masked=masked, cache=cache, inputs_embeds=inputs_embeds)
 
-    def sample_latents(self, mean: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
-        """z = μ + σ·ε (ε standard normal; drawn from the global RNG unless given)."""
+    @recording_nothing
+    def encode_posterior(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                         masked: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(μ, σ) of the tokens (`ColaVAEEncoder.posterior`)."""
+        return self.encoder.posterior(self.encoder.states(input_ids, attention_mask, masked=masked))
+
+    def sample_latents(self, mean: torch.Tensor, noise: torch.Tensor | None = None,
+                       std: torch.Tensor | None = None) -> torch.Tensor:
+        """z = μ + σ·ε (ε standard normal; drawn from the global RNG unless given; σ the logSNR's unless given)."""
         noise = torch.randn_like(mean) if noise is None else noise
-        return mean + self.encoder.posterior_std() * noise
+        return mean + (self.encoder.posterior_std() if std is None else std) * noise
+
+    def to_prior_space(self, latents: torch.Tensor) -> torch.Tensor:
+        """(z − latent_shifting_factor) · latent_scaling_factor: the space of the DiT and of the decoder's input."""
+        cfg = self.config
+        if cfg.latent_scaling_factor == 1 and cfg.latent_shifting_factor == 0:
+            return latents
+        return (latents - cfg.latent_shifting_factor) * cfg.latent_scaling_factor
 
     def decode_logits(self, latents: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.decoder(latents, attention_mask)
@@ -245,9 +311,8 @@ class ColaTextVAE(BackbonePreTrainedModel):
         cfg = self.config
         scored = scored_positions(labels, attention_mask)
         states = self.encoder.states(input_ids, attention_mask)
-        mean = self.encoder.posterior_mean(states)
-        std = self.encoder.posterior_std()
-        z = self.sample_latents(mean, latent_noise) if sample_latent else mean
+        mean, std = self.encoder.posterior(states)
+        z = self.sample_latents(mean, latent_noise, std) if sample_latent else mean
         logits = self.decoder(z, attention_mask)
         reconstruction = masked_cross_entropy(logits, labels, scored)
         zero = torch.zeros((), device=mean.device)
@@ -257,14 +322,18 @@ class ColaTextVAE(BackbonePreTrainedModel):
         mask_nll = None
         if self.training and cfg.mask_loss_weight > 0 and cfg.mask_prob > 0:
             masked = (torch.rand(scored.shape, device=scored.device) < cfg.mask_prob) & scored
-            masked_z = self.sample_latents(self.encode(input_ids, attention_mask, masked=masked))  # not recorded
+            if cfg.official:  # σ per position: from the same pass
+                masked_mean, masked_std = self.encode_posterior(input_ids, attention_mask, masked=masked)
+                masked_z = self.sample_latents(masked_mean, std=masked_std)
+            else:
+                masked_z = self.sample_latents(self.encode(input_ids, attention_mask, masked=masked))  # not recorded
             mask_nll = masked_cross_entropy(self.decoder(masked_z, attention_mask), labels, masked)
             loss = loss + cfg.mask_loss_weight * mask_nll
         accuracy = ((logits.argmax(-1) == labels) & scored).sum() / scored.sum().clamp(min=1)
         out = ColaVAEOutput(loss=loss, logits=logits, latent_mean=mean, last_hidden_state=states,
                             reconstruction_nll=reconstruction.detach(),
                             kl=kl.detach(), mask_nll=None if mask_nll is None else mask_nll.detach(),
-                            token_accuracy=accuracy, logsnr=self.encoder.logsnr().detach())
+                            token_accuracy=accuracy, logsnr=_detached(self.encoder.logsnr_value(mean, std)))
         return out, z
 
     @capture_outputs
@@ -280,10 +349,10 @@ class ColaTextVAE(BackbonePreTrainedModel):
         sample = self.training if sample_latent is None else sample_latent
         if labels is None:
             states = self.encoder.states(input_ids, attention_mask, inputs_embeds=inputs_embeds)
-            mean = self.encoder.posterior_mean(states)
-            z = self.sample_latents(mean) if sample else mean
+            mean, std = self.encoder.posterior(states)
+            z = self.sample_latents(mean, std=std) if sample else mean
             return ColaVAEOutput(logits=self.decoder(z, attention_mask), latent_mean=mean, last_hidden_state=states,
-                                 logsnr=self.encoder.logsnr().detach())
+                                 logsnr=_detached(self.encoder.logsnr_value(mean, std)))
         if inputs_embeds is not None:
             raise ValueError("the Cola VAE loss takes input_ids and labels (not inputs_embeds)")
         return self.losses(input_ids, labels, attention_mask, sample_latent=sample)[0]
@@ -294,7 +363,7 @@ class ColaTextVAE(BackbonePreTrainedModel):
         """Token accuracy on clean input (eval mode, no masking) of decoding the posterior mean and a sampled z, and
         of decoding z_t = (1 − t)·z + t·ε for each t in `noise_levels` (the paper's robustness curve), plus the
         logSNR. input_ids [B, T]."""
-        mean = self.encoder(input_ids)
+        mean, std = self.encode_posterior(input_ids)
 
         def accuracy(latents):
             return (self.decoder(latents).argmax(-1) == input_ids).float().mean().item()
@@ -302,10 +371,10 @@ class ColaTextVAE(BackbonePreTrainedModel):
         def normal():
             return torch.randn(mean.shape, generator=generator).to(mean.device)
 
-        sampled = mean + self.encoder.posterior_std() * normal()
+        sampled = mean + std * normal()
         return {"accuracy_mean": accuracy(mean), "accuracy_sampled": accuracy(sampled),
                 "accuracy_vs_noise": {float(t): accuracy((1 - t) * sampled + t * normal()) for t in noise_levels},
-                "logsnr": self.encoder.logsnr().item()}
+                "logsnr": self.encoder.logsnr_value(mean, std).item()}
 
 
 # ====================================================================================================================
@@ -361,10 +430,17 @@ class ColaModel(ColaPreTrainedModel):
         super().__init__(config)
         self.vae = ColaTextVAE(config.vae_config)
         self.latent_in = nn.Linear(config.latent_size, config.hidden_size)
-        self.time_embedding = TimestepEmbedding(config.hidden_size)
-        self.layers = dit_layers(config)
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps, elementwise_affine=False)
-        self.rotary = RotaryEmbedding.from_config(config)
+        official = config.dit_architecture == "official"
+        if official:
+            self.time_embedding = OfficialTimestepEmbedding(config.hidden_size)
+            self.layers = nn.ModuleList(OfficialDiTBlock(config, i) for i in range(config.num_hidden_layers))
+            self.rotary = InterleavedRotaryEmbedding(config.rope_dim or config.head_dim,
+                                                     base=config.rope_parameters["rope_theta"])
+        else:
+            self.time_embedding = TimestepEmbedding(config.hidden_size)
+            self.layers = dit_layers(config)
+            self.rotary = RotaryEmbedding.from_config(config)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps, elementwise_affine=official)
         self.post_init()
 
     @property
@@ -385,8 +461,9 @@ class ColaModel(ColaPreTrainedModel):
 
     def encode_tokens(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                       cache=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """The VAE's posterior mean [B, T, d_z] of the tokens (ids, or their embeddings)."""
-        return self.vae.encode(input_ids, attention_mask, cache=cache, inputs_embeds=inputs_embeds)
+        """The VAE's posterior mean [B, T, d_z] of the tokens (ids, or their embeddings), in the DiT's space."""
+        return self.vae.to_prior_space(self.vae.encode(input_ids, attention_mask, cache=cache,
+                                                       inputs_embeds=inputs_embeds))
 
     @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @capture_outputs
@@ -569,14 +646,16 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
             mean = vae_out.latent_mean
         else:
             with torch.no_grad():
-                mean = vae.encode(input_ids, attention_mask)
-                z0 = vae.sample_latents(mean, latent_noise)
+                mean, std = vae.encode_posterior(input_ids, attention_mask)
+                z0 = vae.sample_latents(mean, latent_noise, std)
+        z0 = vae.to_prior_space(z0)
         scored = scored_positions(labels, attention_mask)
         if self.reference_encoder is not None and joint:
             with torch.no_grad():
-                ref_mean = self.reference_encoder(input_ids, attention_mask)
-                ref_std = self.reference_encoder.posterior_std()
-            ref_kl = gaussian_kl(mean, vae.encoder.posterior_std(), ref_mean, ref_std)
+                ref_mean, ref_std = self.reference_encoder.posterior(self.reference_encoder.states(input_ids,
+                                                                                                   attention_mask))
+            std = vae.encoder.posterior(vae_out.last_hidden_state)[1]
+            ref_kl = gaussian_kl(mean, std, ref_mean, ref_std)
             parts["reference_kl"] = (ref_kl * scored).sum() / scored.sum().clamp(min=1)
 
         Q, device = cfg.block_size, input_ids.device
@@ -594,7 +673,8 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
         if "reference_kl" in parts:
             loss = loss + cfg.reference_kl_weight * parts["reference_kl"]
         detached = {name: None if value is None else value.detach() for name, value in parts.items()}
-        return ColaOutput(loss=loss, flow_matching_loss=flow_matching.detach(), logsnr=vae.encoder.logsnr().detach(),
+        return ColaOutput(loss=loss, flow_matching_loss=flow_matching.detach(),
+                          logsnr=_detached(vae.encoder.logsnr_value()),
                           **detached)
 
     joint_objective = training_objective  # its name before the block-latent base

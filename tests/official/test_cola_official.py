@@ -1,0 +1,196 @@
+"""Official Cola DLM checkpoints (ByteDance-Seed/Cola-DLM) converted by `hf-latentlm convert cola`: the official
+code's outputs reproduced within 1e-5, bad checkpoints refused by name, the paper-size parameter counts, and the
+converted model held to the family contract.
+
+The fixtures under tests/fixtures/official/cola* were written by the official code (scripts/checks/
+official_reference_cola.py in an environment with transformers 4.43; `cola/` is ../shared/reference/cola):
+perturbed weights, so a wrong mapping of any tensor shows."""
+
+import inspect
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import family_contract as contract
+from hf_latentlm.modeling.modeling_cola import ColaForCausalLM
+from hf_latentlm.official.cola import cola_2b_config, cola_from_official, cola_parity
+from hf_latentlm.official.convert import read_config, read_official_weights
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "official"
+PARITY_SCRIPT = Path(__file__).parents[2] / "scripts" / "checks" / "official_parity.py"
+CASES = {"cola": 2, "cola_heldout": 3, "cola_tools": 2}  # fixture -> rows in its reference
+
+
+def official(name: str) -> tuple[dict, dict, dict, dict]:
+    folder = FIXTURES / name
+    return (read_config(folder / "cola_vae", "--vae"), read_config(folder / "cola_dit", "--dit"),
+            read_official_weights(folder / "cola_vae", "--vae"), read_official_weights(folder / "cola_dit", "--dit"))
+
+
+def convert(run_cli, name: str, output: Path, *extra: str) -> Path:
+    code, out, err = run_cli("convert", "cola", "--vae", str(FIXTURES / name / "cola_vae"), "--dit",
+                             str(FIXTURES / name / "cola_dit"), "--output-dir", str(output), *extra)
+    assert code == 0, err
+    assert f"converted to {output}" in out
+    return output
+
+
+def run_parity(model_dir: Path, reference: Path) -> tuple[int, dict[str, float], str]:
+    done = subprocess.run([sys.executable, str(PARITY_SCRIPT), "--family", "cola", "--model", str(model_dir),
+                           "--reference", str(reference)], capture_output=True, text=True, timeout=300)
+    diffs = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) max_abs_diff=(\S+)$", done.stdout, re.M)}
+    return done.returncode, diffs, done.stderr
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_converted_checkpoint_reproduces_the_official_outputs(tmp_path, run_cli, name):
+    folder = convert(run_cli, name, tmp_path / "converted")
+    code, diffs, err = run_parity(folder, FIXTURES / name / "reference_outputs.safetensors")
+    assert code == 0, err
+    rows = [f"row{i}_{q}" for i in range(CASES[name]) for q in ("mean", "logvar")]
+    assert sorted(diffs) == sorted(rows + ["decode_logits", "dit_velocity", "dit_uncond_velocity"])
+    assert all(diff <= 1e-5 for diff in diffs.values()), diffs
+
+
+def test_parity_check_fails_on_a_wrong_tensor(tmp_path, run_cli):
+    folder = convert(run_cli, "cola_heldout", tmp_path / "converted")
+    model = ColaForCausalLM.from_pretrained(folder)
+    with torch.no_grad():  # two DiT blocks' MLPs swapped: same shapes, different function
+        first, second = model.model.layers[0].mlp, model.model.layers[1].mlp
+        first.proj_in.weight, second.proj_in.weight = second.proj_in.weight, first.proj_in.weight
+    model.save_pretrained(tmp_path / "wrong")
+    code, diffs, err = run_parity(tmp_path / "wrong", FIXTURES / "cola_heldout" / "reference_outputs.safetensors")
+    assert code == 1 and "dit_velocity" in err
+    assert diffs["dit_velocity"] > 1e-5 and diffs["decode_logits"] <= 1e-5
+
+
+def test_float32_attention_is_not_the_official_dit():
+    """The official DiT's attention runs under bfloat16 autocast on every device; in float32 the velocity moves by
+    far more than the tolerance, so `attention_dtype="bfloat16"` is what the parity rests on."""
+    vae, dit, vae_state, dit_state = official("cola")
+    reference = load_file(FIXTURES / "cola" / "reference_outputs.safetensors")
+    model, _ = cola_from_official(vae, dit, vae_state, dit_state, attention_dtype=None)
+    assert cola_parity(model, reference)["dit_velocity"] > 1e-4
+
+
+def test_converted_folder_is_an_ordinary_model_folder(tmp_path, run_cli):
+    folder = convert(run_cli, "cola", tmp_path / "converted")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_cola.ColaForCausalLM"
+    assert (config["dit_architecture"], config["rope_dim"], config["attention_dtype"]) == ("official", 8, "bfloat16")
+    vae = config["vae_config"]
+    assert (vae["architecture"], vae["num_decoder_layers"], vae["latent_scaling_factor"],
+            vae["latent_shifting_factor"]) == ("official", 3, 1.7, 0.2)
+    card = (folder / "README.md").read_text()
+    assert "license: apache-2.0" in card and "ByteDance-Seed/Cola-DLM" in card and "No tokenizer was given" in card
+    assert (folder / "model.safetensors").is_file()
+
+
+def test_converted_model_loads_without_the_package(tmp_path, run_cli, isolated_generate):
+    folder = convert(run_cli, "cola_tools", tmp_path / "converted")
+    prompt = [[5, 6, 7, 8, 9, 10]]
+    options = {"noise_seeds": [3]}
+    isolated = isolated_generate(folder, "AutoModelForCausalLM", prompt, 8, options, tmp_path / "home")
+    local = ColaForCausalLM.from_pretrained(folder).generate(torch.tensor(prompt), max_new_tokens=8, **options)
+    assert isolated["tokens"] == local[0, 6:].tolist()
+
+
+def test_training_step_runs_on_the_official_form():
+    """The converted model trains as the official DiT training does (frozen VAE) and jointly."""
+    vae, dit, vae_state, dit_state = official("cola_heldout")
+    for ratio in (0.0, 1.0):
+        model, _ = cola_from_official(vae, dit, vae_state, dit_state, vae_learning_rate_ratio=ratio)
+        model.train()
+        ids = torch.randint(0, 50, (2, 8))
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        assert torch.isfinite(out.loss)
+        assert (model.model.vae.encoder.to_latent.weight.grad is not None) == (ratio > 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Refusals
+# ---------------------------------------------------------------------------------------------------------------------
+
+def edited(edit):
+    vae, dit, vae_state, dit_state = official("cola")
+    edit(vae, dit, vae_state, dit_state)
+    return vae, dit, vae_state, dit_state
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda v, d, vs, ds: ds.pop("blocks.1.ada.mlp_out.1.bias"),
+     r"missing tensor\(s\) \['blocks.1.ada.mlp_out.1.bias'\]"),
+    (lambda v, d, vs, ds: vs.pop("decoder.final_layer.bias"),
+     r"missing tensor\(s\) \['model.vae.decoder.lm_head.bias'\]"),
+    (lambda v, d, vs, ds: vs.update({"encoder.extra.weight": torch.zeros(2)}),
+     r"unexpected tensor encoder.extra.weight \(2,\)"),
+    (lambda v, d, vs, ds: ds.update({"blocks.0.msa.lora.weight": torch.zeros(2)}),
+     r"unexpected tensor blocks.0.msa.lora.weight \(2,\)"),
+    (lambda v, d, vs, ds: ds.update({"txt_out_norm.weight": torch.ones(47)}),
+     r"tensor for model.norm.weight has shape \(47,\), the config gives \(48,\)"),
+    (lambda v, d, vs, ds: vs.update({"encoder.blocks.0.qkv_proj.weight": torch.zeros(100, 40)}),
+     r"tensor encoder.blocks.0.qkv_proj.weight has shape \(100, 40\), the config gives 120 rows"),
+    (lambda v, d, vs, ds: ds.update({"blocks.0.msa.rope.rope.freqs": torch.ones(4)}),
+     r"blocks.0.msa.rope.rope.freqs is not the RoPE frequencies"),
+    (lambda v, d, vs, ds: v.update(post_norm=False), r"the official VAE config.post_norm = False is not supported"),
+    (lambda v, d, vs, ds: v.update(patch_size=2), r"the official VAE config.patch_size = 2 is not supported"),
+    (lambda v, d, vs, ds: d.update(qk_bias=True), r"the official DiT config.qk_bias = True is not supported"),
+    (lambda v, d, vs, ds: v.update(shared_heads_kv=2), r"shared_heads_kv = 2 is neither 1 nor num_heads = 4"),
+    (lambda v, d, vs, ds: d.update(emb_dim=40), r"emb_dim = 40 differs from txt_dim = 48"),
+    (lambda v, d, vs, ds: d.update(txt_in_channels=7), r"txt_in_channels = 7 disagrees with the VAE's latent_dim = 6"),
+])
+def test_bad_official_checkpoint_is_refused_by_name(edit, message):
+    with pytest.raises(ValueError, match=message):
+        cola_from_official(*edited(edit))
+
+
+def test_unknown_config_fields_are_ignored_with_a_note():
+    vae, dit, vae_state, dit_state = official("cola")
+    _, notes = cola_from_official({**vae, "flux": 3}, dit, vae_state, dit_state)
+    assert "ignored VAE field flux = 3 (no counterpart here)" in notes
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Paper size
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_cola_2b_parameter_counts_equal_the_official_code():
+    """The official modules built on the meta device count VAE 501,871,574 and DiT 1,829,875,728 parameters
+    (results/official_checkpoints/param_counts_cola.md)."""
+    with torch.device("meta"):
+        model = ColaForCausalLM(cola_2b_config())
+    vae = sum(p.numel() for p in model.model.vae.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    assert (vae, total - vae) == (501_871_574, 1_829_875_728)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The family contract on a converted model
+# ---------------------------------------------------------------------------------------------------------------------
+
+CONTRACT = {name.removeprefix("check_"): check for name, check in vars(contract).items()
+            if name.startswith("check_") and "family" not in inspect.signature(check).parameters}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    model, _ = cola_from_official(*official("cola_tools"))
+    folder = tmp_path_factory.mktemp("converted")
+    model.save_pretrained(folder)
+    return ColaForCausalLM.from_pretrained(folder).eval()
+
+
+@pytest.mark.parametrize("check", sorted(CONTRACT))
+def test_converted_model_passes_the_family_contract(check, converted, request):
+    arguments = {}
+    for name in inspect.signature(CONTRACT[check]).parameters:
+        arguments[name] = converted if name == "model" else request.getfixturevalue(
+            {"rows": "tiny_rows"}.get(name, name))
+    CONTRACT[check](**arguments)
