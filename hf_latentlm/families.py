@@ -85,6 +85,10 @@ class FamilySpec:
         (`hf_latentlm.eval.family_bench`); None: none.
     rollout_options: `generate()` options of reinforcement-learning rollouts (`LatentGRPOTrainer`), so that the
         rollout policy is the one the trainer's log-likelihood describes (PLM: lossless exact acceptance).
+    init_from: `init_from(source, **overrides) -> PreTrainedModel`, the family built around a copy of a pretrained
+        causal LM (`source`: a loaded model, its folder or its Hub id), whose vocabulary and sizes it takes;
+        `overrides` are the family's own config fields (`train --init-from SRC`). None: the family starts from
+        random weights only.
     """
 
     name: str
@@ -102,6 +106,7 @@ class FamilySpec:
     bench_decodings: Mapping[str, Mapping] = field(default_factory=dict)
     bench_measurements: Callable | str | None = ImportedOnRead()
     rollout_options: Mapping[str, object] = field(default_factory=dict)
+    init_from: Callable | str | None = ImportedOnRead()
 
     @property
     def model_type(self) -> str | None:
@@ -191,12 +196,30 @@ def load_component(name: str, source: str, folder: str) -> PreTrainedModel:
     return model
 
 
-def build_model(family: str, preset: str | Preset, tokenizer, **kwargs) -> PreTrainedModel:
+def families_initialised_from_causal_lms() -> list[str]:
+    """The families `train --init-from` can start from a pretrained causal LM (sorted)."""
+    return sorted(s.name for s in FAMILIES.values() if s.init_from is not None)
+
+
+def check_init_from(family: str) -> None:
+    """ValueError unless `family` can start from a pretrained causal LM (`--init-from`)."""
+    if get_family(family).init_from is None:
+        able = families_initialised_from_causal_lms()
+        raise ValueError(f"--init-from only applies to --family {', '.join(able) or '(none)'}, not {family!r}: the "
+                         f"{family} family starts from random weights")
+
+
+def build_model(family: str, preset: str | Preset, tokenizer, init_from=None, **kwargs) -> PreTrainedModel:
     """A fresh model of `family` at `preset`. `kwargs`: the family's components (a trained model or its folder)
-    and config overrides, which win over the preset's."""
+    and config overrides, which win over the preset's. `init_from`: a pretrained causal LM (model, folder or Hub id)
+    the family starts from (`FamilySpec.init_from`); its sizes and vocabulary replace the preset's and the
+    tokenizer's, and the family's preset overrides still apply."""
     spec = get_family(family)
     if isinstance(preset, str):
         preset = get_preset(preset)
+    if init_from is not None:
+        check_init_from(family)
+        return spec.init_from(init_from, **{**spec.overrides_for(preset), **kwargs})
     components = {name: kwargs.pop(name, None) for name in spec.components}
     check_components(family, components)
     for name, value in components.items():
@@ -256,6 +279,13 @@ def build_plm(preset: Preset, tokenizer, **overrides) -> PLMForCausalLM:
     return PLMForCausalLM(PLMConfig(**{**backbone_config_kwargs(preset, tokenizer), **overrides}))
 
 
+def init_plm(source, **overrides) -> PLMForCausalLM:
+    """A PLM whose encoder is the pretrained Llama-architecture causal LM `source` at step 0."""
+    from .modeling import PLMForCausalLM
+
+    return PLMForCausalLM.from_causal_lm(source, **overrides)
+
+
 def build_calm_autoencoder(preset: Preset, tokenizer, **overrides) -> CALMAutoencoder:
     """CALM's chunk autoencoder (K tokens <-> one latent); its size comes from the family's preset overrides."""
     from .modeling import CALMAutoencoder, CALMAutoencoderConfig
@@ -304,7 +334,7 @@ register_family(FamilySpec(name="ar", build=build_ar_baseline, model_card=f"{CAR
 register_family(FamilySpec(
     name="plm", build=build_plm, config_class=f"{MODELING}:PLMConfig", model_class=f"{MODELING}:PLMForCausalLM",
     lora_target_modules=BACKBONE_LORA_TARGETS, speed_variants={"nucleus acceptance": {"acceptance": "nucleus"}},
-    rollout_options={"acceptance": "exact"},
+    rollout_options={"acceptance": "exact"}, init_from=init_plm,
     response_scorer=f"{SCORERS}:PLMResponseScorer", model_card=f"{CARDS}:PLM_CARD",
     bench_decodings={"epsilon acceptance": {"acceptance": "epsilon"}, "nucleus acceptance": {"acceptance": "nucleus"}},
     bench_measurements=f"{BENCH}:plm_measurements",

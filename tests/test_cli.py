@@ -596,6 +596,8 @@ EVERY_TRAIN_FIELD = {
     "components": (["--components", '{"autoencoder": "ae"}'], {"autoencoder": "ae"}),
     "model_kwargs": (["--model-kwargs", '{"k_pred": 3}'], {"k_pred": 3}),
     "report_to": (["--report-to", "tensorboard,wandb"], "tensorboard,wandb"),
+    "init_from": (["--init-from", "runs/ar-small"], "runs/ar-small"),
+    "encoder_kl_weight": (["--encoder-kl-weight", "0.5"], 0.5),
 }
 
 

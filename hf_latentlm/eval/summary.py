@@ -47,23 +47,29 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, seed
     return tokenizer.decode(new, skip_special_tokens=True), new.numel()
 
 
-def speed_lines(spec: FamilySpec, preset: str, model, tokenizer, ids: torch.Tensor) -> list[str]:
+def speed_lines(spec: FamilySpec, preset: str, model, tokenizer, ids: torch.Tensor, source=None,
+                source_name: str | None = None) -> list[str]:
     """One line per decoding variant of the family: tokens/s and tokens per model call next to an untrained AR
-    baseline of the same preset, the two timed in alternating pairs on the same prompt (`alternating_speed_ratio`),
-    with the median ratio and its range; a line of warning when the repeats disagree by more than `NOISY_SPREAD`."""
+    baseline of the same preset (or next to `source`, the AR model the run started from, `source_name`), the two
+    timed in alternating pairs on the same prompt (`alternating_speed_ratio`), with the median ratio and its range;
+    a line of warning when the repeats disagree by more than `NOISY_SPREAD`."""
     if spec.name == BASELINE_FAMILY:
         speed = measure_generation_speed(model, ids, max_new_tokens=SPEED_NEW_TOKENS, repeats=SPEED_PAIRS)
         return [f"{spec.name}: {speed['tokens_per_s']:.0f} tokens/s, "
                 f"{1 / speed['model_calls_per_token']:.2f} tokens per model call"]
-    baseline, lines, spread = fresh_baseline(model, preset, tokenizer), [], 1.0
+    baseline, lines, spread = source, [], 1.0
+    baseline_name = f"its source AR ({source_name})"
+    if source is None:
+        baseline = fresh_baseline(model, preset, tokenizer)
+        baseline_name = f"untrained AR baseline of the same size ({preset})"
     for label, kwargs in {"": {}, **spec.speed_variants}.items():
         compared = alternating_speed_ratio(model, baseline, ids, SPEED_PAIRS, SPEED_NEW_TOKENS,
                                            generate_kwargs=dict(kwargs))
         speed, ar, (low, high) = compared["model"], compared["baseline"], compared["ratio_range"]
         spread = max(spread, compared["spread"])
         lines.append(f"{spec.name}{f' ({label})' if label else ''}: {speed['tokens_per_s']:.0f} tokens/s, "
-                     f"{speed['tokens_per_call']:.2f} tokens per model call | untrained AR baseline of the same size "
-                     f"({preset}): {ar['tokens_per_s']:.0f} tokens/s | speed ratio {compared['ratio']:.2f}x "
+                     f"{speed['tokens_per_call']:.2f} tokens per model call | {baseline_name}: "
+                     f"{ar['tokens_per_s']:.0f} tokens/s | speed ratio {compared['ratio']:.2f}x "
                      f"(median of {SPEED_PAIRS} alternating pairs, {low:.2f}-{high:.2f}x)")
     if spread > NOISY_SPREAD:
         lines.append(f"warning: repeated timings differ by {spread:.1f}x (a busy machine?); the ratios are uncertain")
@@ -84,7 +90,12 @@ def print_training_summary(cfg, prompt: str | None = None) -> None:
     model, tokenizer = load_model_and_tokenizer(cfg.output_dir)
     text, _ = generate_text(model, tokenizer, prompt, max_new_tokens=100, seed=cfg.seed)
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-    lines = speed_lines(spec, cfg.preset, model, tokenizer, ids)
+    source = None
+    if getattr(cfg, "init_from", None):  # compared with the model it started from, not a fresh one
+        from ..training.loop import load_source_model
+
+        source = load_source_model(cfg.init_from).eval()
+    lines = speed_lines(spec, cfg.preset, model, tokenizer, ids, source, getattr(cfg, "init_from", None))
     print(f"\n--- speed (batch 1, {SPEED_NEW_TOKENS} new tokens, this process) ---\n" + "\n".join(lines))
     if language is not None:  # what the run reached, as a share of what the language allows
         context_len = min(128, cfg.seq_len - 4)  # windows inside the rows it was trained at

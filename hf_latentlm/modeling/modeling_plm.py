@@ -30,6 +30,7 @@ from .auxiliaries import (
     fixed_uniforms,
     sample_auxiliary_bank,
 )
+from .configuration_backbone import STATIC_ROPE_TYPES
 from .configuration_plm import PLMConfig, check_acceptance
 from .generation import (
     DecodingStep,
@@ -423,6 +424,51 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
+    @classmethod
+    def from_causal_lm(cls, model_or_path, **plm_config) -> "PLMForCausalLM":
+        """A PLM whose shared backbone is a copy of a Llama-architecture causal LM: a `LlamaForCausalLM`, or its
+        folder or Hub id (loaded in float32 for training). Embeddings, blocks, final norm and LM head are copied,
+        tied where the source ties them; vocabulary, sizes, RoPE and special-token ids come from the source, and
+        `plm_config` sets PLM's own fields (block_size, num_auxiliaries, ...). The encoder pass (`forward` without
+        labels) then computes the source's logits. A source field the backbone cannot express is refused with a
+        ValueError naming it (`plm_config_from_llama`).
+
+        PLM's own parts never enter the encoder pass: the auxiliary projection and the mask auxiliary start at the
+        root-mean-square scale of the source's token embeddings (the decoder rows then enter the blocks at the scale
+        the source was trained on), and the alignment map g_ψ at the identity (encoder and decoder states share one
+        residual space)."""
+        from transformers import LlamaForCausalLM
+
+        source = model_or_path if isinstance(model_or_path, nn.Module) else load_llama_causal_lm(str(model_or_path))
+        if not isinstance(source, LlamaForCausalLM):
+            raise ValueError(f"from_causal_lm takes a LlamaForCausalLM (or its folder or Hub id), got "
+                             f"{type(source).__name__}")
+        config = plm_config_from_llama(source.config, **plm_config)
+        dtype = source.get_input_embeddings().weight.dtype
+        model = cls(config).to(dtype)
+        weights = {name: tensor for name, tensor in source.state_dict().items() if "rotary_emb" not in name}
+        if config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        # Everything but PLM's own parts (and a tied head) must have come from the source.
+        own = ("model.auxiliary_bank", "model.auxiliary_proj.", "model.mask_auxiliary", "alignment_proj.",
+               "lm_head.weight")
+        left = [name for name in missing if not name.startswith(own)]
+        if left or unexpected:
+            raise ValueError(f"the source's weights do not map onto PLM's backbone: missing {left[:3]}, unexpected "
+                             f"{unexpected[:3]}")
+        if config.tie_word_embeddings:
+            model.tie_weights()
+        with torch.no_grad():
+            scale = source.get_input_embeddings().weight.float().pow(2).mean().sqrt().item()
+            if model.model.auxiliary_proj is not None:
+                # The bank's vectors have unit norm, so N(0, scale²) entries give outputs of RMS `scale`.
+                model.model.auxiliary_proj.weight.normal_(0.0, scale)
+            model.model.mask_auxiliary.normal_(0.0, scale)
+            model.alignment_proj.weight.copy_(torch.eye(config.hidden_size, dtype=dtype))
+            model.alignment_proj.bias.zero_()
+        return model
+
     # ------------------------------------------------------------------------------------------------
     # forward
     # ------------------------------------------------------------------------------------------------
@@ -738,5 +784,63 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         return state.decoder.advance(state, logits, new_tokens.count)
 
 
+#: LlamaConfig fields PLM's backbone computes differently (or not at all), with the value it computes. A source
+#: holding anything else is refused, naming the field.
+LLAMA_FIELDS_REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+                         "pretraining_tp": 1}
+#: Fields that some Llama-architecture checkpoints carry and that change the attention (sliding windows, QK-norm).
+LLAMA_FIELDS_ABSENT = ("sliding_window", "use_sliding_window", "qk_norm", "use_qk_norm", "qk_layernorm")
+#: The backbone fields taken from the source's config (`BackboneConfig` uses Llama's names).
+LLAMA_FIELDS_COPIED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_parameters", "rms_norm_eps",
+                       "initializer_range", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def plm_config_from_llama(llama_config, **plm_config) -> PLMConfig:
+    """A `PLMConfig` with the backbone of `llama_config` (a `LlamaConfig`) and PLM's own fields from `plm_config`.
+    ValueError naming the first source field the backbone cannot express, or a backbone field set in `plm_config`
+    (they belong to the source)."""
+    model_type = getattr(llama_config, "model_type", None)
+    if model_type != "llama":
+        raise ValueError(f"model_type {model_type!r}: PLM starts from Llama-architecture causal LMs only (model_type "
+                         f"'llama')")
+    for name, value in LLAMA_FIELDS_REQUIRED.items():
+        if getattr(llama_config, name, value) != value:
+            raise ValueError(f"{name}={getattr(llama_config, name)!r} in the source config: PLM's backbone needs "
+                             f"{name}={value!r}")
+    for name in LLAMA_FIELDS_ABSENT:
+        if getattr(llama_config, name, None) not in (None, False):
+            raise ValueError(f"{name}={getattr(llama_config, name)!r} in the source config: PLM's backbone has no "
+                             f"{name.replace('use_', '')} (full causal attention without QK-norm only)")
+    layer_types = getattr(llama_config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types):
+        raise ValueError(f"layer_types={list(layer_types)!r} in the source config: PLM's backbone has full attention "
+                         f"in every layer")
+    rope = dict(getattr(llama_config, "rope_parameters", None) or {"rope_type": "default",
+                                                                      "rope_theta": llama_config.rope_theta})
+    if rope.get("rope_type", "default") not in STATIC_ROPE_TYPES:
+        raise ValueError(f"rope_parameters['rope_type']={rope.get('rope_type')!r} in the source config: PLM's backbone "
+                         f"supports {STATIC_ROPE_TYPES} (frequencies fixed at construction)")
+    given = sorted(set(plm_config) & set(LLAMA_FIELDS_COPIED))
+    if given:
+        raise ValueError(f"{', '.join(given)}: backbone fields come from the source model, not from plm_config")
+    backbone = {name: getattr(llama_config, name) for name in LLAMA_FIELDS_COPIED if hasattr(llama_config, name)}
+    backbone["rope_parameters"] = rope
+    if backbone.get("head_dim") is None:
+        backbone["head_dim"] = llama_config.hidden_size // llama_config.num_attention_heads
+    return PLMConfig(**backbone, **plm_config)
+
+
+def load_llama_causal_lm(path, **kwargs):
+    """The `LlamaForCausalLM` saved in folder or Hub id `path`, in float32 unless `kwargs` say otherwise; its config
+    is read and checked (`plm_config_from_llama`) before any weights load."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    plm_config_from_llama(config)
+    return LlamaForCausalLM.from_pretrained(path, config=config, **{"dtype": torch.float32, **kwargs})
+
+
 __all__ = ["AcceptanceRule", "PLMDecodingState", "PLMForCausalLM", "PLMGenerationOptions", "PLMModel",
-           "PLMOutput", "PLMPreTrainedModel", "QuadraticDecoder"]
+           "PLMOutput", "PLMPreTrainedModel", "QuadraticDecoder", "load_llama_causal_lm",
+           "plm_config_from_llama"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..data.generated import parse_corpus
-from ..families import FAMILIES
+from ..families import FAMILIES, check_init_from
 from ..presets import PRESETS, get_preset
 
 #: The experiment trackers `report_to` names, each with the package it needs (the `track` extra installs them all).
@@ -130,6 +130,12 @@ class TrainConfig:
     model_kwargs: dict[str, Any] | str | None = field(default_factory=dict, metadata={
         "help": "overrides of the family's config fields, e.g. {\"block_size\": 8}"})
     report_to: list[str] | str | None = field(default="none", metadata={"help": REPORT_TO_HELP})
+    init_from: str | None = field(default=None, metadata={
+        "help": "start from a pretrained causal LM, a folder or Hub id (--family plm: a LlamaForCausalLM, e.g. an "
+                "`ar` run): its sizes, weights, vocabulary and tokenizer replace the preset's"})
+    encoder_kl_weight: float = field(default=0.0, metadata={
+        "help": "with --init-from: weight of KL(source || encoder) on the encoder pass, added to the loss, which "
+                "holds the encoder near its frozen source (0: none)"})
 
     def __post_init__(self):
         for name in ("components", "model_kwargs"):
@@ -180,7 +186,19 @@ class TrainConfig:
             if given:
                 raise ValueError(f"corpus {cfg.corpus} brings its own documents and tokenizer; drop "
                                  f"{', '.join(given)}")
-        if cfg.seq_len > preset.max_position_embeddings:
+        if cfg.init_from is not None:
+            check_init_from(cfg.family)
+            if cfg.tokenizer:
+                raise ValueError(f"--init-from {cfg.init_from} brings its own tokenizer; drop --tokenizer")
+            path = Path(cfg.init_from).expanduser()
+            if not path.exists() and (path.is_absolute() or cfg.init_from.startswith((".", "~"))
+                                      or cfg.init_from.count("/") > 1):
+                raise FileNotFoundError(f"--init-from {cfg.init_from!r}: no such folder")  # a path, not a Hub id
+        if cfg.encoder_kl_weight < 0:
+            raise ValueError(f"encoder_kl_weight must be >= 0, got {cfg.encoder_kl_weight}")
+        if cfg.encoder_kl_weight > 0 and cfg.init_from is None:
+            raise ValueError("--encoder-kl-weight needs --init-from: the KL is to the source model")
+        if cfg.init_from is None and cfg.seq_len > preset.max_position_embeddings:
             raise ValueError(f"seq_len {cfg.seq_len} exceeds the preset's max_position_embeddings "
                              f"{preset.max_position_embeddings}")
         return cfg

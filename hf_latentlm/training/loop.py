@@ -52,6 +52,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .corpus import load_default_tokenizer
+from .encoder_kl import EncoderKL
 from .data import (
     GeneratedRows,
     StreamingRows,
@@ -192,7 +193,10 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
     set_seed(cfg.seed)
 
     tokenizer, train_rows, val_rows = load_rows(cfg, tokenizer, train_rows, val_rows, accelerator)
-    model, optimizer, scheduler = build(cfg, model, tokenizer)
+    # The pretrained source of `--init-from`: copied into the model, and kept frozen for the encoder KL term.
+    source = load_source_model(cfg.init_from) if cfg.init_from and (model is None or cfg.encoder_kl_weight) else None
+    model, optimizer, scheduler = build(cfg, model, tokenizer, source)
+    encoder_kl = EncoderKL(source, cfg.encoder_kl_weight).to(accelerator.device) if cfg.encoder_kl_weight else None
     checkpoint, start_step = resume(cfg, accelerator, model, optimizer, scheduler, train_rows)
     hooks = training_hooks(model)
     if hooks.training_rows_needed:  # e.g. AURORA's latent statistics, estimated once from the training rows (of a
@@ -222,7 +226,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
         set_seed(cfg.seed, device_specific=True)
     model.train()
     return train_steps(cfg, accelerator, model, optimizer, scheduler, tokenizer, train_rows, val_rows,
-                       start_step, on_step)
+                       start_step, on_step, encoder_kl)
 
 
 def load_rows(cfg: TrainConfig, tokenizer, train_rows, val_rows, accelerator: Accelerator | None = None):
@@ -232,6 +236,8 @@ def load_rows(cfg: TrainConfig, tokenizer, train_rows, val_rows, accelerator: Ac
     language = parse_corpus(cfg.corpus)
     if tokenizer is None and language is not None:
         tokenizer = language.tokenizer()
+    elif tokenizer is None and cfg.init_from:  # the source's vocabulary, so its tokenizer
+        tokenizer = load_tokenizer(cfg.init_from, option="--init-from")
     elif tokenizer is None:
         tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else load_default_tokenizer()
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
@@ -262,37 +268,68 @@ def load_rows(cfg: TrainConfig, tokenizer, train_rows, val_rows, accelerator: Ac
     return tokenizer, train_rows, val_rows
 
 
-def load_tokenizer(name: str):
+def load_tokenizer(name: str, option: str = "--tokenizer"):
     """The user's tokenizer (a folder or a Hub id) through `AutoTokenizer`, refused with one ValueError naming it
-    when it cannot load. Remote code is not run: a tokenizer that needs it is refused instead of prompting
-    [y/N] in the middle of a run (pass such a tokenizer object to `train(tokenizer=...)`)."""
+    (as `option`) when it cannot load. Remote code is not run: a tokenizer that needs it is refused instead of
+    prompting [y/N] in the middle of a run (pass such a tokenizer object to `train(tokenizer=...)`)."""
     from transformers import AutoTokenizer
 
-    path = Path(name).expanduser()
-    if not path.exists() and (path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1):
-        raise ValueError(f"--tokenizer {name!r}: no such folder")  # a path, not a Hub id
-    # Offline, a Hub id can still come from the local cache; if it is not there, one line at once.
-    offline = not path.exists() and not hub_reachable()
+    offline = check_local_or_hub(name, option)
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=False, local_files_only=offline)
     except (OSError, ValueError) as err:
         if offline:
-            raise ValueError(f"--tokenizer {name!r} is not a local folder nor in the Hub cache, and the Hub cannot be "
-                             f"reached (offline, or HF_HUB_OFFLINE set): pass a tokenizer folder") from None
-        raise ValueError(f"--tokenizer {name!r} does not load: {err}") from err
+            raise ValueError(f"{option} {name!r} is not a local folder nor in the Hub cache, and the Hub cannot be "
+                             f"reached (offline, or HF_HUB_OFFLINE set): pass a folder") from None
+        raise ValueError(f"{option} {name!r}: its tokenizer does not load: {err}") from err
 
 
-def build(cfg: TrainConfig, model, tokenizer):
-    """Phase 2: the model (unless given; components come from `cfg.components`), AdamW and the
-    learning-rate schedule."""
+def check_local_or_hub(name: str, option: str) -> bool:
+    """ValueError when `name` is written as a path and no such folder exists; else whether it must come from the
+    local Hub cache (a Hub id while the Hub cannot be reached)."""
+    path = Path(name).expanduser()
+    if not path.exists() and (path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1):
+        raise ValueError(f"{option} {name!r}: no such folder")  # a path, not a Hub id
+    # Offline, a Hub id can still come from the local cache; if it is not there, one line at once.
+    return not path.exists() and not hub_reachable()
+
+
+def load_source_model(name: str):
+    """The pretrained causal LM of `--init-from` (a folder or Hub id) in float32, through `AutoModelForCausalLM`
+    (remote code is not run), refused with one ValueError naming it when it cannot load."""
+    from transformers import AutoModelForCausalLM
+
+    offline = check_local_or_hub(name, "--init-from")
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, local_files_only=offline)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--init-from {name!r}: the model does not load: {err}") from err
+
+
+def build(cfg: TrainConfig, model, tokenizer, source=None):
+    """Phase 2: the model (unless given; components come from `cfg.components`; with `source`, the pretrained model
+    of `--init-from`, built around a copy of it), AdamW and the learning-rate schedule."""
     if model is None:  # components are checked (folder intact, type, weights) by the registry
-        model = build_model(cfg.family, cfg.preset, tokenizer, **cfg.components, **cfg.model_kwargs)
+        model = build_model(cfg.family, cfg.preset, tokenizer, init_from=source, **cfg.components, **cfg.model_kwargs)
+    if source is not None:
+        check_source_fits(cfg, model.config, tokenizer)
     check_row_length(model.config, cfg.seq_len, cfg.family)
     # Saved with the weights: evaluation refuses windows that reach past the positions the model was trained at.
     model.config.trained_seq_len = max(cfg.seq_len, getattr(model.config, "trained_seq_len", None) or 0)
     optimizer = make_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     return model, optimizer, scheduler
+
+
+def check_source_fits(cfg: TrainConfig, config, tokenizer) -> None:
+    """ValueError when the model built from `--init-from` cannot read the training rows: a tokenizer (a generated
+    language's) with ids past its vocabulary, or rows longer than its positions."""
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(f"--init-from {cfg.init_from}: its vocabulary ({config.vocab_size}) is smaller than the "
+                         f"tokenizer's ({len(tokenizer)}); start from a model trained with this tokenizer")
+    if cfg.seq_len > config.max_position_embeddings:
+        raise ValueError(f"seq_len {cfg.seq_len} exceeds --init-from {cfg.init_from}'s max_position_embeddings "
+                         f"{config.max_position_embeddings}")
 
 
 def check_row_length(config, seq_len: int, family: str) -> None:
@@ -357,9 +394,9 @@ def resume(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, schedul
 
 
 def optimizer_step(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, scheduler,
-                   train_rows: torch.Tensor | StreamingRows, step: int):
+                   train_rows: torch.Tensor | StreamingRows, step: int, encoder_kl: EncoderKL | None = None):
     """One optimizer step over `grad_accum` micro-batches: the loss and its parts averaged over them (on the device),
-    and the gradient norm before clipping."""
+    and the gradient norm before clipping. `encoder_kl`: a KL term to the frozen source added to the loss."""
     world, rank = accelerator.num_processes, accelerator.process_index
     losses: dict[str, torch.Tensor] = {}
     for micro in range(cfg.grad_accum):
@@ -371,8 +408,12 @@ def optimizer_step(cfg: TrainConfig, accelerator: Accelerator, model, optimizer,
         sync = nullcontext() if micro == cfg.grad_accum - 1 else accelerator.no_sync(model)
         with sync, accelerator.autocast():
             output = model(input_ids=rows, labels=rows)
-            accelerator.backward(output.loss / cfg.grad_accum)
-        for key, value in step_losses(output).items():
+            loss, parts = output.loss, step_losses(output)
+            if encoder_kl is not None:
+                loss, kl_parts = encoder_kl.add_to(output, rows)
+                parts.update(kl_parts)
+            accelerator.backward(loss / cfg.grad_accum)
+        for key, value in parts.items():
             losses[key] = losses.get(key, 0.0) + value / cfg.grad_accum
     # grad_clip 0 turns clipping off; an infinite threshold still measures the norm for the log.
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
@@ -384,7 +425,7 @@ def optimizer_step(cfg: TrainConfig, accelerator: Accelerator, model, optimizer,
 
 def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, scheduler, tokenizer,
                 train_rows: torch.Tensor | StreamingRows, val_rows: torch.Tensor | None, start_step: int,
-                on_step: Callable[[int, dict], None] | None) -> dict:
+                on_step: Callable[[int, dict], None] | None, encoder_kl: EncoderKL | None = None) -> dict:
     """Phase 4: optimizer steps `start_step`..end (stop_at_step or max_steps), with logging,
     evaluation and checkpoints; the final model is saved when max_steps is reached."""
     output_dir = Path(cfg.output_dir)
@@ -403,7 +444,8 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
 
     try:  # the bar is closed however the loop ends, so that a Ctrl-C message after it starts its own line
         for step in range(start_step, end_step):
-            losses, grad_norm = optimizer_step(cfg, accelerator, model, optimizer, scheduler, train_rows, step)
+            losses, grad_norm = optimizer_step(cfg, accelerator, model, optimizer, scheduler, train_rows, step,
+                                               encoder_kl)
             hooks.on_optimizer_step()  # a model's own per-step state (AURORA's EMA copy and step count)
             window_tokens += tokens_per_step
             done = step + 1
