@@ -13,10 +13,9 @@ for name in calm calm_tools calm_heldout; do
   .venv/bin/python scripts/checks/official_parity.py --family calm --model "$out/$name" \
     --reference "$src/reference_outputs.safetensors"
 done
-for name in cola cola_heldout; do
+for name in cola cola_tools cola_heldout; do
   src=tests/fixtures/official/$name
-  [ -d "$src" ] || continue
-  .venv/bin/hf-latentlm convert cola --vae "$src/vae" --dit "$src/dit" --output-dir "$out/$name" > /dev/null
+  .venv/bin/hf-latentlm convert cola --vae "$src/cola_vae" --dit "$src/cola_dit" --output-dir "$out/$name" > /dev/null
   echo "## $name"
   .venv/bin/python scripts/checks/official_parity.py --family cola --model "$out/$name" \
     --reference "$src/reference_outputs.safetensors"
