@@ -18,7 +18,7 @@ import torch
 lm_eval = pytest.importorskip("lm_eval")
 
 from family_contract import build_tiny  # noqa: E402
-from official_checkpoints import CONVERTED_CALM, convert_calm_fixture  # noqa: E402
+from official_checkpoints import CONVERTED, convert_fixture  # noqa: E402
 from lm_eval import utils as lm_eval_utils  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
@@ -31,7 +31,7 @@ from hf_latentlm.training.scorers import stable_int  # noqa: E402
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 FAMILIES = ("ar", "plm", "calm", "cola", "aurora")
 LATENT = ("calm", "cola", "aurora")
-MODELS = FAMILIES + (CONVERTED_CALM,)  # and the official CALM weights, converted
+MODELS = FAMILIES + CONVERTED  # and the official CALM and Cola weights, converted
 CLI_FAMILY = "cola"
 SAMPLED = {"do_sample": True, "temperature": 1.0}  # what the sampled local task sets, accepted by every family
 PROMPTS = ["ROMEO.\nBut soft, what light", "HAMLET.\nTo be", "KING.\nNow is the winter of our discontent"]
@@ -52,7 +52,8 @@ def folders(tmp_path_factory, tokenizer):
             model.config.num_inference_steps = 2
         model.save_pretrained(saved[family])
         save_tokenizer(tokenizer, saved[family])
-    saved[CONVERTED_CALM] = convert_calm_fixture(root / CONVERTED_CALM)
+    for name in CONVERTED:
+        saved[name] = convert_fixture(name, root / name)
     return saved
 
 
@@ -224,7 +225,7 @@ def test_plm_loglikelihoods_are_its_encoders_next_token_log_probabilities(folder
         [by_hand], abs=1e-5)
 
 
-@pytest.mark.parametrize("family", LATENT + (CONVERTED_CALM,))
+@pytest.mark.parametrize("family", LATENT + CONVERTED)
 def test_latent_families_refuse_token_likelihoods_by_name(adapters, family):
     lm = adapters[family]
     with pytest.raises(NotImplementedError, match=rf"the {family.removesuffix('-official')} family has no token likelihood.*generate_until"):

@@ -1,7 +1,8 @@
-"""The package's tools on a converted official CALM (the vocab-4096 official-format fixture): transformers'
-pipeline, training steps of the loop, `hf-latentlm sft --lora`, and `push` to the loopback Hub. lm-eval and the
-server run it next to the families (tests/eval/test_lm_eval.py, tests/serving/test_serving_app.py); batched
-left-padded generate() and the streamer are in the family contract (test_calm_official.py)."""
+"""The package's tools on a converted official CALM and Cola DLM (the vocab-4096 official-format fixtures):
+transformers' pipeline, training steps of the loop, `hf-latentlm sft --lora`, and `push` to the loopback Hub.
+lm-eval and the server run them next to the families (tests/eval/test_lm_eval.py, tests/serving/test_serving_app.py);
+batched left-padded generate() and the streamer are in the family contract (test_calm_official.py,
+test_cola_official.py)."""
 
 import json
 import math
@@ -9,9 +10,10 @@ import math
 import pytest
 import torch
 from fake_hub import fake_hub, hub_env  # noqa: F401  (fake_hub is a fixture)
-from official_checkpoints import convert_calm_fixture
+from official_checkpoints import convert_calm_fixture, convert_cola_fixture
 
 from hf_latentlm.modeling.modeling_calm import CALMForCausalLM
+from hf_latentlm.modeling.modeling_cola import ColaForCausalLM
 from hf_latentlm.training.config import TrainConfig
 from hf_latentlm.training.loop import train
 
@@ -77,3 +79,48 @@ def test_push_names_the_official_source_and_its_license(converted, tmp_path, fak
     card = files["README.md"].decode()
     assert "license: mit" in card and "shaochenze/calm" in card and "hf-latentlm convert" in card
     assert "trained on a small corpus" not in card  # the CPU-scale caveat is for models trained here
+
+
+# The same tools on a converted official Cola DLM (the vocab-4096 official-format fixture).
+@pytest.fixture(scope="module")
+def converted_cola(tmp_path_factory):
+    return convert_cola_fixture(tmp_path_factory.mktemp("converted") / "cola-official")
+
+
+def test_cola_pipeline_generates_what_generate_does(converted_cola, tokenizer):
+    from transformers import pipeline
+
+    generator = pipeline("text-generation", model=str(converted_cola), trust_remote_code=True)
+    text = generator("ROMEO.\nWhat light", max_new_tokens=8, noise_seeds=[5], return_full_text=False)[0]
+    model = ColaForCausalLM.from_pretrained(converted_cola)
+    ids = tokenizer("ROMEO.\nWhat light", return_tensors="pt").input_ids
+    # The generation config carries the official inference defaults: greedy read-out, guidance 7, 16 steps a block.
+    out = model.generate(ids, max_new_tokens=8, noise_seeds=[5], temperature=0.0, guidance_scale=7.0,
+                         num_inference_steps=16)
+    assert text["generated_text"] == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    other = model.generate(ids, max_new_tokens=8, noise_seeds=[5], guidance_scale=1.0, num_inference_steps=16)
+    assert not torch.equal(out, other)  # the guidance scale matters, so the equality above checks it
+
+
+def test_sft_with_lora_runs_on_the_converted_cola(converted_cola, run_cli, tmp_path):
+    code, out, err = run_cli("sft", "--model", str(converted_cola), "--output-dir", str(tmp_path / "sft"), "--lora",
+                             "--max-steps", "2", "--batch-size", "4", "--train-size", "16")
+    assert code == 0, err
+    tuned = ColaForCausalLM.from_pretrained(tmp_path / "sft")
+    base = ColaForCausalLM.from_pretrained(converted_cola).state_dict()
+    changed = [n for n, p in tuned.named_parameters() if not torch.equal(p, base[n])]
+    assert changed and not any(".vae." in n or n.startswith("vae.") for n in changed), changed
+
+
+def test_push_names_the_official_cola_source_and_its_license(converted_cola, tmp_path, fake_hub):
+    import subprocess
+    import sys
+
+    endpoint, hub = fake_hub
+    push = "import sys; from hf_latentlm.cli import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", push, "push", "--model", str(converted_cola), "--repo-id",
+                           "someone/cola-official"], env=hub_env(endpoint, tmp_path / "home"), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    card = hub.repos["someone/cola-official"]["main"]["README.md"].decode()
+    assert "license: apache-2.0" in card and "ByteDance-Seed/Cola-DLM" in card and "hf-latentlm convert" in card

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from family_contract import build_tiny
-from official_checkpoints import CONVERTED_CALM, convert_calm_fixture
+from official_checkpoints import CONVERTED, CONVERTED_CALM, convert_fixture
 
 FAMILIES = ("ar", "plm", "calm", "cola", "aurora")
-SERVED = FAMILIES + (CONVERTED_CALM,)  # and the official CALM weights, converted
+SERVED = FAMILIES + CONVERTED  # and the official CALM and Cola weights, converted
 PROMPT = "ROMEO.\nWhat light"
 BATCH_WAIT_MS = 400  # long enough that requests sent together on loopback are batched together
 MAX_QUEUE = 2
@@ -37,10 +37,12 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def models(tokenizer, tmp_path_factory):
     from hf_latentlm.modeling.modeling_calm import CALMForCausalLM
+    from hf_latentlm.modeling.modeling_cola import ColaForCausalLM
 
-    converted = convert_calm_fixture(tmp_path_factory.mktemp("converted") / CONVERTED_CALM)
+    root = tmp_path_factory.mktemp("converted")
+    classes = dict(zip(CONVERTED, (CALMForCausalLM, ColaForCausalLM)))
     return {**{family: build_tiny(family, tokenizer).eval() for family in FAMILIES},
-            CONVERTED_CALM: CALMForCausalLM.from_pretrained(converted).eval()}
+            **{name: classes[name].from_pretrained(convert_fixture(name, root / name)).eval() for name in CONVERTED}}
 
 
 @pytest.fixture(scope="module")
