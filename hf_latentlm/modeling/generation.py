@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-from transformers import CompileConfig, GenerationMixin, StoppingCriteriaList
+from transformers import CompileConfig, GenerationConfig, GenerationMixin, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
 
@@ -33,6 +33,8 @@ REQUEST_OPTIONS = frozenset({"num_beams", "eos_token_id", "pad_token_id", "max_l
 # Sampling fields of a GenerationConfig that a family's options honour or refuse (`GenerationOptions`); a call's own
 # values win over the generation config's, as in transformers.
 SAMPLING_OPTIONS = ("do_sample", "temperature", "top_k", "top_p")
+# GenerationConfig fields only some families' options carry: filled from the generation config for those only.
+FAMILY_GENERATION_CONFIG_OPTIONS = ("repetition_penalty",)
 
 
 @dataclass
@@ -97,13 +99,22 @@ class BlockLatentGenerationOptions(GenerationOptions):
     config.num_inference_steps) ODE steps per block, `timestep_shift` (default 1.0, the uniform grid; > 1 spends more
     steps at high noise), `temperature` of the decoder's read-out (default config.decode_temperature; 0 or
     do_sample=False takes the most likely token) and `noise_seeds` (one per row). top_k / top_p are refused unless
-    0 / 1.0."""
+    0 / 1.0.
+    repetition_penalty (default 1.0: none): before each block is read out, the logit s of every token the decoder
+        has read out earlier in this call (the prompt excluded; a prompt's re-decoded partial block included)
+        becomes s·p if s < 0, else s/p, as the official Cola DLM inference does.
+    block_seed_offset (default None: a row's generator runs on from block to block): when set, block n of this call
+        (n = 0, 1, ...) starts from noise drawn by a fresh generator seeded `noise_seeds[b] + n·block_seed_offset`,
+        the official Cola DLM inference's per-sample seeding (offset 10,000,000; its seed of sample `id` is
+        base + 1000·id)."""
 
     row_seeds_option: ClassVar[str] = "noise_seeds"
 
     num_inference_steps: int | None = None
     timestep_shift: float | None = None
     noise_seeds: list[int] | None = None
+    repetition_penalty: float | None = None
+    block_seed_offset: int | None = None
 
     def resolved_block_options(self, config, batch_size: int) -> dict:
         """The shared fields resolved and checked (ValueError naming the option), for `dataclasses.replace`."""
@@ -118,9 +129,16 @@ class BlockLatentGenerationOptions(GenerationOptions):
         temperature = config.decode_temperature if self.temperature is None else float(self.temperature)
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0 for the {self.family} read-out, got {temperature}")
+        penalty = 1.0 if self.repetition_penalty is None else float(self.repetition_penalty)
+        if not penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {penalty}")
+        offset = self.block_seed_offset
+        if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0):
+            raise ValueError(f"block_seed_offset must be a non-negative int, got {offset!r}")
         return {"num_inference_steps": steps, "timestep_shift": shift,
                 "temperature": temperature if self.do_sample else 0.0,
-                "noise_seeds": row_seeds(self.noise_seeds, batch_size, "noise_seeds")}
+                "noise_seeds": row_seeds(self.noise_seeds, batch_size, "noise_seeds"),
+                "repetition_penalty": penalty}
 
     @classmethod
     def sampling_defaults(cls, config) -> dict:
@@ -228,6 +246,14 @@ def row_seeds(seeds: list[int] | None, batch: int, name: str) -> list[int]:
     if len(seeds) != batch:
         raise ValueError(f"{name} has {len(seeds)} entries for a batch of {batch}")
     return [int(s) for s in seeds]
+
+
+def penalize_repetitions(logits: torch.Tensor, previous: torch.Tensor, penalty: float) -> torch.Tensor:
+    """[B, Q, V] logits with the logit s of each token in `previous` [B, n] made s·penalty if s < 0, else
+    s/penalty (CTRL's repetition penalty, as transformers' `RepetitionPenaltyLogitsProcessor` applies it)."""
+    index = previous[:, None, :].expand(-1, logits.shape[1], -1)
+    score = logits.gather(-1, index)
+    return logits.scatter(-1, index, torch.where(score < 0, score * penalty, score / penalty))
 
 
 def read_out_tokens(logits: torch.Tensor, generators: list[torch.Generator], temperature: float) -> torch.Tensor:
@@ -422,9 +448,14 @@ class MultiTokenGenerationMixin(GenerationMixin):
         compile_config = kwargs.pop("compile_config", getattr(gen, "compile_config", None))
         if isinstance(stopping_criteria, (list, tuple)):  # transformers takes a plain list too
             stopping_criteria = StoppingCriteriaList(stopping_criteria)
-        for name in SAMPLING_OPTIONS:
+        option_fields = {field.name for field in dataclasses.fields(self.generation_options_class)}
+        for name in SAMPLING_OPTIONS + FAMILY_GENERATION_CONFIG_OPTIONS:
             if name not in kwargs and getattr(gen, name, None) is not None:
-                kwargs[name] = getattr(gen, name)
+                if name in option_fields:
+                    kwargs[name] = getattr(gen, name)
+                elif getattr(gen, name) != getattr(GenerationConfig(), name):
+                    raise ValueError(f"generation_config.{name} = {getattr(gen, name)} is not supported by "
+                                     f"{self.generation_family} generate; set it to its default")
         options = pop_options(self.generation_options_class, kwargs)
         reject_unknown_options({name: kwargs[name] for name in kwargs if name not in REQUEST_OPTIONS},
                                self.generation_family)
@@ -489,6 +520,8 @@ class BlockDecodingState:
     pending_block: torch.Tensor | None  # [B, Q, D] latents of the last finished block, not yet in the prior's cache
     generators: list[torch.Generator]  # one per row, seeded from the options' `noise_seeds`
     options: Any
+    read_out: torch.Tensor | None = None  # [B, blocks·Q] every token read out so far (for the repetition penalty)
+    blocks_done: int = 0
 
 
 class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
@@ -558,13 +591,23 @@ class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
         # block itself).
         history_mask = torch.cat([state.key_valid, state.key_valid.new_ones(batch, Q)], dim=1).long()
         positions, conditional_mask = block_causal_layout(history_mask, batch, Q, state.key_valid.shape[1], Q, device)
-        noise = torch.stack([torch.randn(Q, self.config.latent_size, generator=g) for g in state.generators])
+        options = state.options
+        if options.block_seed_offset is None:
+            noise_generators = state.generators
+        else:
+            noise_generators = [torch.Generator().manual_seed(seed + state.blocks_done * options.block_seed_offset)
+                                for seed in options.noise_seeds]
+        noise = torch.stack([torch.randn(Q, self.config.latent_size, generator=g) for g in noise_generators])
         block, prior_calls = self._denoise_block(state, noise.to(device), positions, conditional_mask)
         calls[names["prior"]] += prior_calls
 
         logits = self._decode_latents(block, history_mask, state.decoder_cache).float()
         calls[names["decoder"]] += 1
-        tokens = read_out_tokens(logits, state.generators, state.options.temperature)
+        if state.read_out is not None and options.repetition_penalty != 1.0:
+            logits = penalize_repetitions(logits, state.read_out, options.repetition_penalty)
+        tokens = read_out_tokens(logits, state.generators, options.temperature)
+        state.read_out = tokens if state.read_out is None else torch.cat([state.read_out, tokens], dim=1)
+        state.blocks_done += 1
         state.pending_block = block
         # Row b's new tokens are the block's positions from first_new_b on, moved to the front.
         index = (state.first_new[:, None] + torch.arange(Q, device=device)[None]).clamp(max=Q - 1)
@@ -572,5 +615,5 @@ class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
 
 
 __all__ = ["BlockAlignedPrompts", "BlockDecodingState", "BlockLatentGenerationOptions", "BlockLatentGenerationMixin", "DecodingStep", "DenoisedBlock", "GenerateOutput", "GenerationOptions", "GenerationRequest", "MultiTokenGenerationMixin", "NewTokens",
-           "HARMLESS_HF_OPTIONS", "REQUEST_OPTIONS", "block_aligned_prompts", "check_prompt", "compile_entry_point", "compiled", "pop_options", "read_out_tokens", "refuse_token_filters", "reject_unknown_options",
+           "HARMLESS_HF_OPTIONS", "REQUEST_OPTIONS", "block_aligned_prompts", "check_prompt", "compile_entry_point", "compiled", "penalize_repetitions", "pop_options", "read_out_tokens", "refuse_token_filters", "reject_unknown_options",
            "resolve_generation_request", "row_seeds"]

@@ -552,6 +552,26 @@ class ColaBlockVelocity(BlockVelocityField):
         return self.guide(conditional, unconditional)
 
 
+def pad_partial_block(input_ids: torch.Tensor, real: torch.Tensor, block_size: int,
+                      pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-aligned prompts [B, W] with each row's partial last block filled up with `pad_token_id` tokens that
+    the VAE reads as text: the official VAE was trained on documents padded so to whole blocks, and its encoder
+    attends within a block in both directions, so the official inference encodes a prompt this way."""
+    complete = input_ids.shape[1] // block_size * block_size
+    if complete == input_ids.shape[1]:
+        return input_ids, real
+    width = complete + block_size
+    grow = width - input_ids.shape[1]
+    input_ids = torch.cat([input_ids, input_ids.new_full((input_ids.shape[0], grow), pad_token_id)], dim=1)
+    real = torch.cat([real, real.new_zeros(real.shape[0], grow)], dim=1)
+    tail = real[:, complete:]
+    partial = tail.any(dim=1, keepdim=True)
+    filled = torch.arange(block_size, device=real.device)[None] >= tail.long().sum(1, keepdim=True)
+    input_ids[:, complete:] = torch.where(partial & filled, pad_token_id, input_ids[:, complete:])
+    real[:, complete:] = tail | (partial & filled)
+    return input_ids, real
+
+
 class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
     """Cola DLM: VAE + block-causal DiT prior + velocity head. `forward(input_ids)` returns the DiT's hidden states
     of the clean text; `forward(input_ids, labels=...)` the joint objective; `generate()` denoises a block of latents
@@ -703,6 +723,11 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
     # ------------------------------------------------------------------------------------------------------------
     # generate (the block loop is `BlockLatentGenerationMixin`'s, the shared steps `BlockLatentForCausalLM`'s)
     # ------------------------------------------------------------------------------------------------------------
+
+    def _encode_prompt(self, input_ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        if self.config.vae_config.architecture == "official":
+            input_ids, real = pad_partial_block(input_ids, real, self.config.block_size, self.config.pad_token_id)
+        return super()._encode_prompt(input_ids, real)
 
     def _decode_latents(self, latents: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
         return self.model.vae.decoder(latents, attention_mask, cache=cache)

@@ -16,6 +16,8 @@ from ..modeling.modeling_cola import ColaForCausalLM
 #: The official `generate_task_repaint_inference` defaults the papers' numbers use: greedy read-out, CFG 7, 16 Euler
 #: steps per block.
 OFFICIAL_SAMPLING = {"cfg_scale": 7.0, "num_inference_steps": 16, "decode_temperature": 0.0}
+#: Fields of the converted folder's generation config: the official inference's repetition penalty.
+OFFICIAL_GENERATION = {"repetition_penalty": 1.1}
 #: The official DiT training (scripts/cola_pretrain.py) keeps the VAE frozen and drops no history.
 OFFICIAL_TRAINING = {"vae_learning_rate_ratio": 0.0, "history_dropout": 0.0, "prompt_block_prob": 0.05}
 
@@ -97,7 +99,8 @@ def cola_config_from_official(vae: dict, dit: dict, **overrides) -> tuple[ColaCo
 def cola_conversion_notes(config: ColaConfig) -> list[str]:
     """Where the converted model's defaults come from, for its model card."""
     return [f"generation defaults of the official inference: greedy read-out, guidance scale {config.cfg_scale}, "
-            f"{config.num_inference_steps} Euler steps per block",
+            f"{config.num_inference_steps} Euler steps per block, repetition penalty "
+            f"{OFFICIAL_GENERATION['repetition_penalty']} over the tokens read out so far (generation_config.json)",
             "the DiT's attention runs under bfloat16 autocast (attention_dtype='bfloat16'), as the official code runs "
             "it on every device; set attention_dtype=None for float32 attention",
             "training defaults follow the official DiT training: the VAE frozen (vae_learning_rate_ratio=0), no "
@@ -215,6 +218,7 @@ def cola_from_official(vae_config: dict, dit_config: dict, vae_state: dict, dit_
     config, notes = cola_config_from_official(vae_config, dit_config, **overrides)
     model = ColaForCausalLM(config).float().eval()
     load_into(model, cola_state_dict_from_official(vae_state, dit_state, config), "the official Cola checkpoint")
+    model.generation_config.update(**OFFICIAL_GENERATION)
     return model, notes + cola_conversion_notes(config)
 
 
@@ -305,8 +309,48 @@ def cola_parity(model: ColaForCausalLM, reference: dict[str, torch.Tensor]) -> d
         velocity = model.velocity(reference["dit_uncond_input"][None], (times.double() / 1000).float()[None], mask,
                                   positions)[0]
         diffs["dit_uncond_velocity"] = _max_diff(velocity, reference["dit_uncond_velocity"])
+    if "generate_row_seeds" in reference:
+        diffs.update(_generate_parity(model, reference))
     return diffs
 
 
-__all__ = ["DIT_ROPE_THETA", "OFFICIAL_SAMPLING", "OFFICIAL_TRAINING", "cola_2b_config", "cola_config_from_official",
-           "cola_conversion_notes", "cola_from_official", "cola_parity", "cola_state_dict_from_official"]
+#: The official inference's per-sample seeding: block n of a sample starts from noise seeded base + 1000·id + n·this.
+OFFICIAL_BLOCK_SEED_OFFSET = 10_000_000
+
+
+def official_generation_options(reference: dict[str, torch.Tensor]) -> dict:
+    """`generate()` options that decode as the reference's official run did (greedy, its guidance, steps, repetition
+    penalty and per-sample noise seeds, no EOS stop)."""
+    return {"do_sample": False, "guidance_scale": reference["generate_guidance_scale"].item(),
+            "num_inference_steps": int(reference["generate_num_steps"]),
+            "repetition_penalty": reference["generate_repetition_penalty"].item(),
+            "noise_seeds": reference["generate_row_seeds"].tolist(),
+            "block_seed_offset": OFFICIAL_BLOCK_SEED_OFFSET, "eos_token_id": None}
+
+
+def _generate_parity(model: ColaForCausalLM, reference: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The latents the official inference encodes each prompt to, and its tokens against ours with the prompts as
+    one left-padded batch and each alone (max |token id difference| over the official output's length; 0: the same
+    tokens)."""
+    prompts = [reference[f"generate_prompt{i}"].long() for i in range(len(reference["generate_row_seeds"]))]
+    official = [reference[f"generate_tokens{i}"].long() for i in range(len(prompts))]
+    diffs = {"generate_prompt_latents": max(
+        _max_diff(model._encode_prompt(prompt[None], torch.ones(1, len(prompt), dtype=torch.bool))[0],
+                  reference[f"generate_prompt_latents{i}"]) for i, prompt in enumerate(prompts))}
+    options = official_generation_options(reference)
+    ids, mask = _left_padded(prompts)
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=max(len(t) for t in official), **options)
+    new = batched[:, ids.shape[1]:]
+    diffs["generate_tokens_batched"] = max(_max_diff(new[i, :len(t)], t) for i, t in enumerate(official))
+    alone = []
+    for i, (prompt, tokens) in enumerate(zip(prompts, official)):
+        row_options = dict(options, noise_seeds=[options["noise_seeds"][i]])
+        out = model.generate(prompt[None], max_new_tokens=len(tokens), **row_options)
+        alone.append(_max_diff(out[0, prompt.shape[0]:], tokens))
+    diffs["generate_tokens_alone"] = max(alone)
+    return diffs
+
+
+__all__ = ["DIT_ROPE_THETA", "OFFICIAL_BLOCK_SEED_OFFSET", "OFFICIAL_GENERATION", "OFFICIAL_SAMPLING", "OFFICIAL_TRAINING", "cola_2b_config", "cola_config_from_official",
+           "cola_conversion_notes", "cola_from_official", "cola_parity", "cola_state_dict_from_official",
+           "official_generation_options"]

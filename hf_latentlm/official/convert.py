@@ -95,7 +95,7 @@ def convert_calm(model: str, output_dir: str, autoencoder: str | None = None, to
 def convert_cola(vae: str, dit: str, output_dir: str, tokenizer: str | None = None,
                  overwrite: bool = False) -> tuple[Path, list[str]]:
     """The official Cola DLM text VAE and DiT -> a `ColaForCausalLM` folder."""
-    from .cola import cola_config_from_official, cola_conversion_notes, cola_state_dict_from_official
+    from .cola import OFFICIAL_GENERATION, cola_config_from_official, cola_conversion_notes, cola_state_dict_from_official
 
     vae_folder, dit_folder = fetch_source(vae, "--vae"), fetch_source(dit, "--dit")
     config, notes = cola_config_from_official(read_config(vae_folder, "--vae"), read_config(dit_folder, "--dit"))
@@ -109,13 +109,14 @@ def convert_cola(vae: str, dit: str, output_dir: str, tokenizer: str | None = No
     load_into(converted, state, "the official Cola checkpoint")
     source = {"sources": {"vae": vae, "dit": dit}, "repository": "https://github.com/ByteDance-Seed/Cola-DLM",
               "license": "apache-2.0"}
-    return write_folder(converted, output_dir, tokenizer, source, notes, overwrite), notes
+    return write_folder(converted, output_dir, tokenizer, source, notes, overwrite, OFFICIAL_GENERATION), notes
 
 
 def write_folder(model, output_dir: str, tokenizer: str | None, source: dict, notes: list[str],
-                 overwrite: bool) -> Path:
+                 overwrite: bool, generation: dict | None = None) -> Path:
     """save_pretrained (config with auto_map, safetensors, remote code), the tokenizer or a note that ids must be
-    passed, the family's generation config and a model card, written atomically."""
+    passed, the family's generation config (with the official inference's `generation` fields) and a model card,
+    written atomically."""
     from transformers import AutoTokenizer, GenerationConfig
 
     target = Path(output_dir)
@@ -131,7 +132,7 @@ def write_folder(model, output_dir: str, tokenizer: str | None, source: dict, no
     config = model.config
     model.generation_config = GenerationConfig(
         **model.generation_options_class.sampling_defaults(config), bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, **(generation or {}))
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp)

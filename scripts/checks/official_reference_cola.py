@@ -17,6 +17,16 @@ keys of ../shared/reference/cola; rows concatenated along one axis, as the offic
 posterior mean and log-variance of each row, its decoder logits for given latents, the DiT's velocity over all rows
 with clean history (t = 0) and each row's last block at `--time`, and the unconditional velocity of those last blocks
 alone. Official config fields without an option here keep the official defaults (the released values).
+
+`--checkpoint DIR` loads the official VAE and DiT already in DIR (`cola_vae/`, `cola_dit/`) instead of building
+them, and adds to DIR's reference file the official inference's tokens (`generate_task_repaint_inference`, greedy,
+CFG `--guidance-scale`, `--timestep-num` steps, repetition penalty, one batch of prompts of `--generate-lengths`
+tokens, its per-sample noise seeding `COLA_INFER_PER_SAMPLE_NOISE_SEED`): `generate_prompt{i}` the prompt ids,
+`generate_tokens{i}` the official output (the prompt's re-decoded tail trimmed), `generate_prompt_latents{i}` the
+latents it encoded the prompt to (filled with pad tokens to whole blocks), `generate_row_seeds` each row's
+seed (base + 1000·row) and the settings as 0-dim tensors. The official inference casts its inputs to bfloat16 for
+CUDA autocast, which a CPU cannot run; the script runs it in float32 by handing that module a `torch` whose
+`bfloat16` is float32 (the models' own attention autocast is untouched).
 """
 
 from __future__ import annotations
@@ -63,7 +73,92 @@ def parse_args():
                         help="tokens per row, each a multiple of --block-size")
     parser.add_argument("--time", type=float, default=700.0, help="official time (0..1000) of each row's last block")
     parser.add_argument("--perturb-std", type=float, default=0.04)
+    parser.add_argument("--checkpoint", help="record only the official generation of the checkpoint in this folder")
+    parser.add_argument("--generate-lengths", type=int, nargs="+", default=[6, 3, 8, 13],
+                        help="prompt lengths of the generation batch")
+    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--guidance-scale", type=float, default=7.0)
+    parser.add_argument("--timestep-num", type=int, default=16)
+    parser.add_argument("--repetition-penalty", type=float, default=1.1)
+    parser.add_argument("--noise-seed", type=int, default=1234, help="COLA_INFER_PER_SAMPLE_NOISE_SEED")
     return parser.parse_args()
+
+
+class _Float32Torch:
+    """`torch` as the official inference module sees it, with bfloat16 read as float32."""
+
+    bfloat16 = torch.float32
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+class _IdTokenizer:
+    """The official inference tokenises a prompt string: here each string names a prepared list of ids."""
+
+    def __init__(self, prompts: dict[str, list[int]]):
+        self.prompts, self.outputs = prompts, None
+
+    def encode(self, text):
+        return type("Encoding", (), {"ids": list(self.prompts[text])})()
+
+    def decode_batch(self, ids, skip_special_tokens=False):
+        self.outputs = [list(row) for row in ids]
+        return ["" for _ in ids]
+
+
+def record_generation(args) -> int:
+    import os
+
+    from cola_dlm import inference
+    from cola_dlm.modeling_cola_dit import ColaDiTModel
+    from cola_dlm.modeling_cola_vae import ColaTextVAEModel
+    from safetensors.torch import load_file
+
+    folder = Path(args.checkpoint)
+    vae = ColaTextVAEModel.from_pretrained(folder / "cola_vae").float().eval()
+    dit = ColaDiTModel.from_pretrained(folder / "cola_dit").float().eval()
+    torch.manual_seed(args.seed)
+    vocab, pad = vae.config.vocab_size, vae.config.pad_token_id
+    prompts = {f"p{i}": torch.randint(0, vocab - 1, (n,)).tolist() for i, n in enumerate(args.generate_lengths)}
+    tokenizer = _IdTokenizer(prompts)
+    encoded = []
+    official_encode = vae.encode
+    vae.encode = lambda rows: encoded.append(official_encode(rows)) or encoded[-1]
+    inference.torch = _Float32Torch()
+    os.environ["COLA_INFER_PER_SAMPLE_NOISE_SEED"] = str(args.noise_seed)
+    inference.generate_task_repaint_inference(
+        dit, vae, tokenizer, [{"question": key, "id": i} for i, key in enumerate(prompts)], task_name="ids",
+        device=torch.device("cpu"), timestep_num=args.timestep_num, guidance_scale=args.guidance_scale,
+        max_new_tokens=args.max_new_tokens, temperature=0.0, repetition_penalty=args.repetition_penalty,
+        pad_token_id=pad, eos_token_id=None)
+    reference = load_file(str(folder / "reference_outputs.safetensors"))
+    reference = {k: v for k, v in reference.items() if not k.startswith("generate_")}
+    for i, key in enumerate(prompts):
+        reference[f"generate_prompt{i}"] = torch.tensor(prompts[key])
+        reference[f"generate_tokens{i}"] = torch.tensor(tokenizer.outputs[i])
+        latents = encoded[0].latents_list[i]
+        reference[f"generate_prompt_latents{i}"] = (latents - vae.shifting_factor) * vae.scaling_factor
+    reference["generate_row_seeds"] = torch.tensor([args.noise_seed + 1000 * i for i in range(len(prompts))])
+    reference["generate_guidance_scale"] = torch.tensor(args.guidance_scale)
+    reference["generate_num_steps"] = torch.tensor(args.timestep_num)
+    reference["generate_repetition_penalty"] = torch.tensor(args.repetition_penalty)
+    save_file(reference, str(folder / "reference_outputs.safetensors"))
+    note_path = folder / "reference_outputs.json"
+    note = json.loads(note_path.read_text())
+    note["generate"] = {
+        "note": "generate_tokens{i} = cola_dlm.inference.generate_task_repaint_inference(dit, vae, prompts "
+                "generate_prompt{i} as one batch, greedy, eos_token_id=None) in float32, the prompt's re-decoded "
+                "tail trimmed; generate_prompt_latents{i} = (vae.encode's posterior mode - shifting_factor) * "
+                "scaling_factor of the prompt filled with pad ids to whole blocks, as the inference encodes it; "
+                "row i's block n starts from torch.randn(block, latent, generator seeded "
+                "generate_row_seeds[i] + n * 10_000_000)",
+        "arguments": {name: getattr(args, name) for name in ("seed", "generate_lengths", "max_new_tokens",
+                                                             "guidance_scale", "timestep_num",
+                                                             "repetition_penalty", "noise_seed")}}
+    note_path.write_text(json.dumps(note, indent=1) + "\n")
+    print(f"added the official generation to {folder}")
+    return 0
 
 
 def main() -> int:
@@ -75,6 +170,8 @@ def main() -> int:
     from cola_dlm.modeling_cola_dit import ColaDiTModel
     from cola_dlm.modeling_cola_vae import ColaTextVAEModel
 
+    if args.checkpoint:
+        return record_generation(args)
     if args.count_released_sizes:
         with torch.device("meta"):
             for name, module in (("VAE", ColaTextVAEModel(ColaTextVAEConfig())), ("DiT", ColaDiTModel(ColaDiTConfig()))):

@@ -798,7 +798,7 @@ def test_timestep_shift_moves_the_solver_grid(generator_model):
 
 @pytest.mark.parametrize("option,value", [
     ("top_k", 5), ("top_p", 0.9), ("num_inference_steps", 0), ("ode_solver", "rk4"), ("guidance_scale", -1.0),
-    ("timestep_shift", 0.0), ("temperature", -1.0),
+    ("timestep_shift", 0.0), ("temperature", -1.0), ("repetition_penalty", 0.0), ("block_seed_offset", -1),
 ])
 def test_bad_generate_options_are_named(generator_model, option, value):
     with pytest.raises(ValueError, match=option):
@@ -815,6 +815,50 @@ def test_sampled_read_out_uses_each_rows_own_generator(generator_model):
     same = dict(attention_mask=run.mask, noise_seeds=run.seeds, **run.kwargs)
     assert torch.equal(sampling_model.generate(run.ids, **same), run.batched)
     assert torch.equal(sampling_model.generate(run.ids, do_sample=False, **same), run.greedy)
+
+
+def test_repetition_penalty_sees_every_earlier_read_out_and_comes_from_the_generation_config(generator_model):
+    """With penalty p, each block is read out from its decoder logits with the logit s of every token read out in an
+    earlier block of the call (all its positions: a prompt's re-decoded partial block too; the prompt itself not)
+    made s·p (s < 0) or s/p: a hand loop over the recorded logits gives the generated tokens. The generation
+    config's repetition_penalty is the default, and p changes the tokens."""
+    model = copy.deepcopy(generator_model)
+    prompt = tokens(1, 6, seed=40)
+    recorded = []
+    decode = model._decode_latents
+    model._decode_latents = lambda *args: recorded.append(decode(*args).float()) or recorded[-1]
+    kwargs = dict(max_new_tokens=10, eos_token_id=None, noise_seeds=[5], do_sample=False)
+    plain = model.generate(prompt, **kwargs)
+    recorded.clear()
+    model.generation_config.repetition_penalty = 3.0
+    penalised = model.generate(prompt, **kwargs)
+    assert not torch.equal(plain, penalised)
+    read_out = []
+    for logits in recorded[1:]:  # recorded[0]: the prompt's complete block
+        logits = logits[0].clone()
+        for token in {t for block in read_out for t in block.tolist()}:
+            logits[:, token] = torch.where(logits[:, token] < 0, logits[:, token] * 3.0, logits[:, token] / 3.0)
+        read_out.append(logits.argmax(-1))
+    assert torch.equal(penalised[0, 6:], torch.cat(read_out)[2:])  # the first block's 2 known positions dropped
+    assert torch.equal(model.generate(prompt, repetition_penalty=1.0, **kwargs), plain)
+
+
+def test_block_seed_offset_starts_each_block_from_its_own_seed(generator_model):
+    """With block_seed_offset, block n of a row starts from torch.randn drawn by a generator seeded seed + n·offset
+    (recorded as the solver's first input), whatever the row's batch."""
+    model = generator_model
+    seen = []
+    denoise = model._denoise_block
+    model._denoise_block = lambda state, noise, *rest: seen.append(noise.clone()) or denoise(state, noise, *rest)
+    try:
+        model.generate(tokens(1, 8, seed=41), max_new_tokens=12, eos_token_id=None, noise_seeds=[7],
+                       block_seed_offset=1000)
+    finally:
+        del model._denoise_block
+    assert len(seen) == 3
+    for n, noise in enumerate(seen):
+        expected = torch.randn(Q, model.config.latent_size, generator=torch.Generator().manual_seed(7 + 1000 * n))
+        assert torch.equal(noise[0], expected)
 
 
 # ====================================================================================================================

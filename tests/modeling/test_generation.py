@@ -108,3 +108,32 @@ def test_read_out_samples_the_decoder_softmax_at_the_temperature(temperature):
         torch.testing.assert_close(frequencies, expected, atol=0.025, rtol=0)
     assert not torch.equal(tokens[0], tokens[1])
     assert (read_out_tokens(logits[:, :5], [], 0.0) == 0).all()
+
+
+def test_repetition_penalty_matches_transformers_logits_processor():
+    """`penalize_repetitions` at every position of a block is transformers' RepetitionPenaltyLogitsProcessor on
+    that position's logits (negative logits multiplied, positive divided, repeated ids counted once)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from hf_latentlm.modeling.generation import penalize_repetitions
+
+    logits = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(0))
+    previous = torch.tensor([[1, 4, 4, 9], [0, 2, 7, 10]])
+    ours = penalize_repetitions(logits, previous, 1.7)
+    processor = RepetitionPenaltyLogitsProcessor(1.7)
+    for q in range(3):
+        torch.testing.assert_close(ours[:, q], processor(previous, logits[:, q].clone()), rtol=0, atol=0)
+    assert not torch.equal(ours, logits)
+
+
+def test_a_family_without_repetition_penalty_names_it(tokenizer):
+    """PLM has no repetition penalty: passed to generate(), or set in the generation config, it is refused by name."""
+    from hf_latentlm.families import build_model
+
+    model = build_model("plm", "tiny", tokenizer).eval()
+    prompt = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"unsupported generation option\(s\) for PLM: \['repetition_penalty'\]"):
+        model.generate(prompt, max_new_tokens=2, repetition_penalty=1.2)
+    model.generation_config.repetition_penalty = 1.2
+    with pytest.raises(ValueError, match=r"generation_config.repetition_penalty = 1.2 is not supported by PLM"):
+        model.generate(prompt, max_new_tokens=2)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import family_contract as contract
 from hf_latentlm.modeling.modeling_cola import ColaForCausalLM
-from hf_latentlm.official.cola import cola_2b_config, cola_from_official, cola_parity
+from hf_latentlm.official.cola import cola_2b_config, cola_from_official, cola_parity, official_generation_options
 from hf_latentlm.official.convert import read_config, read_official_weights
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "official"
@@ -54,8 +54,41 @@ def test_converted_checkpoint_reproduces_the_official_outputs(tmp_path, run_cli,
     code, diffs, err = run_parity(folder, FIXTURES / name / "reference_outputs.safetensors")
     assert code == 0, err
     rows = [f"row{i}_{q}" for i in range(CASES[name]) for q in ("mean", "logvar")]
-    assert sorted(diffs) == sorted(rows + ["decode_logits", "dit_velocity", "dit_uncond_velocity"])
+    generation = ["generate_prompt_latents", "generate_tokens_batched", "generate_tokens_alone"]
+    assert sorted(diffs) == sorted(rows + ["decode_logits", "dit_velocity", "dit_uncond_velocity"] + generation)
     assert all(diff <= 1e-5 for diff in diffs.values()), diffs
+    assert diffs["generate_tokens_batched"] == diffs["generate_tokens_alone"] == 0
+
+
+@pytest.mark.parametrize("change", [{"repetition_penalty": 1.0}, {"block_seed_offset": None},
+                                    {"guidance_scale": 1.0}, {"num_inference_steps": 8}])
+def test_official_tokens_depend_on_each_official_setting(change):
+    """Each setting of the official run matters on this fixture: changed alone, our tokens leave the official ones
+    (so the parity above tests every one of them)."""
+    reference = load_file(FIXTURES / "cola_tools" / "reference_outputs.safetensors")
+    model, _ = cola_from_official(*official("cola_tools"))
+    options = {**official_generation_options(reference), **change}
+    differs = []
+    for i, seed in enumerate(options["noise_seeds"]):
+        prompt, tokens = reference[f"generate_prompt{i}"].long(), reference[f"generate_tokens{i}"].long()
+        out = model.generate(prompt[None], max_new_tokens=len(tokens), **{**options, "noise_seeds": [seed]})
+        differs.append(not torch.equal(out[0, len(prompt):], tokens))
+    assert any(differs)
+
+
+def test_official_prompt_encoding_fills_the_partial_block_with_pad_tokens():
+    """The official inference encodes a prompt filled with pad tokens to whole blocks, and the VAE's encoder reads
+    them within its own blocks of 4 (the fixture's): without the fill, the latents of the prompt's last tokens move
+    by far more than 1e-5."""
+    reference = load_file(FIXTURES / "cola" / "reference_outputs.safetensors")
+    model, _ = cola_from_official(*official("cola"))
+    prompt = reference["generate_prompt0"].long()[None]
+    assert prompt.shape[1] % model.config.block_size != 0
+    official_latents = reference["generate_prompt_latents0"]
+    unfilled = model.model.encode_tokens(prompt, torch.ones_like(prompt))[0]
+    assert (unfilled - official_latents[:prompt.shape[1]]).abs().max() > 1e-3
+    filled = model._encode_prompt(prompt, torch.ones_like(prompt, dtype=torch.bool))[0]
+    torch.testing.assert_close(filled, official_latents, rtol=0, atol=1e-5)
 
 
 def test_parity_check_fails_on_a_wrong_tensor(tmp_path, run_cli):
@@ -87,7 +120,10 @@ def test_converted_folder_is_an_ordinary_model_folder(tmp_path, run_cli):
     vae = config["vae_config"]
     assert (vae["architecture"], vae["num_decoder_layers"], vae["latent_scaling_factor"],
             vae["latent_shifting_factor"]) == ("official", 3, 1.7, 0.2)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert (generation["do_sample"], generation["repetition_penalty"]) == (True, 1.1)
     card = (folder / "README.md").read_text()
+    assert "repetition penalty 1.1" in card
     assert "license: apache-2.0" in card and "ByteDance-Seed/Cola-DLM" in card and "No tokenizer was given" in card
     assert (folder / "model.safetensors").is_file()
 
