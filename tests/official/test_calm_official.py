@@ -1,5 +1,5 @@
 """Official CALM checkpoints (shaochenze/calm) converted by `hf-latentlm convert calm`: the official code's outputs
-reproduced within 1e-5, bad checkpoints refused by name, and the converted model held to the family contract.
+reproduced within 1e-5, bad checkpoints refused by name (the family contract: test_converted_contract.py).
 
 The fixtures under tests/fixtures/official/ were written by the official code (scripts/checks/
 official_reference_calm.py in an environment with transformers 4.43; `calm/` is ../shared/reference/calm): perturbed
@@ -7,23 +7,19 @@ weights, so a wrong mapping of any tensor shows."""
 
 import inspect
 import json
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import family_contract as contract
+import official_checkpoints
 from hf_latentlm.modeling.configuration_calm import CALMConfig
 from hf_latentlm.modeling.modeling_calm import CALMForCausalLM, ReplayedDraws
 from hf_latentlm.official.calm import calm_from_official, calm_parity, official_calm_config
 from hf_latentlm.official.convert import read_official_weights
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "official"
-PARITY_SCRIPT = Path(__file__).parents[2] / "scripts" / "checks" / "official_parity.py"
 # The fixture -> what its reference holds beyond the shared reference's keys.
 CASES = {"calm": [], "calm_tools": ["energy_loss", "generate_t05_tokens", "generate_t1_tokens"],
          "calm_heldout": ["energy_loss", "generate_t05_tokens", "generate_t1_tokens"]}
@@ -47,17 +43,11 @@ def convert(run_cli, name: str, output: Path, *extra: str) -> Path:
     return output
 
 
-def run_parity(model_dir: Path, reference: Path) -> tuple[int, dict[str, float], str]:
-    done = subprocess.run([sys.executable, str(PARITY_SCRIPT), "--family", "calm", "--model", str(model_dir),
-                           "--reference", str(reference)], capture_output=True, text=True, timeout=300)
-    diffs = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) max_abs_diff=(\S+)$", done.stdout, re.M)}
-    return done.returncode, diffs, done.stderr
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_converted_checkpoint_reproduces_the_official_outputs(tmp_path, run_cli, name):
     folder = convert(run_cli, name, tmp_path / "converted")
-    code, diffs, err = run_parity(folder, FIXTURES / name / "reference_outputs.safetensors")
+    code, diffs, err = official_checkpoints.run_parity("calm", folder,
+                                                       FIXTURES / name / "reference_outputs.safetensors")
     assert code == 0, err
     assert sorted(diffs) == sorted(SHARED + CASES[name])
     assert all(diff <= 1e-5 for diff in diffs.values()), diffs
@@ -70,7 +60,8 @@ def test_parity_check_fails_on_a_wrong_tensor(tmp_path, run_cli):
         first, second = model.energy_head.blocks[0], model.energy_head.blocks[1]
         first.fuse.weight, second.fuse.weight = second.fuse.weight, first.fuse.weight
     model.save_pretrained(tmp_path / "wrong")
-    code, diffs, err = run_parity(tmp_path / "wrong", FIXTURES / "calm_heldout" / "reference_outputs.safetensors")
+    code, diffs, err = official_checkpoints.run_parity(
+        "calm", tmp_path / "wrong", FIXTURES / "calm_heldout" / "reference_outputs.safetensors")
     assert code == 1 and "head_samples" in err
     assert diffs["head_samples"] > 1e-5 and diffs["ae_mean"] == 0
 
@@ -200,32 +191,6 @@ def test_convert_refuses_with_one_line(tmp_path, run_cli, monkeypatch, case, nee
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     if case == "not empty":
         assert (output / "keep.txt").is_file()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The family contract on a converted model
-# ---------------------------------------------------------------------------------------------------------------------
-
-CONTRACT = {name.removeprefix("check_"): check for name, check in vars(contract).items()
-            if name.startswith("check_") and "family" not in inspect.signature(check).parameters}
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    config, state = official("calm_tools")
-    model, _ = calm_from_official(config, state)
-    folder = tmp_path_factory.mktemp("converted")
-    model.save_pretrained(folder)
-    return CALMForCausalLM.from_pretrained(folder).eval()
-
-
-@pytest.mark.parametrize("check", sorted(CONTRACT))
-def test_converted_model_passes_the_family_contract(check, converted, request):
-    arguments = {}
-    for name in inspect.signature(CONTRACT[check]).parameters:
-        arguments[name] = converted if name == "model" else request.getfixturevalue(
-            {"rows": "tiny_rows"}.get(name, name))
-    CONTRACT[check](**arguments)
 
 
 def test_calm_m_at_its_official_size_has_the_official_parameter_counts():

@@ -1,29 +1,24 @@
 """Official Cola DLM checkpoints (ByteDance-Seed/Cola-DLM) converted by `hf-latentlm convert cola`: the official
-code's outputs reproduced within 1e-5, bad checkpoints refused by name, the paper-size parameter counts, and the
-converted model held to the family contract.
+code's outputs reproduced within 1e-5 (generation included), bad checkpoints refused by name, and the paper-size
+parameter counts (the family contract: test_converted_contract.py).
 
 The fixtures under tests/fixtures/official/cola* were written by the official code (scripts/checks/
 official_reference_cola.py in an environment with transformers 4.43; `cola/` is ../shared/reference/cola):
 perturbed weights, so a wrong mapping of any tensor shows."""
 
-import inspect
 import json
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import family_contract as contract
+import official_checkpoints
 from hf_latentlm.modeling.modeling_cola import ColaForCausalLM
 from hf_latentlm.official.cola import cola_2b_config, cola_from_official, cola_parity, official_generation_options
 from hf_latentlm.official.convert import read_config, read_official_weights
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "official"
-PARITY_SCRIPT = Path(__file__).parents[2] / "scripts" / "checks" / "official_parity.py"
 CASES = {"cola": 2, "cola_heldout": 3, "cola_tools": 2}  # fixture -> rows in its reference
 
 
@@ -41,17 +36,11 @@ def convert(run_cli, name: str, output: Path, *extra: str) -> Path:
     return output
 
 
-def run_parity(model_dir: Path, reference: Path) -> tuple[int, dict[str, float], str]:
-    done = subprocess.run([sys.executable, str(PARITY_SCRIPT), "--family", "cola", "--model", str(model_dir),
-                           "--reference", str(reference)], capture_output=True, text=True, timeout=300)
-    diffs = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) max_abs_diff=(\S+)$", done.stdout, re.M)}
-    return done.returncode, diffs, done.stderr
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_converted_checkpoint_reproduces_the_official_outputs(tmp_path, run_cli, name):
     folder = convert(run_cli, name, tmp_path / "converted")
-    code, diffs, err = run_parity(folder, FIXTURES / name / "reference_outputs.safetensors")
+    code, diffs, err = official_checkpoints.run_parity("cola", folder,
+                                                       FIXTURES / name / "reference_outputs.safetensors")
     assert code == 0, err
     rows = [f"row{i}_{q}" for i in range(CASES[name]) for q in ("mean", "logvar")]
     generation = ["generate_prompt_latents", "generate_tokens_batched", "generate_tokens_alone"]
@@ -98,7 +87,8 @@ def test_parity_check_fails_on_a_wrong_tensor(tmp_path, run_cli):
         first, second = model.model.layers[0].mlp, model.model.layers[1].mlp
         first.proj_in.weight, second.proj_in.weight = second.proj_in.weight, first.proj_in.weight
     model.save_pretrained(tmp_path / "wrong")
-    code, diffs, err = run_parity(tmp_path / "wrong", FIXTURES / "cola_heldout" / "reference_outputs.safetensors")
+    code, diffs, err = official_checkpoints.run_parity(
+        "cola", tmp_path / "wrong", FIXTURES / "cola_heldout" / "reference_outputs.safetensors")
     assert code == 1 and "dit_velocity" in err
     assert diffs["dit_velocity"] > 1e-5 and diffs["decode_logits"] <= 1e-5
 
@@ -205,28 +195,3 @@ def test_cola_2b_parameter_counts_equal_the_official_code():
     vae = sum(p.numel() for p in model.model.vae.parameters())
     total = sum(p.numel() for p in model.parameters())
     assert (vae, total - vae) == (501_871_574, 1_829_875_728)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The family contract on a converted model
-# ---------------------------------------------------------------------------------------------------------------------
-
-CONTRACT = {name.removeprefix("check_"): check for name, check in vars(contract).items()
-            if name.startswith("check_") and "family" not in inspect.signature(check).parameters}
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    model, _ = cola_from_official(*official("cola_tools"))
-    folder = tmp_path_factory.mktemp("converted")
-    model.save_pretrained(folder)
-    return ColaForCausalLM.from_pretrained(folder).eval()
-
-
-@pytest.mark.parametrize("check", sorted(CONTRACT))
-def test_converted_model_passes_the_family_contract(check, converted, request):
-    arguments = {}
-    for name in inspect.signature(CONTRACT[check]).parameters:
-        arguments[name] = converted if name == "model" else request.getfixturevalue(
-            {"rows": "tiny_rows"}.get(name, name))
-    CONTRACT[check](**arguments)

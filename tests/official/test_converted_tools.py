@@ -23,17 +23,30 @@ def converted(tmp_path_factory):
     return convert_calm_fixture(tmp_path_factory.mktemp("converted") / "calm-official")
 
 
-def test_pipeline_generates_what_generate_does(converted, tokenizer):
+# Each generation config carries the official sampling defaults: CALM T = 1/2; Cola DLM greedy read-out, guidance 7,
+# 16 steps a block, repetition penalty 1.1. The pipeline must use them; the changed setting shows that it matters.
+PIPELINE_CASES = {
+    "calm": (CALMForCausalLM, {"do_sample": True, "temperature": 0.5}, {"temperature": 1.0}),
+    "cola": (ColaForCausalLM, {"temperature": 0.0, "guidance_scale": 7.0, "num_inference_steps": 16,
+                               "repetition_penalty": 1.1}, {"guidance_scale": 1.0}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(PIPELINE_CASES))
+def test_pipeline_generates_what_generate_does_with_the_official_defaults(family, request, tokenizer):
     from transformers import pipeline
 
-    generator = pipeline("text-generation", model=str(converted), trust_remote_code=True)
+    folder = request.getfixturevalue({"calm": "converted", "cola": "converted_cola"}[family])
+    model_class, official, changed = PIPELINE_CASES[family]
+    generator = pipeline("text-generation", model=str(folder), trust_remote_code=True)
     text = generator("ROMEO.\nWhat light", max_new_tokens=8, noise_seeds=[5], return_full_text=False)[0]
-    model = CALMForCausalLM.from_pretrained(converted)
+    model = model_class.from_pretrained(folder)
+    model.generation_config = type(model.generation_config)()  # the call's options only
     ids = tokenizer("ROMEO.\nWhat light", return_tensors="pt").input_ids
-    # The pipeline's generation config carries the official sampling default, T = 1/2.
-    out = model.generate(ids, max_new_tokens=8, noise_seeds=[5], temperature=0.5)
+    out = model.generate(ids, max_new_tokens=8, noise_seeds=[5], **official)
     assert text["generated_text"] == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    assert generator.model.generation_config.temperature == 0.5
+    other = model.generate(ids, max_new_tokens=8, noise_seeds=[5], **{**official, **changed})
+    assert not torch.equal(out, other)
 
 
 def test_training_steps_move_the_official_form_and_keep_its_autoencoder(converted, tokenizer, tiny_rows, tmp_path):
@@ -63,21 +76,24 @@ def test_sft_with_lora_runs_on_the_converted_model(converted, run_cli, tmp_path)
     assert json.loads((tmp_path / "sft" / "post_training.json").read_text())["lora"] is True
 
 
-def test_push_names_the_official_source_and_its_license(converted, tmp_path, fake_hub):
+@pytest.mark.parametrize("family,license,source", [("calm", "mit", "shaochenze/calm"),
+                                                    ("cola", "apache-2.0", "ByteDance-Seed/Cola-DLM")])
+def test_push_names_the_official_source_and_its_license(family, license, source, request, tmp_path, fake_hub):
     import subprocess
     import sys
 
+    folder = request.getfixturevalue({"calm": "converted", "cola": "converted_cola"}[family])
     endpoint, hub = fake_hub
     push = "import sys; from hf_latentlm.cli import main; sys.exit(main(sys.argv[1:]))"
-    done = subprocess.run([sys.executable, "-c", push, "push", "--model", str(converted), "--repo-id",
-                           "someone/calm-official"], env=hub_env(endpoint, tmp_path / "home"), capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", push, "push", "--model", str(folder), "--repo-id",
+                           f"someone/{family}-official"], env=hub_env(endpoint, tmp_path / "home"),
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    files = hub.repos["someone/calm-official"]["main"]
-    assert files["model.safetensors"] == (converted / "model.safetensors").read_bytes()
+    files = hub.repos[f"someone/{family}-official"]["main"]
+    assert files["model.safetensors"] == (folder / "model.safetensors").read_bytes()
     assert "conversion.json" not in files and "tokenizer.json" in files
     card = files["README.md"].decode()
-    assert "license: mit" in card and "shaochenze/calm" in card and "hf-latentlm convert" in card
+    assert f"license: {license}" in card and source in card and "hf-latentlm convert" in card
     assert "trained on a small corpus" not in card  # the CPU-scale caveat is for models trained here
 
 
@@ -85,21 +101,6 @@ def test_push_names_the_official_source_and_its_license(converted, tmp_path, fak
 @pytest.fixture(scope="module")
 def converted_cola(tmp_path_factory):
     return convert_cola_fixture(tmp_path_factory.mktemp("converted") / "cola-official")
-
-
-def test_cola_pipeline_generates_what_generate_does(converted_cola, tokenizer):
-    from transformers import pipeline
-
-    generator = pipeline("text-generation", model=str(converted_cola), trust_remote_code=True)
-    text = generator("ROMEO.\nWhat light", max_new_tokens=8, noise_seeds=[5], return_full_text=False)[0]
-    model = ColaForCausalLM.from_pretrained(converted_cola)
-    ids = tokenizer("ROMEO.\nWhat light", return_tensors="pt").input_ids
-    # The generation config carries the official inference defaults: greedy read-out, guidance 7, 16 steps a block.
-    out = model.generate(ids, max_new_tokens=8, noise_seeds=[5], temperature=0.0, guidance_scale=7.0,
-                         num_inference_steps=16)
-    assert text["generated_text"] == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    other = model.generate(ids, max_new_tokens=8, noise_seeds=[5], guidance_scale=1.0, num_inference_steps=16)
-    assert not torch.equal(out, other)  # the guidance scale matters, so the equality above checks it
 
 
 def test_sft_with_lora_runs_on_the_converted_cola(converted_cola, run_cli, tmp_path):
@@ -110,17 +111,3 @@ def test_sft_with_lora_runs_on_the_converted_cola(converted_cola, run_cli, tmp_p
     base = ColaForCausalLM.from_pretrained(converted_cola).state_dict()
     changed = [n for n, p in tuned.named_parameters() if not torch.equal(p, base[n])]
     assert changed and not any(".vae." in n or n.startswith("vae.") for n in changed), changed
-
-
-def test_push_names_the_official_cola_source_and_its_license(converted_cola, tmp_path, fake_hub):
-    import subprocess
-    import sys
-
-    endpoint, hub = fake_hub
-    push = "import sys; from hf_latentlm.cli import main; sys.exit(main(sys.argv[1:]))"
-    done = subprocess.run([sys.executable, "-c", push, "push", "--model", str(converted_cola), "--repo-id",
-                           "someone/cola-official"], env=hub_env(endpoint, tmp_path / "home"), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    card = hub.repos["someone/cola-official"]["main"]["README.md"].decode()
-    assert "license: apache-2.0" in card and "ByteDance-Seed/Cola-DLM" in card and "hf-latentlm convert" in card
