@@ -1,15 +1,16 @@
 """`hf-latentlm convert` given Hub ids: the official folders are downloaded through huggingface_hub from the loopback
-Hub (tests/fake_hub.py) and convert to the same model as the local folders, in a process with the Hub's
-environment (and a timeout)."""
+Hub (tests/fake_hub.py), in a process with the Hub's environment (and a timeout), and convert to the same weights
+as the local folders."""
 
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from fake_hub import fake_hub, hub_env  # noqa: F401  (fake_hub is a fixture)
 from safetensors.torch import load_file
 
-from fake_hub import fake_hub, hub_env  # noqa: F401  (fake_hub is a fixture)
+from hf_latentlm.official.convert import convert_calm, convert_cola
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "official"
 
@@ -37,18 +38,18 @@ def test_calm_and_cola_convert_from_hub_ids(fake_hub, tmp_path):
     upload(hub, "authors/calm-tiny-ae", FIXTURES / "calm" / "autoencoder")
     upload(hub, "authors/cola-tiny-vae", FIXTURES / "cola" / "cola_vae")
     upload(hub, "authors/cola-tiny-dit", FIXTURES / "cola" / "cola_dit")
+    calm = FIXTURES / "calm"
+    cola = FIXTURES / "cola"
     runs = {
         "calm": (["calm", "--model", "authors/calm-tiny", "--autoencoder", "authors/calm-tiny-ae"],
-                 ["calm", "--model", str(FIXTURES / "calm" / "calm"), "--autoencoder",
-                  str(FIXTURES / "calm" / "autoencoder")]),
+                 lambda out: convert_calm(str(calm / "calm"), out, autoencoder=str(calm / "autoencoder"))),
         "cola": (["cola", "--vae", "authors/cola-tiny-vae", "--dit", "authors/cola-tiny-dit"],
-                 ["cola", "--vae", str(FIXTURES / "cola" / "cola_vae"), "--dit", str(FIXTURES / "cola" / "cola_dit")]),
+                 lambda out: convert_cola(str(cola / "cola_vae"), str(cola / "cola_dit"), out)),
     }
-    for name, (hub_args, local_args) in runs.items():
+    for name, (hub_args, convert_local) in runs.items():
         from_hub = convert(endpoint, tmp_path / "home", *hub_args, "--output-dir", str(tmp_path / f"{name}_hub"))
         assert from_hub.returncode == 0, from_hub.stderr
-        local = convert(endpoint, tmp_path / "home", *local_args, "--output-dir", str(tmp_path / f"{name}_local"))
-        assert local.returncode == 0, local.stderr
+        convert_local(str(tmp_path / f"{name}_local"))
         assert_same_weights(tmp_path / f"{name}_hub", tmp_path / f"{name}_local")
     requested = " ".join(str(r) for r in hub.requests)
     assert "authors/calm-tiny-ae" in requested and "authors/cola-tiny-dit" in requested
