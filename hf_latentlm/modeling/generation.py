@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-from transformers import CompileConfig, GenerationConfig, GenerationMixin, StoppingCriteriaList
+from transformers import (CompileConfig, GenerationConfig, GenerationMixin, RepetitionPenaltyLogitsProcessor,
+                          StoppingCriteriaList)
 from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
 
@@ -250,10 +251,10 @@ def row_seeds(seeds: list[int] | None, batch: int, name: str) -> list[int]:
 
 def penalize_repetitions(logits: torch.Tensor, previous: torch.Tensor, penalty: float) -> torch.Tensor:
     """[B, Q, V] logits with the logit s of each token in `previous` [B, n] made s·penalty if s < 0, else
-    s/penalty (CTRL's repetition penalty, as transformers' `RepetitionPenaltyLogitsProcessor` applies it)."""
-    index = previous[:, None, :].expand(-1, logits.shape[1], -1)
-    score = logits.gather(-1, index)
-    return logits.scatter(-1, index, torch.where(score < 0, score * penalty, score / penalty))
+    s/penalty, at every one of the Q positions: transformers' `RepetitionPenaltyLogitsProcessor` on each."""
+    batch, block, vocab = logits.shape
+    processor = RepetitionPenaltyLogitsProcessor(penalty)
+    return processor(previous.repeat_interleave(block, dim=0), logits.reshape(batch * block, vocab)).view(logits.shape)
 
 
 def read_out_tokens(logits: torch.Tensor, generators: list[torch.Generator], temperature: float) -> torch.Tensor:

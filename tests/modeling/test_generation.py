@@ -110,20 +110,15 @@ def test_read_out_samples_the_decoder_softmax_at_the_temperature(temperature):
     assert (read_out_tokens(logits[:, :5], [], 0.0) == 0).all()
 
 
-def test_repetition_penalty_matches_transformers_logits_processor():
-    """`penalize_repetitions` at every position of a block is transformers' RepetitionPenaltyLogitsProcessor on
-    that position's logits (negative logits multiplied, positive divided, repeated ids counted once)."""
-    from transformers import RepetitionPenaltyLogitsProcessor
-
+def test_repetition_penalty_by_hand():
+    """`penalize_repetitions` at every position of a block: the logit s of each earlier token becomes s·p if s < 0,
+    else s/p (a repeated id counted once), the other logits unchanged (hand values)."""
     from hf_latentlm.modeling.generation import penalize_repetitions
 
-    logits = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(0))
-    previous = torch.tensor([[1, 4, 4, 9], [0, 2, 7, 10]])
-    ours = penalize_repetitions(logits, previous, 1.7)
-    processor = RepetitionPenaltyLogitsProcessor(1.7)
-    for q in range(3):
-        torch.testing.assert_close(ours[:, q], processor(previous, logits[:, q].clone()), rtol=0, atol=0)
-    assert not torch.equal(ours, logits)
+    logits = torch.tensor([[[2.0, -1.0, 0.5, -3.0], [-2.0, 4.0, 1.0, 0.0]]])
+    out = penalize_repetitions(logits, torch.tensor([[1, 3, 3]]), 2.0)
+    expected = torch.tensor([[[2.0, -2.0, 0.5, -6.0], [-2.0, 2.0, 1.0, 0.0]]])
+    assert torch.equal(out, expected)
 
 
 def test_a_family_without_repetition_penalty_names_it(tokenizer):
