@@ -522,7 +522,6 @@ class BlockDecodingState:
     generators: list[torch.Generator]  # one per row, seeded from the options' `noise_seeds`
     options: Any
     read_out: torch.Tensor | None = None  # [B, blocks·Q] every token read out so far (for the repetition penalty)
-    blocks_done: int = 0
 
 
 class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
@@ -596,7 +595,8 @@ class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
         if options.block_seed_offset is None:
             noise_generators = state.generators
         else:
-            noise_generators = [torch.Generator().manual_seed(seed + state.blocks_done * options.block_seed_offset)
+            block_index = 0 if state.read_out is None else state.read_out.shape[1] // Q
+            noise_generators = [torch.Generator().manual_seed(seed + block_index * options.block_seed_offset)
                                 for seed in options.noise_seeds]
         noise = torch.stack([torch.randn(Q, self.config.latent_size, generator=g) for g in noise_generators])
         block, prior_calls = self._denoise_block(state, noise.to(device), positions, conditional_mask)
@@ -608,7 +608,6 @@ class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
             logits = penalize_repetitions(logits, state.read_out, options.repetition_penalty)
         tokens = read_out_tokens(logits, state.generators, options.temperature)
         state.read_out = tokens if state.read_out is None else torch.cat([state.read_out, tokens], dim=1)
-        state.blocks_done += 1
         state.pending_block = block
         # Row b's new tokens are the block's positions from first_new_b on, moved to the front.
         index = (state.first_new[:, None] + torch.arange(Q, device=device)[None]).clamp(max=Q - 1)
