@@ -351,6 +351,6 @@ def _generate_parity(model: ColaForCausalLM, reference: dict[str, torch.Tensor])
     return diffs
 
 
-__all__ = ["DIT_ROPE_THETA", "OFFICIAL_BLOCK_SEED_OFFSET", "OFFICIAL_GENERATION", "OFFICIAL_SAMPLING", "OFFICIAL_TRAINING", "cola_2b_config", "cola_config_from_official",
-           "cola_conversion_notes", "cola_from_official", "cola_parity", "cola_state_dict_from_official",
-           "official_generation_options"]
+__all__ = ["DIT_ROPE_THETA", "OFFICIAL_BLOCK_SEED_OFFSET", "OFFICIAL_GENERATION", "OFFICIAL_SAMPLING",
+           "OFFICIAL_TRAINING", "cola_2b_config", "cola_config_from_official", "cola_conversion_notes",
+           "cola_from_official", "cola_parity", "cola_state_dict_from_official", "official_generation_options"]

@@ -95,7 +95,8 @@ def convert_calm(model: str, output_dir: str, autoencoder: str | None = None, to
 def convert_cola(vae: str, dit: str, output_dir: str, tokenizer: str | None = None,
                  overwrite: bool = False) -> tuple[Path, list[str]]:
     """The official Cola DLM text VAE and DiT -> a `ColaForCausalLM` folder."""
-    from .cola import OFFICIAL_GENERATION, cola_config_from_official, cola_conversion_notes, cola_state_dict_from_official
+    from .cola import (OFFICIAL_GENERATION, cola_config_from_official, cola_conversion_notes,
+                       cola_state_dict_from_official)
 
     vae_folder, dit_folder = fetch_source(vae, "--vae"), fetch_source(dit, "--dit")
     config, notes = cola_config_from_official(read_config(vae_folder, "--vae"), read_config(dit_folder, "--dit"))
