@@ -91,7 +91,9 @@ def generate_without_the_package(checkpoint, auto_class: str, prompt: list, max_
     """Load `checkpoint` through `transformers.<auto_class>` with `trust_remote_code=True` in a `python -S`
     process where `hf_latentlm` cannot be imported, generate, and return {"module", "tokens"}."""
     paths = sysconfig.get_paths()
-    env = {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    # This process's thread count: a matmul split over another number of threads can round differently.
+    env = {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}
     done = subprocess.run([sys.executable, "-S", str(ISOLATED_LOADER), paths["purelib"], paths["platlib"],
                            str(checkpoint), auto_class, json.dumps(prompt), str(max_new_tokens), json.dumps(options)],
                           capture_output=True, text=True, env=env, timeout=300)

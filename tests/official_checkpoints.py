@@ -41,3 +41,4 @@ def run_parity(family: str, model_dir: Path, reference: Path) -> tuple[int, dict
                            "--reference", str(reference)], capture_output=True, text=True, timeout=300)
     diffs = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) max_abs_diff=(\S+)$", done.stdout, re.M)}
     return done.returncode, diffs, done.stderr
+

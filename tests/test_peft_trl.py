@@ -111,7 +111,8 @@ def reload_adapter_without_the_package(adapter, prompt, max_new_tokens: int, opt
     """`AutoPeftModelForCausalLM.from_pretrained(adapter, trust_remote_code=True)` + `merge_and_unload()` in a
     `python -S` process where `hf_latentlm` cannot be imported (tests/peft_isolated_load.py)."""
     paths = sysconfig.get_paths()
-    env = {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "TOKENIZERS_PARALLELISM": "false"}
+    env = {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}  # a matmul split otherwise can round differently
     done = subprocess.run([sys.executable, "-S", str(PEFT_LOADER), paths["purelib"], paths["platlib"], str(adapter),
                            json.dumps(prompt), str(max_new_tokens), json.dumps(options)],
                           capture_output=True, text=True, env=env, timeout=300)

@@ -5,12 +5,17 @@
 FILE holds the official inputs and outputs (the keys of ../shared/reference/*/reference_outputs.safetensors, any
 sizes; scripts/checks/official_reference_calm.py and official_reference_cola.py write more of them). Prints one line
 per quantity, `NAME max_abs_diff=X`, in fp32, and exits 1 if any X exceeds --tolerance (1e-5).
+
+`--mark-verified` (Cola): when every quantity is within tolerance, writes this machine's bf16 kernels into the
+reference's .json as `bf16_parity_verified_on`; tests/official holds the bf16 outputs to 1e-5 where they match.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="a folder written by `hf-latentlm convert`")
     parser.add_argument("--reference", required=True, help="a safetensors file of official inputs and outputs")
     parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--mark-verified", action="store_true", help="cola: record this machine's bf16 kernels")
     args = parser.parse_args(argv)
 
     from safetensors.torch import load_file
@@ -39,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     failed = [name for name, diff in diffs.items() if not diff <= args.tolerance]
     if failed:
         print(f"above {args.tolerance:g}: {', '.join(failed)}", file=sys.stderr)
+    elif args.mark_verified and args.family == "cola":
+        from hf_latentlm.official.cola import bf16_kernels
+
+        note_path = Path(args.reference).with_suffix(".json")
+        note = json.loads(note_path.read_text())
+        note["bf16_parity_verified_on"] = bf16_kernels()
+        note_path.write_text(json.dumps(note, indent=1) + "\n")
     return 1 if failed else 0
 
 

@@ -37,6 +37,9 @@ SAMPLED = {"do_sample": True, "temperature": 1.0}  # what the sampled local task
 PROMPTS = ["ROMEO.\nBut soft, what light", "HAMLET.\nTo be", "KING.\nNow is the winter of our discontent"]
 PAIRS = [("ROMEO.\nBut soft, what light", " through yonder window"), ("HAMLET.", "\nTo be, or not"),
          ("", "KING.\nNow is the winter")]  # an empty context is conditioned on the prefix token (BOS)
+# Sums of float32 log-probabilities (tens of nats) batched or padded differently: a few float32 roundings of the
+# sum, whose size depends on the machine's kernels, against the 1e-2 or more that a wrong token or offset moves it.
+LOGLIKELIHOOD_TOLERANCE = {"rel": 2e-6, "abs": 1e-5}
 SHORT_CONTEXT = 8  # max_length that splits PASSAGE into several rolling windows
 PASSAGE = "ROMEO.\nBut soft, what light through yonder window breaks? It is the east, and Juliet is the sun."
 
@@ -191,7 +194,7 @@ def test_ar_loglikelihoods_equal_lm_evals_own_hf_model(folders, adapters, hf_ref
     requests = instances("loglikelihood", pairs)
     ours, theirs = ar.loglikelihood(requests), hf_reference.loglikelihood(requests)
     assert [greedy for _, greedy in ours] == [greedy for _, greedy in theirs] == [False] * 4 + [True]
-    assert [value for value, _ in ours] == pytest.approx([value for value, _ in theirs], abs=1e-5)
+    assert [value for value, _ in ours] == pytest.approx([value for value, _ in theirs], **LOGLIKELIHOOD_TOLERANCE)
 
     # A passage longer than the context: several rolling windows, in both models.
     short_ours = HFLatentLM(pretrained=str(folders["ar"]), batch_size=2, device="cpu", max_length=SHORT_CONTEXT)
@@ -199,7 +202,7 @@ def test_ar_loglikelihoods_equal_lm_evals_own_hf_model(folders, adapters, hf_ref
     assert len(tokenizer.encode(PASSAGE)) > 2 * SHORT_CONTEXT
     rolling = instances("loglikelihood_rolling", [(PASSAGE,), ("HAMLET.",)])
     assert short_ours.loglikelihood_rolling(rolling) == pytest.approx(short_theirs.loglikelihood_rolling(rolling),
-                                                                      abs=1e-5)
+                                                                      **LOGLIKELIHOOD_TOLERANCE)
 
 
 def test_plm_loglikelihoods_are_its_encoders_next_token_log_probabilities(folders, adapters, tokenizer):
@@ -208,12 +211,12 @@ def test_plm_loglikelihoods_are_its_encoders_next_token_log_probabilities(folder
     expected = [hand_loglikelihood(plm.model, *pair_ids(tokenizer, *pair)) for pair in pairs]
     got = plm.loglikelihood(instances("loglikelihood", pairs))  # batch 2: right padding in the first batch
     assert [greedy for _, greedy in got] == [greedy for _, greedy in expected] == [False] * 3 + [True]
-    assert [value for value, _ in got] == pytest.approx([value for value, _ in expected], abs=1e-5)
+    assert [value for value, _ in got] == pytest.approx([value for value, _ in expected], **LOGLIKELIHOOD_TOLERANCE)
 
     # Rolling: one window (BOS + the passage) at the full context; lm-eval's disjoint windows of SHORT_CONTEXT tokens.
     tokens = tokenizer.encode(PASSAGE)
     assert plm.loglikelihood_rolling(instances("loglikelihood_rolling", [(PASSAGE,)])) == pytest.approx(
-        [hand_loglikelihood(plm.model, [tokenizer.bos_token_id, *tokens], len(tokens))[0]], abs=1e-5)
+        [hand_loglikelihood(plm.model, [tokenizer.bos_token_id, *tokens], len(tokens))[0]], **LOGLIKELIHOOD_TOLERANCE)
     windows = [lm_eval_utils.make_disjoint_window(w) for w in
                lm_eval_utils.get_rolling_token_windows(tokens, tokenizer.bos_token_id, max_seq_len=SHORT_CONTEXT,
                                                                  context_len=1)]
@@ -222,7 +225,7 @@ def test_plm_loglikelihoods_are_its_encoders_next_token_log_probabilities(folder
                   for context, continuation in windows)
     short = HFLatentLM(pretrained=str(folders["plm"]), batch_size=2, device="cpu", max_length=SHORT_CONTEXT)
     assert short.loglikelihood_rolling(instances("loglikelihood_rolling", [(PASSAGE,)])) == pytest.approx(
-        [by_hand], abs=1e-5)
+        [by_hand], **LOGLIKELIHOOD_TOLERANCE)
 
 
 @pytest.mark.parametrize("family", LATENT + CONVERTED)
@@ -326,7 +329,7 @@ def test_simple_evaluate_runs_the_local_tasks_by_model_name(folders, adapters, h
         scores = [value for value, _ in hf_reference.loglikelihood(
             instances("loglikelihood", [(doc["question"], f" {choice}") for choice in doc["choices"]]))]
         logged = next(s for s in results["samples"]["latentlm_choice"] if s["doc_id"] == doc_id)
-        assert [r[0][0] for r in logged["resps"]] == pytest.approx(scores, abs=1e-5)
+        assert [r[0][0] for r in logged["resps"]] == pytest.approx(scores, **LOGLIKELIHOOD_TOLERANCE)
         correct.append(max(range(len(scores)), key=scores.__getitem__) == doc["label"])
     assert results["results"]["latentlm_choice"]["acc,none"] == pytest.approx(sum(correct) / len(correct))
 

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 import official_checkpoints
 from hf_latentlm.modeling.modeling_cola import ColaForCausalLM
-from hf_latentlm.official.cola import cola_2b_config, cola_from_official, cola_parity, official_generation_options
+from hf_latentlm.official.cola import (bf16_kernels, cola_2b_config, cola_from_official, cola_parity,
+                                      official_generation_options)
 from hf_latentlm.official.convert import read_config, read_official_weights
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "official"
@@ -36,17 +37,35 @@ def convert(run_cli, name: str, output: Path, *extra: str) -> Path:
     return output
 
 
+#: Outputs that pass through the official DiT's bf16 attention: bit-for-bit reproducible only with the same bf16
+#: kernels as where the fixture's parity was verified.
+BF16_OUTPUTS = {"dit_velocity", "dit_uncond_velocity", "generate_tokens_batched", "generate_tokens_alone"}
+#: Elsewhere: velocities within this share of their largest value, a few bf16 steps.
+BF16_VELOCITY_BOUND = 4e-3
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_converted_checkpoint_reproduces_the_official_outputs(tmp_path, run_cli, name):
     folder = convert(run_cli, name, tmp_path / "converted")
-    code, diffs, err = official_checkpoints.run_parity("cola", folder,
-                                                       FIXTURES / name / "reference_outputs.safetensors")
+    reference_file = FIXTURES / name / "reference_outputs.safetensors"
+    code, diffs, err = official_checkpoints.run_parity("cola", folder, reference_file)
     assert code == 0, err
     rows = [f"row{i}_{q}" for i in range(CASES[name]) for q in ("mean", "logvar")]
     generation = ["generate_prompt_latents", "generate_tokens_batched", "generate_tokens_alone"]
     assert sorted(diffs) == sorted(rows + ["decode_logits", "dit_velocity", "dit_uncond_velocity"] + generation)
-    assert all(diff <= 1e-5 for diff in diffs.values()), diffs
-    assert diffs["generate_tokens_batched"] == diffs["generate_tokens_alone"] == 0
+    assert all(diff <= 1e-5 for key, diff in diffs.items() if key not in BF16_OUTPUTS), diffs
+    verified_on = json.loads((FIXTURES / name / "reference_outputs.json").read_text())["bf16_parity_verified_on"]
+    if verified_on == bf16_kernels():
+        assert all(diffs[key] <= 1e-5 for key in BF16_OUTPUTS), diffs
+        assert diffs["generate_tokens_batched"] == diffs["generate_tokens_alone"] == 0
+        return
+    # Other bf16 kernels round some attention outputs the other way: a bound of a few bf16 steps still tells a
+    # wrong tensor (velocities off by their own size) from rounding; the greedy tokens can then differ.
+    reference = load_file(reference_file)
+    for key in ("dit_velocity", "dit_uncond_velocity"):
+        assert diffs[key] <= BF16_VELOCITY_BOUND * reference[key].abs().max().item(), diffs
+    pytest.skip(f"bf16 velocities checked to bf16 precision only, tokens not compared: the fixture's parity was "
+                f"verified on {verified_on}, this machine is {bf16_kernels()}")
 
 
 @pytest.mark.parametrize("change", [{"repetition_penalty": 1.0}, {"block_seed_offset": None},
@@ -90,7 +109,10 @@ def test_parity_check_fails_on_a_wrong_tensor(tmp_path, run_cli):
     code, diffs, err = official_checkpoints.run_parity(
         "cola", tmp_path / "wrong", FIXTURES / "cola_heldout" / "reference_outputs.safetensors")
     assert code == 1 and "dit_velocity" in err
-    assert diffs["dit_velocity"] > 1e-5 and diffs["decode_logits"] <= 1e-5
+    assert diffs["decode_logits"] <= 1e-5
+    # Caught even by the bf16-precision bound used where the bf16 kernels differ from the fixture's.
+    velocity = load_file(FIXTURES / "cola_heldout" / "reference_outputs.safetensors")["dit_velocity"]
+    assert diffs["dit_velocity"] > BF16_VELOCITY_BOUND * velocity.abs().max().item()
 
 
 def test_float32_attention_is_not_the_official_dit():

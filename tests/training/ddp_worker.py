@@ -2,7 +2,7 @@
 rank's final parameters to OUT/rank<r>.safetensors.
 
     ddp_worker.py OUT ROWS BATCH_SIZE [--family F] [--max-steps N] [--stop-at-step N] [--save-every N] [--resume]
-                  [--component NAME=DIR ...] [--rank-draws]
+                  [--component NAME=DIR ...] [--rank-draws] [--dtype float32|float64]
 """
 
 import argparse
@@ -27,13 +27,15 @@ parser.add_argument("--save-every", type=int, help="default: --max-steps")
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--component", action="append", default=[], help="NAME=DIR")
 parser.add_argument("--rank-draws", action="store_true", help="rank r draws r + 1 numbers after step 1")
+parser.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                    help="float64: runs that sum gradients in another order agree to rounding far below any bug")
 args = parser.parse_args()
 
 rows = torch.load(args.rows_file, weights_only=True)
 tokenizer = load_default_tokenizer()
 components = dict(c.split("=", 1) for c in args.component)
 torch.manual_seed(0)
-model = build_model(args.family, "tiny", tokenizer, **components)
+model = build_model(args.family, "tiny", tokenizer, **components).to(getattr(torch, args.dtype))
 cfg = TrainConfig(family=args.family, preset="tiny", output_dir=args.out, max_steps=args.max_steps,
                   stop_at_step=args.stop_at_step, resume=args.resume, batch_size=args.batch_size, seq_len=64,
                   eval_every=0, save_every=args.save_every or args.max_steps, log_every=1, progress_bar=False, seed=0,

@@ -951,11 +951,12 @@ def test_reference_and_policy_scores_run_under_the_same_autocast(tmp_path, token
     with torch.no_grad():
         scores = trainer.policy_scores(trainer.model, batch)
     assert seen == [("score", True, torch.bfloat16)]
-    # bf16 rows batched otherwise than at precomputation differ by up to 1.7e-5 here (torch 2.13 CPU); the same
-    # scores computed without autocast differ by 3.3e-4, so 5e-5 still tells the two apart.
-    torch.testing.assert_close(scores, torch.cat([batch[REF_CHOSEN], batch[REF_REJECTED]]), atol=5e-5, rtol=0)
-    with torch.no_grad():  # the loss moves by at most β/2 · 2 · 5e-5 from log 2
-        assert trainer.compute_loss(trainer.model, batch).item() == pytest.approx(math.log(2), abs=2.5e-4)
+    # bf16 rows batched otherwise than at precomputation differ by rounding that depends on the machine's bf16
+    # kernels (1.7e-5 on torch 2.13's AVX512-BF16 path); the same scores computed without autocast differ by 3.3e-4.
+    # Half of that still tells the two apart, with room for other kernels' rounding.
+    torch.testing.assert_close(scores, torch.cat([batch[REF_CHOSEN], batch[REF_REJECTED]]), atol=1.6e-4, rtol=0)
+    with torch.no_grad():  # the loss moves by at most β/2 · 2 · 1.6e-4 from log 2
+        assert trainer.compute_loss(trainer.model, batch).item() == pytest.approx(math.log(2), abs=8e-4)
 
 
 @pytest.mark.parametrize(("option", "value"), [("label_smoothing", 0.1), ("ld_alpha", 0.5), ("loss_weights", [2.0]),
