@@ -2,6 +2,9 @@
 refusals, and the encoder KL term to the frozen source (`--encoder-kl-weight`)."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +116,27 @@ def test_training_logs_the_encoder_kl(ar_folder, tokenizer, tiny_rows, tmp_path)
     train(cfg, train_rows=tiny_rows[:64, :32], on_step=lambda step, metrics: logged.update({step: metrics}))
     # Step 1's forward runs on the source's weights; step 2's on weights one update away from them.
     assert logged[1]["encoder_kl"] < 1e-6 < logged[2]["encoder_kl"]
+
+
+@pytest.mark.parametrize("worker", ["ddp_worker.py", "fsdp_worker.py"], ids=["ddp", "fsdp"])
+def test_encoder_kl_trains_under_two_process_data_parallel(ar_folder, tiny_rows, tmp_path, worker):
+    """`--init-from` with `--encoder-kl-weight` under torchrun with 2 CPU processes (DDP, and FSDP2 as
+    configs/accelerate/fsdp.yaml shards): the frozen source stays outside the wrapped model, the ranks end with
+    identical parameters, the encoder moves, and the KL is logged, 0 at step 1 and positive after."""
+    rows_file = tmp_path / "rows.pt"
+    torch.save(tiny_rows[:16].clone(), rows_file)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).with_name(worker)), str(tmp_path / "run"), str(rows_file), "2", "--family", "plm",
+           "--max-steps", "2", "--init-from", ar_folder, "--encoder-kl-weight", "1"]
+    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = (load_file(tmp_path / "run" / f"rank{r}.safetensors") for r in range(2))
+    for name, value in rank0.items():
+        torch.testing.assert_close(value, rank1[name], atol=0, rtol=0, msg=f"ranks differ at {name}")
+    source = load_file(Path(ar_folder) / "model.safetensors")
+    moved = rank0["model.layers.0.mlp.down_proj.weight"] - source["model.layers.0.mlp.down_proj.weight"]
+    assert moved.abs().max() > 1e-4
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    kl = {record["step"]: record["encoder_kl"] for record in logged if "encoder_kl" in record}
+    assert kl[1] < 1e-6 < kl[2]
