@@ -1,6 +1,7 @@
 """The converted official checkpoints that the tool tests (lm-eval, serving, push, pipeline, sft) run next to the
 registry's families: official-format fixtures written by the official code, converted by `hf-latentlm convert`."""
 
+import os
 import re
 import subprocess
 import sys
@@ -35,10 +36,15 @@ def convert_fixture(name: str, folder: Path) -> Path:
     return {CONVERTED_CALM: convert_calm_fixture, CONVERTED_COLA: convert_cola_fixture}[name](folder)
 
 
+#: Torch threads of the parity runs (the fixtures' bf16 parity is verified with as many: results/official_checkpoints).
+PARITY_THREADS = 1
+
+
 def run_parity(family: str, model_dir: Path, reference: Path) -> tuple[int, dict[str, float], str]:
-    """scripts/checks/official_parity.py on a converted folder: (exit status, {quantity: max_abs_diff}, stderr)."""
+    """scripts/checks/official_parity.py on a converted folder, with PARITY_THREADS torch threads: (exit status,
+    {quantity: max_abs_diff}, stderr)."""
     done = subprocess.run([sys.executable, str(PARITY_SCRIPT), "--family", family, "--model", str(model_dir),
-                           "--reference", str(reference)], capture_output=True, text=True, timeout=300)
+                           "--reference", str(reference)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": str(PARITY_THREADS)})
     diffs = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) max_abs_diff=(\S+)$", done.stdout, re.M)}
     return done.returncode, diffs, done.stderr
-

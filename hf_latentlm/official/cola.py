@@ -22,13 +22,14 @@ OFFICIAL_GENERATION = {"repetition_penalty": 1.1}
 OFFICIAL_TRAINING = {"vae_learning_rate_ratio": 0.0, "history_dropout": 0.0, "prompt_block_prob": 0.05}
 
 
-
-def bf16_kernels() -> dict:
-    """What decides how this machine rounds CPU bfloat16 matmuls. The official DiT's attention runs under bf16
-    autocast, where a last-bit difference before rounding moves a velocity by a whole bf16 step (about 1e-4), so
-    its outputs reproduce bit for bit only on the same kernels."""
+def bf16_kernels(threads: int | None = None) -> dict:
+    """What decides how this machine rounds CPU bfloat16 matmuls with `threads` torch threads (default: this
+    process's). The official DiT's attention runs under bf16 autocast, where a last-bit difference before rounding
+    moves a velocity by a whole bf16 step (about 1e-4), so its outputs reproduce bit for bit only on the same
+    kernels."""
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx_tile": torch.cpu._is_amx_tile_supported()}
+            "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx_tile": torch.cpu._is_amx_tile_supported(),
+            "threads": threads or torch.get_num_threads()}
 
 
 # Official fields whose value must be the one our official form computes (value -> allowed values).

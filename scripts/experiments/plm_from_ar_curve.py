@@ -2,7 +2,7 @@
 trains, optionally next to a PLM from scratch at the same total training FLOPs (AR's pretraining counted).
 
     python scripts/experiments/plm_from_ar_curve.py --corpus generated:medium --preset tiny --ar-steps 400 \
-        --curve 0 50 100 --encoder-kl-weight 1 --output results/plm_from_ar/generated_medium_tiny.json
+        --curve 0 50 100 --encoder-kl-weight 1 --output runs/plm_from_ar_tiny.json
     python scripts/experiments/plm_from_ar_curve.py --corpus shakespeare --preset small --ar-steps 600 \
         --added-compute 0 0.1 0.25 0.5 --no-scratch --output results/plm_from_ar/shakespeare_small.json
 
@@ -125,6 +125,7 @@ def main():
 
         torch.manual_seed(0)
         model = build_model("plm", args.preset, tokenizer, init_from=source_dir)
+        start = time.perf_counter()
 
         def on_step(step, metrics):
             if step in args.curve:
@@ -134,7 +135,6 @@ def main():
         if 0 in args.curve:
             report["curve"].append({"plm_steps": 0, **measure(model, source, quality, prompts, args)})
         last = max(args.curve)
-        start = time.perf_counter()
         if last:
             train(TrainConfig(family="plm", preset=args.preset, output_dir=str(Path(work) / "plm-from-ar"),
                               max_steps=last, eval_every=0, save_every=last, keep_checkpoints=1,

@@ -1,6 +1,7 @@
 """Official Cola DLM checkpoints (ByteDance-Seed/Cola-DLM) converted by `hf-latentlm convert cola`: the official
 code's outputs reproduced within 1e-5 (generation included), bad checkpoints refused by name, and the paper-size
-parameter counts (the family contract: test_converted_contract.py).
+parameter counts (the family contract: test_converted_contract.py). The outputs that pass through the official DiT's
+bf16 attention are held to 1e-5 on machines whose bf16 kernels the fixture lists, to bf16 precision elsewhere.
 
 The fixtures under tests/fixtures/official/cola* were written by the official code (scripts/checks/
 official_reference_cola.py in an environment with transformers 4.43; `cola/` is ../shared/reference/cola):
@@ -53,8 +54,10 @@ def test_converted_checkpoint_reproduces_the_official_outputs(tmp_path, run_cli,
     generation = ["generate_prompt_latents", "generate_tokens_batched", "generate_tokens_alone"]
     assert sorted(diffs) == sorted(rows + ["decode_logits", "dit_velocity", "dit_uncond_velocity"] + generation), err
     assert all(diff <= 1e-5 for key, diff in diffs.items() if key not in BF16_OUTPUTS), diffs
-    verified_on = json.loads((FIXTURES / name / "reference_outputs.json").read_text())["bf16_parity_verified_on"]
-    if verified_on == bf16_kernels():
+    note = json.loads((FIXTURES / name / "reference_outputs.json").read_text())
+    verified_on = note.get("bf16_parity_verified_on", [])  # (scripts/checks/official_parity.py --mark-verified)
+    here = bf16_kernels(threads=official_checkpoints.PARITY_THREADS)
+    if here in verified_on:
         assert code == 0, err
         assert all(diffs[key] <= 1e-5 for key in BF16_OUTPUTS), diffs
         assert diffs["generate_tokens_batched"] == diffs["generate_tokens_alone"] == 0
@@ -65,7 +68,7 @@ def test_converted_checkpoint_reproduces_the_official_outputs(tmp_path, run_cli,
     for key in ("dit_velocity", "dit_uncond_velocity"):
         assert diffs[key] <= BF16_VELOCITY_BOUND * reference[key].abs().max().item(), diffs
     pytest.skip(f"bf16 velocities checked to bf16 precision only, tokens not compared: the fixture's parity was "
-                f"verified on {verified_on}, this machine is {bf16_kernels()}")
+                f"verified on {verified_on or 'no machine yet'}, this machine is {here}")
 
 
 @pytest.mark.parametrize("change", [{"repetition_penalty": 1.0}, {"block_seed_offset": None},

@@ -121,7 +121,7 @@ def test_training_logs_the_encoder_kl(ar_folder, tokenizer, tiny_rows, tmp_path)
 @pytest.mark.parametrize("worker", ["ddp_worker.py", "fsdp_worker.py"], ids=["ddp", "fsdp"])
 def test_encoder_kl_trains_under_two_process_data_parallel(ar_folder, tiny_rows, tmp_path, worker):
     """`--init-from` with `--encoder-kl-weight` under torchrun with 2 CPU processes (DDP, and FSDP2 as
-    configs/accelerate/fsdp.yaml shards): the frozen source stays outside the wrapped model, the ranks end with
+    configs/accelerate/fsdp.yaml shards): with the frozen source held beside the wrapped model, the ranks end with
     identical parameters, the encoder moves, and the KL is logged, 0 at step 1 and positive after."""
     rows_file = tmp_path / "rows.pt"
     torch.save(tiny_rows[:16].clone(), rows_file)

@@ -245,7 +245,8 @@ def test_two_process_data_parallel_matches_single_process(tmp_path, tokenizer, t
     """torchrun with 2 CPU processes: both ranks end with identical parameters, equal to one process
     training on the union of their batches (DDP averages gradients over the global batch; FSDP reduce-scatters
     them). The final model and the checkpoint's optimizer state are whole, as one process writes them, even when
-    each rank holds only a shard. In float64: the two sum each gradient in a different order, which in float32 moves
+    each rank holds only a shard. Parameters, gradients and optimizer in float64 (transformers computes the loss from
+    float32 logits, per token, alike in both): the two sum each gradient in a different order, which in float32 moves
     the parameters by amounts that depend on the machine's kernels."""
     rows_file = tmp_path / "rows.pt"
     torch.save(tiny_rows[:64].clone(), rows_file)
