@@ -21,17 +21,6 @@ OFFICIAL_GENERATION = {"repetition_penalty": 1.1}
 #: The official DiT training (scripts/cola_pretrain.py) keeps the VAE frozen and drops no history.
 OFFICIAL_TRAINING = {"vae_learning_rate_ratio": 0.0, "history_dropout": 0.0, "prompt_block_prob": 0.05}
 
-
-def bf16_kernels(threads: int | None = None) -> dict:
-    """What decides how this machine rounds CPU bfloat16 matmuls with `threads` torch threads (default: this
-    process's). The official DiT's attention runs under bf16 autocast, where a last-bit difference before rounding
-    moves a velocity by a whole bf16 step (about 1e-4), so its outputs reproduce bit for bit only on the same
-    kernels."""
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx_tile": torch.cpu._is_amx_tile_supported(),
-            "threads": threads or torch.get_num_threads()}
-
-
 # Official fields whose value must be the one our official form computes (value -> allowed values).
 _VAE_REQUIRED = {"patch_size": (1,), "layer_norm_type": ("layer_norm",), "layer_norm_affine": (True,),
                  "post_norm": (True,), "qk_norm": (True,), "qk_norm_affine": (True,), "clip_qkv": (None,),
@@ -362,6 +351,16 @@ def _generate_parity(model: ColaForCausalLM, reference: dict[str, torch.Tensor])
     return diffs
 
 
+def bf16_kernels(threads: int | None = None) -> dict:
+    """What decides how this machine rounds CPU bfloat16 matmuls with `threads` torch threads (default: this
+    process's). The official DiT's attention runs under bf16 autocast, where a last-bit difference before rounding
+    moves a velocity by a whole bf16 step (about 1e-4), so its outputs reproduce bit for bit only on the same
+    kernels."""
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx_tile": torch.cpu._is_amx_tile_supported(),
+            "threads": threads or torch.get_num_threads()}
+
+
 __all__ = ["DIT_ROPE_THETA", "OFFICIAL_BLOCK_SEED_OFFSET", "OFFICIAL_GENERATION", "OFFICIAL_SAMPLING",
-           "OFFICIAL_TRAINING", "cola_2b_config", "cola_config_from_official", "cola_conversion_notes",
+           "OFFICIAL_TRAINING", "bf16_kernels", "cola_2b_config", "cola_config_from_official", "cola_conversion_notes",
            "cola_from_official", "cola_parity", "cola_state_dict_from_official", "official_generation_options"]
