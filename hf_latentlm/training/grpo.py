@@ -1,45 +1,28 @@
 """GRPO (reinforcement learning with verifiable rewards) on TRL's `GRPOTrainer`, for every family.
 
-* The AR baseline (any model outside the family registry) trains with TRL's STOCK `GRPOTrainer`.
-* A registered family trains with `LatentGRPOTrainer`, which overrides only what a family changes:
-  - `_generate_single_turn`: rollouts come from the family's own `generate()`, batched with left padding, one RNG
-    seed per row (the family's `row_seeds_option`) derived from (run seed, mode, step, process, row), plus the
-    registry's `rollout_options` (PLM: lossless `acceptance="exact"`) and the user's `GRPOConfig.generation_kwargs`.
-  - `_get_per_token_logps_and_entropies`: the policy log-likelihood the family can honestly give (below).
-  Everything else (group-normalised advantages, clipping, the KL term, loss types, logging, checkpoints,
-  `accelerate launch`) is TRL's.
-
-The log-likelihood of a completion y given a prompt x:
-
-* PLM (a family with token likelihoods, `config.has_token_likelihood`): the encoder's next-token log-probabilities
-  log q_θ(y_t | x, y_<t), as for an AR model. How the rollouts relate to it: PLM's `generate()` with exact
-  acceptance commits exactly the tokens of one-token-per-call Voronoi sampling (tests/modeling/test_plm_decoding.py),
-  which draws y_t with probability |cell(y_t)| / N: q̃, the top M = `auxiliary_top_m` tokens of q renormalised,
-  rounded to whole cells of 1/N (largest remainder, N = `num_auxiliaries`), up to the offset fit's error
-  (tests/training/test_grpo.py measures it). So the rollout policy is not q itself: q is its smooth, full-support
-  form (log q̃ would be −inf outside a model's top M, which makes the reference KL and stale ratios infinite once
-  the top-M sets of two models differ). What that costs: log q = log q̃ + log Z_M (Z_M the top-M mass of q at that
-  prefix, up to the rounding), so the on-policy gradient A·∇log q adds A·∇log Z_M to the policy gradient of q̃,
-  which moves mass into the top M on prefixes with high advantage; with stale samples (`num_iterations > 1`) the
-  ratio q_θ / q_old differs from the sampler's by Z_M(θ) / Z_M(old) as well as the rounding. Both vanish as
-  Z_M → 1, as it does for a trained model (scripts/experiments/plm_top_m_mass.py measures it).
-* CALM, Cola DLM, AURORA-LM (no token likelihood): a SURROGATE built on the family's DPO response score
-  (`hf_latentlm.training.scorers`): s_θ(x, y) = −(1/M) Σ_m L_θ(x, y; u_m) / n_terms, the family's own training
-  loss restricted to the response (an ELBO-like fit term: the energy loss per chunk for CALM, the flow-matching
-  error per latent position for Cola, the denoising error for AURORA), averaged over M = `num_score_draws` draw
-  sets u_m. Every completion token carries its row's s_θ, so TRL's token-level and sequence-level importance
-  ratios coincide: exp(s_θ − s_old), and the KL estimate is TRL's k3 of s_ref − s_θ. Variance reductions, both free:
-  - common random numbers: u_m is a function of (x, y, m) alone (seeded from the token ids, never the global RNG),
-    so the policy, the old policy and the reference score a completion under the SAME draws; identical weights give
-    a ratio of exactly 1 and a KL of exactly 0, and a row's score does not depend on its batch;
-  - several draws per response: the M draw sets are independent, so the estimate's variance is 1/M of one draw's
-    and its mean is unchanged (tests/training/test_grpo.py checks both against a closed form).
-  The surrogate is not a log-probability: it ranks responses by how well the family's objective fits them, and its
-  gradient with a positive advantage is the family's SFT gradient on that response (negative: away from it), as
-  ELBO-based RL for diffusion LMs uses. Families without token distributions log `entropy` as NaN (None in the
-  logs) and refuse the options that need one (`top_entropy_quantile`, the entropy bonus). Cola's latents z0 are
-  part of the draws (`ColaResponseScorer`: the scored model's VAE posterior sample, computed without gradient), so
-  GRPO trains Cola's prior and never its VAE, and the policy and reference VAEs stay the same weights.
+The AR baseline (any model outside the registry) trains with TRL's stock `GRPOTrainer`. A registered family trains
+with `LatentGRPOTrainer`, which changes two things and leaves the rest (advantages, clipping, the KL term, loss
+types, logging, checkpoints, `accelerate launch`) to TRL:
+* rollouts come from the family's own `generate()`, batched with left padding, one seed per row (the family's
+  `row_seeds_option`) from (run seed, mode, step, process, row), with the registry's `rollout_options` (PLM: lossless
+  `acceptance="exact"`) and the user's `generation_kwargs`;
+* the policy log-likelihood of a completion y given x is what the family can honestly give:
+  - PLM (`config.has_token_likelihood`): the encoder's log q_θ(y_t | x, y_<t). Exact acceptance commits the tokens
+    of one-token-per-call Voronoi sampling, which draws y_t from q̃: the top M = `auxiliary_top_m` tokens of q
+    renormalised and rounded to cells of 1/N. q is q̃'s smooth, full-support form (log q̃ is −inf outside a
+    model's top M, which would make the reference KL and stale ratios infinite). The cost: log q = log q̃ + log Z_M
+    (Z_M the top-M mass), so the on-policy gradient adds A·∇log Z_M, and stale ratios (`num_iterations > 1`) carry
+    Z_M(θ) / Z_M(old). Both vanish as Z_M → 1, as it does for a trained model
+    (scripts/experiments/plm_top_m_mass.py measures it).
+  - CALM, Cola DLM, AURORA-LM (no token likelihood): a surrogate, the family's DPO response score
+    (`hf_latentlm.training.scorers`) averaged over M = `num_score_draws` draw sets, s_θ = −(1/M) Σ_m L_θ(x, y; u_m) /
+    n_terms. Every completion token carries its row's s_θ, so TRL's token- and sequence-level ratios coincide,
+    exp(s_θ − s_old), and the KL estimate is TRL's k3 of s_ref − s_θ. The draws u_m depend on (generation round,
+    x, y, m) alone, so the policy, the old policy and the reference share them (identical weights give a ratio of
+    exactly 1), and M draw sets divide the variance by M. The surrogate ranks responses by how well the family's
+    objective fits them: with a positive advantage its gradient is the family's SFT gradient on that response, as
+    ELBO-based RL for diffusion LMs uses. These families log `entropy` as NaN and refuse the options that need a
+    token distribution. Cola's latents come without gradient, so GRPO trains Cola's prior, never its VAE.
 
 Rewards: `hf_latentlm.training.tasks.exact_match_reward` and `partial_credit_reward` (TRL reward functions).
 """

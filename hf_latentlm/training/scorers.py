@@ -1,92 +1,28 @@
 """Response scores for preference optimisation: one protocol, one scorer per family (the registry's
-`response_scorer`).
+`response_scorer`; `post_training.scorer_for(model)` reads it).
 
-DPO compares a policy and a frozen reference through a per-response *score*. For an autoregressive model that is
-the (length-normalised) log-likelihood of the response; a multi-token family has no tractable likelihood, so it
-scores a response with its own training terms under random quantities that are drawn ONCE and then held fixed
-(paper 002, §3.3 and App. 16.2 for PLM):
+DPO compares a policy and a frozen reference through a per-response score. An autoregressive model's is the
+(length-normalised) log-likelihood of the response (`TokenLikelihoodScorer`). A multi-token family has no tractable
+likelihood, so it scores a response with its own training terms, restricted to the response, under random draws
+made once per preference pair and then held fixed (paper 002, §3.3 and App. 16.2 for PLM; our extension for CALM,
+Cola DLM and AURORA-LM, whose papers define no DPO score):
 
-* `ResponseScore` — the summed per-term losses of each response and the number of terms summed, so
-  `normalised() = -loss_sum / num_terms` is a per-term score whatever the response length.
-* `ResponseScorer` — the protocol a family implements: `draws(...)` makes the frozen random draws of each row
-  (deterministic per preference pair, independent of the batch it is computed in), `score(...)` evaluates a model
-  on rows under given draws. The registry names each family's scorer (`FamilySpec.response_scorer`);
-  `post_training.scorer_for(model)` reads it.
-* `PLMResponseScorer` — PLM's score s(x, u) = -(L_enc^r + L_dec^r) / N_terms (App. 16.2).
-* `TokenLikelihoodScorer` — the summed response log-likelihood, for a family with next-token logits and no scorer
-  of its own (the AR baseline itself trains with TRL's stock `DPOTrainer`, whose `sigmoid_norm` is this score).
-* `CALMResponseScorer`, `ColaResponseScorer`, `AuroraResponseScorer` — the latent families (below).
-
-Calling convention. `score` receives the trainer's model as it is wrapped (DDP and/or PEFT) and must run its
-computation through that wrapper's forward, so that DDP's gradient hooks and PEFT's adapter hooks fire. A scorer
-that needs more than the plain forward uses `call_as_forward(model, fn, ...)`, which runs `fn(core_model, ...)`
-as the forward of the innermost `PreTrainedModel` for the duration of one wrapped call.
-
-Rows are given as TRL's preference batches give them: `input_ids`, `attention_mask` (1 = real token, right padding)
-and `completion_mask` (1 = response token, the terminal end-of-text token included).
-
-The latent families (CALM, Cola DLM, AURORA-LM).
-
-None of the three has a token likelihood, so, as PLM does (paper 002, App. 16.2), a response is scored by the
-family's OWN training loss restricted to the response, under random draws that are made once per preference pair
-and then held fixed (the same for the policy and the reference, every epoch, in any batch), normalised by the
-number of terms. Diffusion-DPO (image diffusion) also scores a sample by its own denoising loss and also gives the
-two samples of a pair the same t and ε, but draws fresh ones at every step; here the draws are frozen for the whole
-run, as PLM's auxiliaries are (so the reference scores can be computed once):
-
-    ResponseScore.loss_sum = Σ over the response's terms of the per-term training loss,  num_terms = #terms,
+    ResponseScore.loss_sum = Σ over the response's terms of the per-term loss,  num_terms = #terms,
     score = −loss_sum / num_terms,  δ = score(policy) − score(reference),  DPO: −log σ(γ·(δ⁺ − δ⁻)).
 
-What a term is (this file's definitions; the papers define no DPO score for these families):
+Each scorer's docstring says what one term is. As in Diffusion-DPO, the two candidates of a pair share their draws
+(common random numbers); unlike it, the draws are frozen for the whole run, so the reference is scored once.
 
-* CALM (`CALMResponseScorer`): one term per RESPONSE CHUNK of K tokens: the energy loss (paper 000, Eq. 10) of that
-  chunk's latent, predicted from the hidden state of the chunk before it, with N fixed head-noise draws and M fixed
-  posterior draws (N, M: the config's `num_model_samples` / `num_target_samples` unless given). num_terms =
-  ⌈R / K⌉ for a response of R tokens. Alignment as `CALMForCausalLM.generate()`: the prompt is left-filled with EOS
-  (attention 0) to a multiple of K, so the response starts on a chunk boundary, and (beyond generate, which stops
-  inside a chunk) the response's last chunk is right-filled with EOS to K tokens (its target is that filled chunk).
-  A prompt of at least one token is needed (its last chunk's hidden state predicts the first response chunk).
-* Cola DLM (`ColaResponseScorer`): one term per RESPONSE LATENT POSITION (one latent per token, so num_terms = R):
-  the flow-matching error mean_c (v̂ − (ε − z0))² of that position, with block times t and noise ε fixed. z0 is the
-  REFERENCE VAE's posterior sample μ_ref + σ_ref·ξ with fixed ξ, drawn once with the reference (a `reference_draws`
-  entry, `latents`, stored beside the reference scores) and a constant for the policy: policy and reference are
-  scored on the same latents, and the DPO gradient reaches the prior (DiT and velocity head) only, never the VAE. The
-  score has only the flow-matching term (the VAE's reconstruction / KL / masked terms and the reference-KL, which
-  anchor the VAE in joint training, are not part of it), so a VAE trained through it could lower the chosen answer's
-  error by moving its latents instead of improving the prior. `ColaResponseScorer(latents="policy")` is that
-  ablation: z0 from the scored model's own VAE (policy: its own latents, reference: the reference's), with gradient
-  into the VAE iff it trains (`trains_vae`). History always visible (no history dropout).
-* AURORA-LM (`AuroraResponseScorer`): one term per RESPONSE LATENT POSITION (num_terms = R): the plain denoising
-  error mean_c (ẑ − z)² (divided by σ² when `loss_space="velocity"`) of that position, with block σ and noise ε
-  fixed, z the frozen encoder's standardised latent. ONE pass of the online denoiser with a zero self-conditioning
-  draft (no draft pass) and no self-trajectory consistency term (it needs the EMA copy and is a regulariser, not a
-  per-response loss). History always visible.
+Draws depend only on (seed, pair key, term index): not on the batch, the padding, the epoch or the model. They come
+in pages of `PAGE` terms, each from a generator seeded with the sha256 of (seed, pair key, stream, page), never
+Python's salted `hash`. Draw tensors are [B, n, ...] with n the term index; padding along dim 1 uses
+`draw_pad_values`. Two draws come from the reference model, so they are stored rather than redrawn: PLM's
+auxiliaries (its Voronoi cells) and Cola's `latents`.
 
-Block alignment of the flow families (`alignment=`):
-* "repaint" (default): as their `generate()`: blocks of Q counted from the row's first real token; a prompt that
-  ends mid-block makes that block the response's first, with the prompt's positions in it clean at time 0 (the
-  repaint `generate()` does, which training teaches through `prompt_block_prob`'s clean leading positions) and
-  unscored. Every block touching the response gets one drawn time.
-* "eos_fill": the prompt is left-filled with (−P mod Q) EOS tokens (real, attended: a document boundary, as in the
-  packed training stream) so the response starts on a block boundary (as CALM's alignment).
-Prompt positions are never scored in either; clean history blocks get time 0 in their (unused) noisy copies.
-
-Draws (`draws()`): pages of 16 terms, each page from `torch.Generator().manual_seed(stable_int(seed, pair key,
-stream, page))` (sha256-based, never Python's salted `hash`), indexed by the term's index from the response's start
-(CALM: response chunk k; Cola/AURORA: response block k for t/σ, response position j for ε; Cola's ξ: row position p
-from the row's first real token). So the draws depend only on (seed, pair key, index): not on the batch, the padding,
-the epoch or the model, and they are the same for policy and reference. The one exception is Cola's `latents` (z0
-of every row position, [B, L, d_z]): made from ξ by the REFERENCE's VAE, so they are a `reference_draws` entry, stored
-(not redrawn) by the trainer. The two candidates of a pair share one pair
-key, hence the same draws at the same index (common random numbers: Diffusion-DPO, too, shares t AND ε between the
-winning and losing sample of a step; here also CALM's head noise and posterior draws); unlike Diffusion-DPO's, which
-are drawn afresh every step, each candidate's draws are frozen for the whole run.
-Draw tensors are [B, n, ...] with n the term index (padding along dim 1 with 0, `draw_pad_values`, is harmless).
-
-Rows: `input_ids` [B, T] = prompt + response (+ terminal EOS), `attention_mask` 1 = real token (right padding, as
-TRL's collator gives; left padding is accepted too: each row's real tokens are taken in order), `completion_mask`
-1 = response token (a contiguous run ending at the row's last real token). `score` runs through the wrapped model's
-forward (`call_as_forward`), so DDP's and PEFT's hooks fire.
+Rows come as TRL's preference batches give them: `input_ids` [B, T] = prompt + response (+ terminal EOS),
+`attention_mask` (1 = real token, right padding), `completion_mask` (1 = response token, one run ending at the row's
+last real token). `score` receives the trainer's model as wrapped (DDP and/or PEFT) and runs through the wrapper's
+forward (`call_as_forward`), so DDP's gradient hooks and PEFT's adapter hooks fire.
 """
 
 from __future__ import annotations
@@ -543,8 +479,13 @@ class CALMLayout:
 
 
 class CALMResponseScorer:
-    """CALM's DPO response score: Σ over the response's chunks of the energy loss (Eq. 10) of the chunk's latent
-    under fixed head noise and fixed posterior samples, over ⌈R / K⌉ terms (module docstring).
+    """CALM's DPO response score: one term per response chunk of K tokens, the energy loss (paper 000, Eq. 10) of
+    that chunk's latent predicted from the chunk before it, under fixed head noise and fixed posterior samples
+    (N, M: the config's `num_model_samples` / `num_target_samples` unless given); ⌈R / K⌉ terms.
+
+    Alignment as `generate()`'s: the prompt is left-filled with EOS (attention 0) to a multiple of K, so the response
+    starts on a chunk boundary, and its last chunk is right-filled with EOS to K tokens. The prompt needs at least
+    one token (its last chunk's hidden state predicts the first response chunk).
 
     Draws: `model_noise` [B, C, N, d_noise] uniform in [−0.5, 0.5] (the energy head's input for the N samples of
     response chunk c), `target_noise` [B, C, M, l] standard normal (the M posterior samples μ + σ·ε of its target).
@@ -661,9 +602,15 @@ class BlockLayout:
 
 
 class BlockFlowResponseScorer:
-    """Shared by Cola and AURORA: layout, draws (`times` [B, nb] one time per response block, `noise` [B, R, D] ε per
-    response position), and the per-position times / noise of a layout. Subclasses say what the latents and the
-    per-position error are."""
+    """Shared by Cola and AURORA: one term per response latent position (R terms), with the layout, the draws
+    (`times` [B, nb]: one per response block; `noise` [B, R, D]: ε per response position) and the per-position times
+    and noise of a layout. Subclasses say what the latents and the per-position error are. History is always
+    visible (no history dropout).
+
+    alignment: "repaint" (default) counts blocks of Q from the row's first real token, as `generate()` does; a prompt
+    that ends mid-block makes that block the response's first, its prompt positions clean at time 0 and unscored.
+    "eos_fill" left-fills the prompt with (−P mod Q) attended EOS tokens (a document boundary, as in the packed
+    training stream), so the response starts on a block boundary."""
 
     draw_pad_values: ClassVar[dict[str, float]] = {"times": 0.0, "noise": 0.0}
     draws_from_keys: ClassVar[bool] = True  # seeded per pair: redrawn at every step, never stored
@@ -757,7 +704,8 @@ class BlockFlowResponseScorer:
 
 class ColaResponseScorer(BlockFlowResponseScorer):
     """Cola DLM's DPO response score: Σ over the response's latent positions of the flow-matching error at fixed
-    (t per response block, ε per position) and fixed clean latents z0, over R terms (module docstring).
+    (t per response block, ε per position) and fixed clean latents z0: mean_c (v̂ − (ε − z0))² per position. Only
+    the flow-matching term: the VAE's terms, which anchor it in joint training, are not part of the score.
 
     latents (`str`, "reference"): where z0 comes from.
     * "reference" (default): the reference VAE's posterior sample μ_ref + σ_ref·ξ (fixed ξ), made in `draws` (with
@@ -825,8 +773,8 @@ class ColaResponseScorer(BlockFlowResponseScorer):
 class AuroraResponseScorer(BlockFlowResponseScorer):
     """AURORA-LM's DPO response score: Σ over the response's latent positions of the plain denoising error at fixed
     (σ per response block, ε per position), one denoiser pass with a zero self-conditioning draft, no consistency
-    term, over R terms (module docstring). The model must have its latent statistics (both models standardise
-    with them)."""
+    term: mean_c (ẑ − z)² per position (divided by σ² when `loss_space="velocity"`), z the frozen encoder's
+    standardised latent. The model must have its latent statistics (both models standardise with them)."""
 
     family: ClassVar[str] = "aurora"
 
