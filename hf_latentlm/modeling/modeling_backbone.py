@@ -64,6 +64,20 @@ def recording_nothing(method):
     return call
 
 
+def runs_scoring_pass(forward):
+    """For a model's forward: `model(scoring_pass=fn, **inputs)` returns `fn(model, **inputs)` instead. A trainer
+    whose loss is not the forward's (a DPO response score under frozen draws) runs it this way, through the wrappers'
+    own forwards, so that DDP prepares its gradient reduction and PEFT applies (or disables) its adapters as they do
+    for any forward. `fn` also receives what the wrappers add (PEFT passes `labels=None`, ...): it takes `**kwargs`."""
+    @functools.wraps(forward)
+    def dispatch(self, *args, scoring_pass=None, **kwargs):
+        if scoring_pass is not None:
+            return scoring_pass(self, *args, **kwargs)
+        return forward(self, *args, **kwargs)
+
+    return dispatch
+
+
 def embedded_config(component_config):
     """A copy of a trained component's config to embed in a composite model's config (CALM's autoencoder, Cola's
     VAE): without its folder path or `auto_map`, so the composite checkpoint never points at another folder."""
@@ -259,5 +273,5 @@ class BackbonePreTrainedModel(PreTrainedModel, TrainingHooks):
 
 __all__ = ["BackbonePreTrainedModel", "DefaultTrainingHooks", "TrainingHooks", "check_backbone_inputs",
            "check_block_training_rows", "check_forward_kwargs", "composite_config", "embedded_config",
-           "masked_cross_entropy", "recording_nothing", "refuse_vocab_resize", "resized_vocab_size", "scored_positions",
-           "training_hooks"]
+           "masked_cross_entropy", "recording_nothing", "refuse_vocab_resize", "resized_vocab_size",
+           "runs_scoring_pass", "scored_positions", "training_hooks"]

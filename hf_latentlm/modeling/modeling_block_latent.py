@@ -20,7 +20,8 @@ from transformers.utils.deprecation import deprecate_kwarg
 from .flow import FlowMatchEulerSampler, classifier_free_guidance
 from .generation import BlockDecodingState, BlockLatentGenerationMixin, DenoisedBlock
 from .layers import OffsetCache, ReadOnlyCache, block_causal_layout
-from .modeling_backbone import BackbonePreTrainedModel, check_backbone_inputs, check_forward_kwargs, composite_config
+from .modeling_backbone import (BackbonePreTrainedModel, check_backbone_inputs, check_forward_kwargs, composite_config,
+                                runs_scoring_pass)
 
 
 class PriorInputs(NamedTuple):
@@ -165,6 +166,7 @@ class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMi
         """The networks of `network_names`, in that order."""
         return [self.model, self.component.encoder, self.component.decoder]
 
+    @runs_scoring_pass
     @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,

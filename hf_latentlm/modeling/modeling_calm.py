@@ -32,7 +32,7 @@ from .generation import (DecodingStep, GenerateOutput, GenerationOptions, MultiT
 from .layers import (AttentionProbs, DecoderBlock, RMSNorm, RotaryEmbedding, SwiGLUMLP, causal_layout, decoder_layers,
                      evaluation_generator, fixed_row_draw)
 from .modeling_backbone import (BackbonePreTrainedModel, check_backbone_inputs, check_forward_kwargs, composite_config,
-                                refuse_vocab_resize)
+                                refuse_vocab_resize, runs_scoring_pass)
 
 
 @dataclass
@@ -592,6 +592,7 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
     # forward
     # ------------------------------------------------------------------------------------------------------------
 
+    @runs_scoring_pass
     @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,

@@ -53,6 +53,7 @@ from .modeling_backbone import (
     BackbonePreTrainedModel,
     check_backbone_inputs,
     check_forward_kwargs,
+    runs_scoring_pass,
 )
 
 
@@ -473,6 +474,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
     # forward
     # ------------------------------------------------------------------------------------------------
 
+    @runs_scoring_pass
     @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,

@@ -22,7 +22,8 @@ auxiliaries (its Voronoi cells) and Cola's `latents`.
 Rows come as TRL's preference batches give them: `input_ids` [B, T] = prompt + response (+ terminal EOS),
 `attention_mask` (1 = real token, right padding), `completion_mask` (1 = response token, one run ending at the row's
 last real token). `score` receives the trainer's model as wrapped (DDP and/or PEFT) and runs through the wrapper's
-forward (`call_as_forward`), so DDP's gradient hooks and PEFT's adapter hooks fire.
+forward with a `scoring_pass` (`modeling_backbone.runs_scoring_pass`), so DDP's gradient hooks and PEFT's adapter
+hooks fire.
 """
 
 from __future__ import annotations
@@ -157,31 +158,6 @@ def core_model(model):
             return model
 
 
-def call_as_forward(model, fn: Callable, **inputs):
-    """`fn(core, **inputs)` run as the forward of `core = core_model(model)`, called through `model`'s own call chain.
-
-    Going through the wrapper is what makes a custom computation (not the model's `forward`) train correctly: DDP
-    prepares its gradient reduction in its forward, PEFT enables adapters (or keeps them disabled inside
-    `disable_adapter()`) in its. `fn` also receives what the wrappers add (PEFT passes `labels=None`,
-    `return_dict=None`, ...), so it must accept `**kwargs`. The core's previous `forward` (its class method, or an
-    instance attribute such as TRL's fused-LM-head patch) is restored afterwards.
-    """
-    core = core_model(model)
-    previous = core.__dict__.get("forward")
-
-    def forward(*args, **kwargs):
-        return fn(core, *args, **kwargs)
-
-    core.forward = forward
-    try:
-        return model(**inputs)
-    finally:
-        if previous is None:
-            del core.forward
-        else:
-            core.forward = previous
-
-
 def check_right_padded(attention_mask: torch.Tensor) -> None:
     """ValueError unless every row is real tokens followed by padding (TRL's preference collator pads right)."""
     if not is_right_padded(attention_mask.long()):
@@ -302,8 +278,8 @@ class PLMResponseScorer:
         for key in ("aux", "phase"):
             if key not in draws:
                 raise ValueError(f"PLM response scores need the draw {key!r} (from PLMResponseScorer.draws)")
-        loss_sum, num_terms, tokens = call_as_forward(
-            model, self._score_rows, input_ids=input_ids, attention_mask=attention_mask,
+        loss_sum, num_terms, tokens = model(
+            scoring_pass=self._score_rows, input_ids=input_ids, attention_mask=attention_mask,
             completion_mask=completion_mask, aux_grid=draws["aux"], phase=draws["phase"])
         return ResponseScore(loss_sum=loss_sum, num_terms=num_terms, tokens=tokens)
 
@@ -548,9 +524,9 @@ class CALMResponseScorer:
 
     def score(self, model, input_ids, attention_mask, completion_mask, draws) -> ResponseScore:
         check_draws(draws, ("model_noise", "target_noise"), "CALMResponseScorer")
-        loss_sum, num_terms = call_as_forward(model, self._score_rows, input_ids=input_ids,
-                                              attention_mask=attention_mask, completion_mask=completion_mask,
-                                              model_noise=draws["model_noise"], target_noise=draws["target_noise"])
+        loss_sum, num_terms = model(scoring_pass=self._score_rows, input_ids=input_ids, attention_mask=attention_mask,
+                                    completion_mask=completion_mask, model_noise=draws["model_noise"],
+                                    target_noise=draws["target_noise"])
         return ResponseScore(loss_sum=loss_sum, num_terms=num_terms)
 
     def _score_rows(self, core, input_ids=None, attention_mask=None, completion_mask=None, model_noise=None,
@@ -684,9 +660,8 @@ class BlockFlowResponseScorer:
     def score(self, model, input_ids, attention_mask, completion_mask, draws) -> ResponseScore:
         name = type(self).__name__
         check_draws(draws, self.draw_names, name)
-        loss_sum, num_terms = call_as_forward(model, self._score_rows, input_ids=input_ids,
-                                              attention_mask=attention_mask, completion_mask=completion_mask,
-                                              **{key: draws[key] for key in self.draw_names})
+        loss_sum, num_terms = model(scoring_pass=self._score_rows, input_ids=input_ids, attention_mask=attention_mask,
+                                    completion_mask=completion_mask, **{key: draws[key] for key in self.draw_names})
         return ResponseScore(loss_sum=loss_sum, num_terms=num_terms)
 
     def _score_rows(self, core, input_ids=None, attention_mask=None, completion_mask=None, **kwargs):
@@ -744,7 +719,7 @@ class ColaResponseScorer(BlockFlowResponseScorer):
             return {}
         xi = self.posterior_noise(core_model(reference_model).config, layout, pair_keys)
         # Through the wrapped model's forward (PEFT: the adapters as the caller set them, disabled for the reference).
-        z0 = call_as_forward(reference_model, self._posterior_latents, input_ids=layout.input_ids,
+        z0 = reference_model(scoring_pass=self._posterior_latents, input_ids=layout.input_ids,
                              attention_mask=layout.attention_mask, latent_noise=xi)
         return {"latents": z0.float()}
 
