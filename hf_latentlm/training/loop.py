@@ -193,12 +193,11 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
     # The pretrained source of `--init-from`: copied into the model, and kept frozen for the encoder KL term.
     source = load_source_model(cfg.init_from) if cfg.init_from and (model is None or cfg.encoder_kl_weight) else None
     model, optimizer, scheduler = build(cfg, model, tokenizer, source)
-    encoder_kl = EncoderKL(source, cfg.encoder_kl_weight).to(accelerator.device) if cfg.encoder_kl_weight else None
+    encoder_kl = EncoderKL(source.to(accelerator.device), cfg.encoder_kl_weight) if cfg.encoder_kl_weight else None
     checkpoint, start_step = resume(cfg, accelerator, model, optimizer, scheduler, train_rows)
     hooks = training_hooks(model)
-    if hooks.training_rows_needed:  # e.g. AURORA's latent statistics, estimated once from the training rows (of a
-        # stream, the corpus's first rows, the same on every rank)
-        count = hooks.training_rows_needed
+    if count := hooks.training_rows_needed:  # e.g. AURORA's latent statistics, estimated once from the training rows
+        # (of a stream, the corpus's first rows, the same on every rank)
         hooks.prepare_training(train_rows.head(count) if isinstance(train_rows, StreamingRows) else train_rows[:count])
     # Created only now that every input (files, tokenizer, components, checkpoint) has loaded: a run refused
     # for a bad input leaves nothing behind.

@@ -318,12 +318,6 @@ class LatentSFTTrainer(FamilyLearningRates, SFTTrainer):
 # DPO
 # ---------------------------------------------------------------------------------------------------------------------
 
-def _pad_rows(rows: Sequence[torch.Tensor], value) -> torch.Tensor:
-    if rows[0].dim() == 0:
-        return torch.stack(list(rows))
-    return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True, padding_value=value)
-
-
 @dataclass
 class ScoredPreferenceCollator:
     """TRL's preference collator (`base`: [chosen; rejected] rows with input_ids, attention_mask, completion_mask)
@@ -345,7 +339,9 @@ class ScoredPreferenceCollator:
             batch[PAIR_KEY] = [e[PAIR_KEY] for e in examples]
         for key in self.draw_keys:
             rows = [torch.as_tensor(e[f"{c}_draw_{key}"]) for c in CANDIDATES for e in examples]
-            batch[f"draw_{key}"] = _pad_rows(rows, self.pad_values.get(key, 0))
+            pad = self.pad_values.get(key, 0)
+            batch[f"draw_{key}"] = (torch.stack(rows) if rows[0].dim() == 0
+                                    else torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad))
         for name in (REF_CHOSEN, REF_REJECTED):
             batch[name] = torch.tensor([e[name] for e in examples], dtype=torch.float32)
         return batch
@@ -382,13 +378,21 @@ def scorer_for(model) -> ResponseScorer:
 
 
 #: TRL `DPOConfig` options the latent loss does not implement, with the default that is allowed (refused otherwise;
-#: an option the installed TRL lacks, e.g. `rpo_alpha`, is skipped). `DPO_OPTION_EQUIVALENTS`: other values that
-#: mean the default (`loss_weights=[1.0]`, `router_aux_loss_coef=0.0`), accepted. f_divergence_type: the latent loss
-#: is the reverse-KL (standard) DPO loss; router_aux_loss_coef: `compute_loss` adds no Mixture-of-Experts loss.
-#: `LatentDPOTrainer.__init__` checks loss_type, precompute_ref_log_probs (forced True), sync_ref_model (refused) and
-#: truncation_mode ("keep_start" only). Every other DPOConfig field is honoured as TRL does, or is inert as in stock
-#: TRL because the option that reads it is refused (f_alpha_divergence_coef, discopop_tau, ref_model_mixup_alpha,
-#: ref_model_sync_steps).
+#: an option the installed TRL lacks, e.g. `rpo_alpha`, is skipped). `DPO_OPTION_EQUIVALENTS`: other values
+#: that mean the default (`loss_weights=[1.0]`, `router_aux_loss_coef=0.0`), accepted.
+#:
+#: TRL's `DPOConfig` fields, one by one:
+#: * honoured as TRL does (TRL's own `__init__`, dataset preparation, collator or `Trainer`): learning_rate,
+#:   model_init_kwargs, trust_remote_code, disable_dropout, dataset_num_proc, max_length, pad_to_multiple_of,
+#:   precompute_ref_batch_size (the batch size of the draws/reference pass), beta, activation_offloading (TRL wraps
+#:   `training_step`), pad_token (deprecated); padding_free: TRL itself warns and falls back to padding.
+#: * checked by `LatentDPOTrainer.__init__`: loss_type (["sigmoid_norm"] or ["sigmoid"]), precompute_ref_log_probs
+#:   (forced True, with a warning), sync_ref_model (refused), truncation_mode (only "keep_start").
+#: * refused unless at their default: the entries below. f_divergence_type: the latent loss is the reverse-KL
+#:   (standard) DPO loss; router_aux_loss_coef: `compute_loss` adds no Mixture-of-Experts auxiliary loss.
+#: * inert, as in stock TRL, because the option that reads them is refused: f_alpha_divergence_coef (only with
+#:   f_divergence_type="alpha_divergence"), discopop_tau (only with loss_type "discopop"), ref_model_mixup_alpha and
+#:   ref_model_sync_steps (only with sync_ref_model).
 UNSUPPORTED_DPO_OPTIONS = {"label_smoothing": 0.0, "ld_alpha": None, "rpo_alpha": None, "loss_weights": None,
                            "use_weighting": False, "f_divergence_type": "reverse_kl", "router_aux_loss_coef": None}
 DPO_OPTION_EQUIVALENTS = {"loss_weights": ([1.0],), "router_aux_loss_coef": (0.0,)}

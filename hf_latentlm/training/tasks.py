@@ -97,10 +97,8 @@ def format_completion(response: str) -> str:
 
 
 def _normalise_answer(text: str) -> str:
-    # The answer ends at the first end-of-text marker (whatever a batch decode prints after it is padding);
-    # the template's one separating space and trailing whitespace are not part of the answer.
-    text = text.split(EOS_TEXT, 1)[0]
-    return text.removeprefix(" ").rstrip()
+    # Whatever a batch decode prints after the first end-of-text marker is padding.
+    return text.split(EOS_TEXT, 1)[0].removeprefix(" ").rstrip()
 
 
 def exact_match(prediction: str, reference: str) -> bool:
@@ -181,7 +179,7 @@ def verse_runs(corpus_split: str) -> tuple[tuple[str, ...], ...]:
     for document in load_corpus_documents(corpus_split):
         run: list[str] = []
         in_stage_direction = False
-        for raw_line in document.split("\n"):
+        for raw_line in document.split("\n") + [""]:  # the blank line at the end closes the last run
             line = raw_line.strip()
             # Stage directions are bracketed and may span lines: "[Enter BERTRAM, ... all\nin black.]".
             if line.startswith("["):
@@ -195,8 +193,6 @@ def verse_runs(corpus_split: str) -> tuple[tuple[str, ...], ...]:
                 if len(run) >= 3:  # two lines to show and one to continue with (the "extra_line" rejection)
                     runs.append(tuple(run))
                 run = []
-        if len(run) >= 3:
-            runs.append(tuple(run))
     return tuple(runs)
 
 
