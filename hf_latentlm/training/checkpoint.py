@@ -74,10 +74,8 @@ def read_json(checkpoint: Path, name: str) -> dict:
 
 def optimizer_state_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
     state = optimizer.state_dict()
-    tensors = {}
-    for index, per_param in state["state"].items():
-        for name, value in per_param.items():
-            tensors[f"state.{index}.{name}"] = torch.as_tensor(value).contiguous().cpu()
+    tensors = {f"state.{index}.{name}": torch.as_tensor(value).contiguous().cpu()
+               for index, per_param in state["state"].items() for name, value in per_param.items()}
     return tensors, state["param_groups"]
 
 
@@ -255,12 +253,12 @@ def save_checkpoint(output_dir, step: int, model, tokenizer, optimizer, schedule
             save_tokenizer(tokenizer, folder)
         tensors, param_groups = optimizer_state or optimizer_state_to_flat(optimizer)
         save_file(tensors, folder / "optimizer.safetensors")
-        rng_tensors, rng_meta = rank_rng[0]
-        save_file(rng_tensors, folder / "rng_rank0.safetensors")
-        for rank, rng in enumerate(rank_rng[1:], start=1):
-            save_rank_rng(folder, rank, rng)
+        for rank, (rng_tensors, rng_meta) in enumerate(rank_rng):
+            save_file(rng_tensors, folder / f"rng_rank{rank}.safetensors")
+            if rank > 0:  # rank 0's goes into the trainer state
+                (folder / f"rng_rank{rank}.json").write_text(json.dumps(rng_meta))
         full_state = dict(state, step=step, param_groups=param_groups,
-                          scheduler=scheduler.state_dict(), rng={"0": rng_meta})
+                          scheduler=scheduler.state_dict(), rng={"0": rank_rng[0][1]})
         (folder / STATE_FILE).write_text(json.dumps(full_state, indent=1, default=_json_default))
 
     atomic_directory_write(target, write)
@@ -306,17 +304,6 @@ def save_tokenizer(tokenizer, folder: str | os.PathLike) -> None:
         same = False
     if not same:
         config_file.write_text(custom, encoding="utf-8")
-
-
-def save_rank_rng(checkpoint: Path, rank: int, rng: tuple[dict, dict] | None = None) -> None:
-    """Write rank `rank`'s RNG state (default: this process's) into `checkpoint` (rank > 0)."""
-    tensors, meta = rng or capture_rng_state()
-    tmp = checkpoint / f".tmp-rng_rank{rank}.safetensors"
-    save_file(tensors, tmp)
-    os.replace(tmp, checkpoint / f"rng_rank{rank}.safetensors")
-    meta_tmp = checkpoint / f".tmp-rng_rank{rank}.json"
-    meta_tmp.write_text(json.dumps(meta))
-    os.replace(meta_tmp, checkpoint / f"rng_rank{rank}.json")
 
 
 def read_checkpoint(checkpoint: Path, rank: int = 0, num_processes: int | None = None) -> tuple[dict, dict, dict]:

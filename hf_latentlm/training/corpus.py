@@ -74,15 +74,8 @@ def load_text_documents(paths: list[str]) -> list[str]:
 
 def json_lines(text: str) -> list[dict] | None:
     """The objects of a JSON-lines text, or None when it is not one (a plain text, a single JSON document)."""
-    records = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(record, dict):
-            return None
-        records.append(record)
-    return records or None
+    try:
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError:
+        return None
+    return records if records and all(isinstance(record, dict) for record in records) else None

@@ -32,20 +32,13 @@ class EncoderKL:
         self.source = source.eval().requires_grad_(False)
         self.weight = float(weight)
 
-    def to(self, device) -> "EncoderKL":
-        self.source.to(device)
-        return self
-
-    def __call__(self, encoder_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """KL(source ‖ encoder) over every position of `input_ids` [B, T] (packed rows: no padding)."""
+    def add_to(self, output, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The training loss with the KL term over every position of `input_ids` [B, T] (packed rows: no padding)
+        added, and the parts to log beside the model's own (`loss`: the total; `encoder_kl`: the KL before
+        weighting)."""
         with torch.no_grad():
             reference = self.source(input_ids=input_ids).logits
-        return token_kl(encoder_logits, reference)
-
-    def add_to(self, output, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The training loss with the KL term added, and the parts to log beside the model's own (`loss`: the
-        total; `encoder_kl`: the KL before weighting)."""
-        kl = self(output.logits, input_ids)
+        kl = token_kl(output.logits, reference)
         loss = output.loss + self.weight * kl
         return loss, {"loss": loss.detach().float(), "encoder_kl": kl.detach().float()}
 

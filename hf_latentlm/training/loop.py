@@ -93,15 +93,12 @@ def parameter_groups(model: torch.nn.Module, learning_rate: float, weight_decay:
     A model may scale the learning rate of some parameters with `parameter_learning_rate_scales()` (name prefix ->
     multiplier; Cola DLM's VAE:DiT ratio), read from the innermost model through DDP and PEFT wrappers and matched
     against each parameter's name relative to that model, without the segments FSDP, activation checkpointing or
-    torch.compile wrappers insert (`WRAPPER_SEGMENTS`), so a PEFT model's `base_model.model.` prefix does not hide
-    it and LoRA weights inside a scaled module get its scale; unmatched parameters get 1. A group has
-    lr = learning_rate × scale and weight_decay = `weight_decay` where `decays(name, param)` (default: matrices,
-    ≥ 2 dims; names as `model.named_parameters()` gives them), else 0. Scale-0 parameters are left out. Groups come
-    scale 1 first (the one a schedule's logged rate reads), then by falling scale, decayed before not; a schedule
-    that multiplies every group's initial rate keeps the ratios."""
+    torch.compile wrappers insert (`WRAPPER_SEGMENTS`), so LoRA weights inside a scaled module get its scale;
+    unmatched parameters get 1. A group has lr = learning_rate × scale and weight_decay = `weight_decay` where
+    `decays(name, param)` (default: matrices, ≥ 2 dims), else 0. Scale-0 parameters are left out. Groups come scale 1
+    first (the one a schedule's logged rate reads), then by falling scale, decayed before not."""
     core = core_model(model)
     scales = training_hooks(core).parameter_learning_rate_scales()
-    # Names without the segments a wrapper inserts (FSDP1, activation checkpointing, torch.compile).
     relative = {id(param): "".join(part for part in re.split(r"(?<=\.)", name) if part not in WRAPPER_SEGMENTS)
                 for name, param in core.named_parameters()}
     decays = decays or (lambda name, param: param.dim() >= 2)
@@ -196,12 +193,11 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, train_rows: torch.Tensor
     # The pretrained source of `--init-from`: copied into the model, and kept frozen for the encoder KL term.
     source = load_source_model(cfg.init_from) if cfg.init_from and (model is None or cfg.encoder_kl_weight) else None
     model, optimizer, scheduler = build(cfg, model, tokenizer, source)
-    encoder_kl = EncoderKL(source, cfg.encoder_kl_weight).to(accelerator.device) if cfg.encoder_kl_weight else None
+    encoder_kl = EncoderKL(source.to(accelerator.device), cfg.encoder_kl_weight) if cfg.encoder_kl_weight else None
     checkpoint, start_step = resume(cfg, accelerator, model, optimizer, scheduler, train_rows)
     hooks = training_hooks(model)
-    if hooks.training_rows_needed:  # e.g. AURORA's latent statistics, estimated once from the training rows (of a
-        # stream, the corpus's first rows, the same on every rank)
-        count = hooks.training_rows_needed
+    if count := hooks.training_rows_needed:  # e.g. AURORA's latent statistics, estimated once from the training rows
+        # (of a stream, the corpus's first rows, the same on every rank)
         hooks.prepare_training(train_rows.head(count) if isinstance(train_rows, StreamingRows) else train_rows[:count])
     # Created only now that every input (files, tokenizer, components, checkpoint) has loaded: a run refused
     # for a bad input leaves nothing behind.
@@ -334,9 +330,9 @@ def check_source_fits(cfg: TrainConfig, config, tokenizer) -> None:
 
 def check_row_length(config, seq_len: int, family: str) -> None:
     """ValueError unless a training row of `seq_len` tokens holds the family's unit of prediction: one block of
-    `block_size` tokens (PLM, Cola DLM, AURORA-LM; `vae_block_size` for Cola's VAE), whole chunks of `chunk_size` (CALM's autoencoder), two chunks
-    for CALM's energy loss (a chunk predicted from the one before). A shorter row would train on partial blocks
-    without a word."""
+    `block_size` tokens (PLM, Cola DLM, AURORA-LM; `vae_block_size` for Cola's VAE), whole chunks of `chunk_size`
+    (CALM's autoencoder), two chunks for CALM's energy loss (a chunk predicted from the one before). A shorter row
+    would train on partial blocks without a word."""
     field = next((name for name in ("block_size", "vae_block_size") if isinstance(getattr(config, name, None), int)),
                  None)
     chunk = getattr(config, "chunk_size", None)
@@ -486,52 +482,46 @@ def train_steps(cfg: TrainConfig, accelerator: Accelerator, model, optimizer, sc
 
 
 def save_final_model(accelerator: Accelerator, output_dir: Path, model, tokenizer) -> None:
+    """The finished model and tokenizer at the top of `output_dir` (main process), each file replaced atomically."""
     state_dict = gathered_state_dict(accelerator, model) if is_sharded(accelerator) else None  # every rank gathers
-    if accelerator.is_main_process:
-        _save_final(output_dir, accelerator.unwrap_model(model), tokenizer, state_dict)
+    if not accelerator.is_main_process:
+        return
+    tmp = output_dir / f".tmp-final-{os.getpid()}"
+    accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, tmp)
+    for item in tmp.iterdir():
+        os.replace(item, output_dir / item.name)
+    tmp.rmdir()
+
+
+def gather_to_main(accelerator: Accelerator, value) -> list:
+    """`value` of every rank, rank 0 first, on the main process (a collective; elsewhere a list of None)."""
+    if accelerator.num_processes == 1:
+        return [value]
+    values = [None] * accelerator.num_processes
+    torch.distributed.gather_object(value, values if accelerator.is_main_process else None, dst=0)
+    return values
 
 
 def _save(accelerator, output_dir, step, model, tokenizer, optimizer, scheduler, cfg, train_rows=None):
     state = {"data_position": step * cfg.batch_size * cfg.grad_accum * accelerator.num_processes,
              "num_processes": accelerator.num_processes, "config": asdict(cfg)}
     if isinstance(train_rows, StreamingRows):  # every rank's position in its share of the corpus
-        streams = [train_rows.state_dict()]
-        if accelerator.num_processes > 1:
-            streams = [None] * accelerator.num_processes
-            torch.distributed.gather_object(train_rows.state_dict(), streams if accelerator.is_main_process else None,
-                                            dst=0)
-        state["data_streams"] = streams
+        state["data_streams"] = gather_to_main(accelerator, train_rows.state_dict())
     # Every rank's RNG state travels to the main process, which writes it inside the atomic
     # checkpoint: a checkpoint that exists resumes every rank.
-    rng = capture_rng_state()
-    rank_rng = [rng]
-    if accelerator.num_processes > 1:
-        rank_rng = [None] * accelerator.num_processes
-        torch.distributed.gather_object(rng, rank_rng if accelerator.is_main_process else None, dst=0)
+    rank_rng = gather_to_main(accelerator, capture_rng_state())
     inner_optimizer = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
     model_state, optimizer_state = None, None
     if is_sharded(accelerator):  # collectives: every rank takes part, rank 0 receives the full states
         model_state = gathered_state_dict(accelerator, model)
         optimizer_state = gather_optimizer_state(model, inner_optimizer)
-    checkpoint = None
     if accelerator.is_main_process:
-        checkpoint = save_checkpoint(output_dir, step, accelerator.unwrap_model(model), tokenizer, inner_optimizer,
-                                     scheduler, state, keep_last=cfg.keep_checkpoints, rank_rng=rank_rng,
-                                     model_state_dict=model_state, optimizer_state=optimizer_state)
+        save_checkpoint(output_dir, step, accelerator.unwrap_model(model), tokenizer, inner_optimizer, scheduler, state,
+                        keep_last=cfg.keep_checkpoints, rank_rng=rank_rng, model_state_dict=model_state,
+                        optimizer_state=optimizer_state)
     accelerator.wait_for_everyone()
-    return checkpoint
-
-
-def _save_final(output_dir: Path, model, tokenizer, state_dict: dict | None = None):
-    """The finished model (`state_dict`: gathered from a sharded run) and tokenizer at the top of `output_dir`,
-    each file replaced atomically."""
-    tmp = output_dir / f".tmp-final-{os.getpid()}"
-    model.save_pretrained(tmp, state_dict=state_dict)
-    if tokenizer is not None:
-        save_tokenizer(tokenizer, tmp)
-    for item in tmp.iterdir():
-        os.replace(item, output_dir / item.name)
-    tmp.rmdir()
 
 
 def trim_metrics_log(path: Path, start_step: int) -> bool:
@@ -545,27 +535,22 @@ def trim_metrics_log(path: Path, start_step: int) -> bool:
     """
     if not path.exists():
         return False
-    kept, dropped, unreadable = [], False, 0
-    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
+    lines = [line for line in path.read_bytes().decode("utf-8", errors="replace").splitlines() if line.strip()]
+    kept, unreadable = [], 0
+    for line in lines:
         try:
             step = json.loads(line)["step"]
-            readable = isinstance(step, int)
         except (ValueError, TypeError, KeyError, IndexError):
-            readable = False
-        if not readable:
+            step = None
+        if not isinstance(step, int):
             unreadable += 1
-            dropped = True
         elif step <= start_step:
             kept.append(line)
-        else:
-            dropped = True
     if unreadable:
         logger.warning("%s: skipped %d line(s) that are not a metrics record (a record torn by a crash?)", path,
                        unreadable)
     replace_text(path, "".join(line + "\n" for line in kept))
-    return dropped
+    return len(kept) < len(lines)
 
 
 def replace_text(path: Path, text: str) -> None:
@@ -608,13 +593,11 @@ def tracker_hyperparameters(cfg: TrainConfig) -> dict:
 def start_trackers(cfg: TrainConfig, accelerator: Accelerator, start_step: int, continue_runs: bool = True) -> None:
     """Start the trackers of `cfg.report_to` (none: nothing), with the run's config as hyperparameters.
 
-    A fresh run names its wandb and trackio runs after the output folder plus a random suffix (`run-1a2b3c`: trackio
-    resumes by name, and another experiment's folder may have the same name). A resumed run continues the same
-    tracker runs (`continue_runs`, the default): TensorBoard appends to the same folder, hiding whatever an earlier
-    process logged after `start_step` (`purge_step`: the steps about to be logged again); wandb resumes the run id,
-    trackio the run name, both kept in `TRACKER_DIR/TRACKER_RUNS` by the run that started them. With
-    `continue_runs=False` (an earlier process logged past `start_step`, which wandb and trackio cannot take back)
-    wandb and trackio start new runs named `<experiment>-from-step-<start_step>`.
+    A fresh run names its wandb and trackio runs after the output folder plus a random suffix (`run-1a2b3c`). A
+    resumed run continues the same tracker runs (`continue_runs`), kept in `TRACKER_DIR/TRACKER_RUNS`, TensorBoard
+    purging the steps about to be logged again; with `continue_runs=False` (an earlier process logged past
+    `start_step`, which wandb and trackio cannot take back) they start new runs `<experiment>-from-step-<start_step>`
+    (docs/tracking.md).
     """
     if not cfg.report_to:
         return

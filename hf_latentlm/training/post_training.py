@@ -1,30 +1,18 @@
-"""Post-training library: SFT and DPO on TRL's trainers, for the AR baseline and every multi-token family.
+"""Post-training library: SFT and DPO on TRL's trainers, for the AR baseline and every multi-token family
+(docs/guide.md, "Post-training").
 
 * The AR baseline (transformers' `LlamaForCausalLM`, and any model outside the family registry) trains with TRL's
   STOCK `SFTTrainer` and `DPOTrainer`; its DPO loss is TRL's `loss_type="sigmoid_norm"`: the log-ratio of each
   response summed over its tokens (the terminal end-of-text token included) and divided by their number — the
   paper's AR score (App. 16.2, "decoder component omitted").
 * A multi-token family trains with `LatentSFTTrainer` / `LatentDPOTrainer`, subclasses that change only the loss:
-  - SFT: the family's own objective, `model(input_ids, attention_mask, labels)`, with the prompt's labels -100
-    (TRL's prompt/completion preparation; the response's terminal end-of-text token is a target). TRL's fused LM
-    head would otherwise replace it with next-token cross-entropy. CALM (a config with `chunk_size` K) trains whole
-    chunks only, so its rows are first re-laid out as its `generate()` reads them (`chunk_aligned_sft_batch`): the
-    response starts on a chunk boundary and its last chunk is filled with EOS, so every response token and the
-    terminal EOS is a target.
-  - DPO: the response score of the family's `ResponseScorer` (`preference.py`), reference-relative and
-    length-normalised: δ = s_θ − s_ref, loss −log σ(β·(δ(x+,u+) − δ(x−,u−))), β = `DPOConfig.beta` (γ = 5 in the
-    paper). The frozen draws u (PLM: auxiliaries and block phase) and the reference scores are computed ONCE, when
-    the trainer is built, with the reference (the `ref_model`, the adapter-disabled model under PEFT, or the model
-    itself before any step), and stored as dataset columns; every epoch then reads the same u for policy and
-    reference.
-* `sft_config` / `dpo_config`: TRL's own config classes with the paper's optimisation (Adam (0.9, 0.95), no weight
-  decay, clipping at 1, linear warmup — 3% for SFT, 10% for DPO as App. 16.2 says — then linear decay) and CPU-safe
-  defaults (no bf16, no gradient checkpointing).
-* The runs that load a model folder, train it on a task and save it (the CLI's `sft` / `dpo`) are recipes built on
-  these classes: `hf_latentlm/recipes.py`.
+  SFT is the family's own objective with the prompt's labels at -100 (CALM's rows chunk-aligned first,
+  `chunk_aligned_sft_batch`); DPO is reference-relative and length-normalised over the family's response score
+  (`ResponseScorer`, `scorers.py`), with β = `DPOConfig.beta` (γ = 5 in the paper).
+* `sft_config` / `dpo_config`: TRL's own config classes with the paper's optimisation (App. 16.2) and CPU-safe
+  defaults. The CLI's `sft` / `dpo` runs are recipes built on these classes: `hf_latentlm/recipes.py`.
 
-Multi-process: under `torchrun --nproc_per_node N` (or `accelerate launch --multi_gpu`) with `use_cpu=True` on CPU,
-each rank computes the draws and reference scores of every N-th pair and the ranks exchange them
+Multi-process: each rank computes the draws and reference scores of every N-th pair and the ranks exchange them
 (`gather_object`), so every rank holds the same columns.
 """
 
@@ -153,14 +141,11 @@ def check_preference_dataset(dataset, label: str = "train") -> None:
 class FamilyLearningRates:
     """Mixin for a transformers `Trainer` (TRL's included), listed before it in the bases: `create_optimizer` gives
     the optimizer one parameter group per (learning-rate scale, decay) pair of the model's
-    `parameter_learning_rate_scales()` (Cola DLM: the VAE at `vae_learning_rate_ratio` × the rate; read through DDP and
-    PEFT wrappers, `loop.parameter_groups`), with lr = `args.learning_rate` × scale. The optimizer class and its
-    arguments are the Trainer's own (`args.optim`, `optim_args`, betas, eps, ...; `get_optimizer_cls_and_kwargs`) and
-    weight decay goes where the Trainer puts it (`get_decay_parameter_names`). The Trainer's scheduler multiplies each
-    group's initial lr by the same factor, so the ratio holds at every step. Only `create_optimizer` is overridden; an
-    `optimizers=(optimizer, ...)` passed to the Trainer is used as given. An optimizer that builds its own groups (a
-    factory such as Muon, GaLore, LOMO, layer-wise ones) takes the Trainer's path when every scale is 1 and is refused
-    (ValueError) otherwise, rather than dropping the scales."""
+    `parameter_learning_rate_scales()` (`loop.parameter_groups`; Cola DLM: the VAE at `vae_learning_rate_ratio` × the
+    rate). The optimizer class and its arguments are the Trainer's own, weight decay goes where the Trainer puts it
+    (`get_decay_parameter_names`), and its scheduler keeps the ratios. An optimizer that builds its own groups (a
+    factory such as Muon, GaLore, LOMO) takes the Trainer's path when every scale is 1 and is refused (ValueError)
+    otherwise, rather than dropping the scales."""
 
     def create_optimizer(self, model=None):
         from transformers.trainer_optimizer import is_optimizer_factory
@@ -248,17 +233,12 @@ class LatentSFTTrainer(FamilyLearningRates, SFTTrainer):
     """TRL's `SFTTrainer` whose loss is the family's own objective, `model(input_ids, attention_mask, labels)`.
 
     Labels are TRL's (the prompt, and padding, at -100 for prompt/completion data), so the objective covers the
-    response only (PLM: encoder + decoder + alignment terms of the response targets, the terminal end-of-text
-    included; a fresh block phase per step, as in pretraining). A family that trains whole chunks (CALM: its config
-    has `chunk_size`) gets its rows re-laid out first (`chunk_aligned_sft_batch`: the response on a chunk boundary
-    as `generate()` puts it, the last chunk EOS-filled), so every response token and the terminal EOS is trained.
-    The loss is a per-micro-batch mean (`loss_is_scaled_for_ga = False`: the Trainer divides it by the accumulation
-    steps). Every other scalar of the model's output (PLM: encoder_nll, decoder_nll, alignment_loss, ...) is logged.
-
-    Conversational data (`messages`, or prompt/completion as message lists) goes through the tokenizer's chat
-    template; the packaged tokenizer's (`hf_latentlm/data/tokenizer/chat_template.jinja`) renders the task format
-    (`tasks.format_prompt` + `tasks.format_completion`) with `{% generation %}` markers around the answer, so
-    `assistant_only_loss=True` trains the answers only (a warning says so when a `messages` dataset lacks it).
+    response only, the terminal end-of-text included. A family that trains whole chunks (CALM: its config has
+    `chunk_size`) gets its rows re-laid out first (`chunk_aligned_sft_batch`). The loss is a per-micro-batch mean
+    (`loss_is_scaled_for_ga = False`: the Trainer divides it by the accumulation steps). Every other scalar of the
+    model's output (PLM: encoder_nll, decoder_nll, alignment_loss, ...) is logged. Conversational data goes through
+    the tokenizer's chat template, whose `{% generation %}` markers let `assistant_only_loss=True` train the answers
+    only (a warning says so when a `messages` dataset lacks it).
     """
 
     loss_is_scaled_for_ga = False
@@ -338,12 +318,6 @@ class LatentSFTTrainer(FamilyLearningRates, SFTTrainer):
 # DPO
 # ---------------------------------------------------------------------------------------------------------------------
 
-def _pad_rows(rows: Sequence[torch.Tensor], value) -> torch.Tensor:
-    if rows[0].dim() == 0:
-        return torch.stack(list(rows))
-    return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True, padding_value=value)
-
-
 @dataclass
 class ScoredPreferenceCollator:
     """TRL's preference collator (`base`: [chosen; rejected] rows with input_ids, attention_mask, completion_mask)
@@ -365,9 +339,11 @@ class ScoredPreferenceCollator:
             batch[PAIR_KEY] = [e[PAIR_KEY] for e in examples]
         for key in self.draw_keys:
             rows = [torch.as_tensor(e[f"{c}_draw_{key}"]) for c in CANDIDATES for e in examples]
-            batch[f"draw_{key}"] = _pad_rows(rows, self.pad_values.get(key, 0))
-        batch[REF_CHOSEN] = torch.tensor([e[REF_CHOSEN] for e in examples], dtype=torch.float32)
-        batch[REF_REJECTED] = torch.tensor([e[REF_REJECTED] for e in examples], dtype=torch.float32)
+            pad = self.pad_values.get(key, 0)
+            batch[f"draw_{key}"] = (torch.stack(rows) if rows[0].dim() == 0
+                                    else torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad))
+        for name in (REF_CHOSEN, REF_REJECTED):
+            batch[name] = torch.tensor([e[name] for e in examples], dtype=torch.float32)
         return batch
 
 
@@ -453,42 +429,20 @@ class LatentDPOTrainer(FamilyLearningRates, DPOTrainer):
     of batching and epoch), stored as columns `chosen_draw_<key>` / `rejected_draw_<key>`, the reference scores
     `ref_chosen_score` / `ref_rejected_score` under those draws, and the `pair_key`. A scorer whose draws are seeded
     by the pair key (`draws_from_keys`: CALM, Cola, AURORA) has them made again at every step instead, except those
-    the reference model made (`reference_draws`: Cola's latents z0, the reference VAE's, stored as
-    `chosen_draw_latents` / `rejected_draw_latents`, so the policy is scored on the reference's latents and DPO trains
-    Cola's prior, never its VAE). The collator hands them to `compute_loss`, which scores the policy on the stacked
-    [chosen; rejected] batch under the same draws.
+    the reference model made (`reference_draws`: Cola's latents, so DPO trains Cola's prior, never its VAE). Both
+    passes run under `accelerator.autocast()`, so mixed precision treats policy and reference alike.
 
-    Logged, under TRL's DPOTrainer names where the value has the same meaning:
-    * rewards/chosen, rewards/rejected (β·δ), rewards/margins, rewards/accuracies. Scale: δ is on the loss's scale,
-      so with `sigmoid_norm` (the default) these are per-term (PLM: per response term; β·δ of mean log-probabilities
-      for `TokenLikelihoodScorer`), with `sigmoid` summed. The AR baseline's stock DPOTrainer logs β·(summed
-      log-ratio) whatever the loss type (its `sigmoid_norm` normalises inside the loss only), so AR's margins are on
-      the summed scale: a normalised margin is about a summed one divided by the number of response terms.
-    * logps/chosen, logps/rejected: the policy's summed response score −loss_sum (TRL: the summed log-probability
-      of the response; the same quantity for `TokenLikelihoodScorer`, PLM's is −(L_enc^r + L_dec^r), a latent
-      family's the negated summed training loss of its response terms); scores/chosen, scores/rejected: the s_θ the
-      loss uses (normalised or summed), no TRL counterpart.
-    * num_tokens: the attended tokens (prompt and both candidates) of the training batches so far, as TRL counts.
-    * entropy, mean_token_accuracy (chosen responses, as TRL), logits/chosen, logits/rejected (mean logit over the
-      vocabulary): over the response targets, for a score with next-token predictions (`ResponseScore.tokens`: PLM's
-      encoder, `TokenLikelihoodScorer`). Absent for CALM, Cola and AURORA, which predict latents, not tokens.
-    * not logged: aux_loss (no Mixture-of-Experts family; `router_aux_loss_coef` is refused).
+    Logged under TRL's DPOTrainer names where the value means the same (docs/guide.md): rewards/* (β·δ, on the
+    loss's scale), logps/chosen, logps/rejected (the policy's summed score −loss_sum), scores/* (the s_θ the loss
+    uses), num_tokens and, for a score with next-token predictions, entropy, mean_token_accuracy and logits/*.
 
-    Both the precomputation and the policy scores run under `accelerator.autocast()` (as TRL's own
-    `compute_ref_log_probs`), so mixed precision treats policy and reference alike and δ = 0 at initialisation.
-    TRL options this loss does not implement (`label_smoothing`, `ld_alpha`, `rpo_alpha`, `loss_weights`,
-    `use_weighting`, `f_divergence_type`, `router_aux_loss_coef`, `truncation_mode="keep_end"`, `sync_ref_model`) are
-    refused by name rather than ignored (`UNSUPPORTED_DPO_OPTIONS` lists how each DPOConfig field is treated).
+    TRL options this loss does not implement are refused by name (`UNSUPPORTED_DPO_OPTIONS`). A plain
+    `trl.DPOConfig` keeps TRL's defaults (`sigmoid`, β = 0.1), another loss 50 times softer, and gets a warning
+    (`warn_on_trl_dpo_defaults`); `dpo_config()` gives the paper's. Without `args`: `dpo_config("latent-dpo")`.
 
-    Config: `dpo_config()` gives the paper's loss (`sigmoid_norm`, β = 5); a plain `trl.DPOConfig` keeps TRL's
-    defaults (`sigmoid`, the summed score, with β = 0.1), which train another loss 50 times softer, so the trainer
-    logs a warning naming the loss type and β it trains with whenever loss_type or beta is at TRL's default
-    (`warn_on_trl_dpo_defaults`). Without `args` it uses `dpo_config("latent-dpo")`.
-
-    Resume (`train(resume_from_checkpoint=...)`): the draws and reference scores are computed here, in `__init__`,
-    from the model as passed (the frozen start, `run_dpo` loads it from `model_dir`) at global step 0; the
-    checkpoint's weights, optimizer and step are loaded later, inside `train()`, so a resumed run keeps the
-    reference of the uninterrupted one.
+    Resume (`train(resume_from_checkpoint=...)`): the draws and reference scores are computed in `__init__` from the
+    model as passed (the frozen start) at global step 0; the checkpoint is loaded later, inside `train()`, so a
+    resumed run keeps the reference of the uninterrupted one.
     """
 
     _tag_names = ["trl", "dpo", "hf-latentlm"]
@@ -598,10 +552,7 @@ class LatentDPOTrainer(FamilyLearningRates, DPOTrainer):
                         record[f"rejected_draw_{key}"] = value[n + j].cpu().tolist()
                     records[index] = record
         if world > 1:
-            merged = {}
-            for part in gather_object([records]):
-                merged.update(part)
-            records = merged
+            records = {index: record for part in gather_object([records]) for index, record in part.items()}
         names = list(records[0])
         self._draw_keys = sorted(n.removeprefix("chosen_draw_") for n in names if n.startswith("chosen_draw_"))
         columns = {column: [records[i][column] for i in range(len(dataset))] for column in names}

@@ -1,30 +1,13 @@
-"""Offline instruction tasks for SFT and DPO post-training, built by code from fixed seeds.
+"""Offline instruction tasks for SFT and DPO post-training, built by code from fixed seeds
+(docs/post_training_tasks.md).
 
-Post-training a multi-token model matters where parallel decoding does: responses that are long, predictable once
-the prompt is read, and scored exactly. So every task asks for a deterministic answer:
-
-* ``repeat`` / ``reverse``: a passage of consecutive verse lines from the packaged corpus (which the packaged
-  tokenizer was trained on), asked back as is or with the words of each line reversed. :data:`VERSE_TASKS` names
-  ``verse-repeat`` (the default), ``verse-reverse`` and ``verse-mixed`` (half of each, so the instruction decides
-  the answer). Each split is drawn from the corpus split of the same name, so test prompts come from unseen works.
-* ``count`` ("Count from 37 to 52:"): every answer token follows from the numbers before it and the stop in the
-  prompt. (start, length) pairs are split by a stable hash, so test prompts never appear in training.
-* ``count-tens``: counts that start on a number ending in 1, 2 or 3 and stop at the next multiple of ten, so where
-  to stop can also be read off the last digit written (results/post_training_count_tens/: small models learn to
-  count but not where to stop).
-
-A response grows until it is at least ``min_response_tokens`` tokens (a ``count-tens`` count never grows past its
-multiple of ten; one too short is left out).
-
-Formats are TRL's plain-text "prompt/completion" and "preference": ``prompt`` = ``"User: {instruction}\\n\\n
-Assistant:"``, ``completion`` = ``" {response}<|endoftext|>"``. The space starts the completion because the
-byte-level BPE glues a space to the word after it: the tokenized prompt is then a prefix of the tokenized prompt +
-completion, which TRL's trainers need to split the two. The completion already ends with the eos text, so TRL adds
-no second one. Preference rows have ``chosen`` (= ``completion``), ``rejected`` (a plausible wrong answer) and
-``rejected_kind``. Extra columns are metadata that TRL's ``remove_unused_columns`` drops.
-
-:func:`exact_match` compares a decoded prediction with the bare ``response``, normalising only the separating
-space, the end-of-text marker and trailing whitespace.
+Every task has a long, deterministic, exactly scored answer: ``repeat`` / ``reverse`` a passage of verse from the
+packaged corpus (:data:`VERSE_TASKS`; split ``s`` is drawn from the corpus split ``s``, so test prompts come from
+unseen works), ``count`` ("Count from 37 to 52:") and ``count-tens`` (counts that stop at the next multiple of ten);
+count pairs are split by a stable hash. Formats are TRL's plain-text "prompt/completion" and "preference":
+``prompt`` = ``"User: {instruction}\\n\\nAssistant:"``, ``completion`` = ``" {response}<|endoftext|>"``. The space
+starts the completion because the byte-level BPE glues a space to the word after it: the tokenized prompt is then a
+prefix of the tokenized prompt + completion, which TRL's trainers need to split the two.
 """
 
 from __future__ import annotations
@@ -69,17 +52,10 @@ class TaskKind:
     transform: Callable[[Sequence[str]], list[str]]
 
 
-def _repeat_lines(lines: Sequence[str]) -> list[str]:
-    return list(lines)
-
-
-def _reverse_words_of_each_line(lines: Sequence[str]) -> list[str]:
-    return [" ".join(reversed(line.split())) for line in lines]
-
-
 TASK_KINDS: dict[str, TaskKind] = {
-    "repeat": TaskKind("repeat", "Repeat these lines exactly:", _repeat_lines),
-    "reverse": TaskKind("reverse", "Reverse the order of the words in each line:", _reverse_words_of_each_line),
+    "repeat": TaskKind("repeat", "Repeat these lines exactly:", list),
+    "reverse": TaskKind("reverse", "Reverse the order of the words in each line:",
+                        lambda lines: [" ".join(reversed(line.split())) for line in lines]),
 }
 
 VERSE_TASKS: dict[str, tuple[str, ...]] = {
@@ -121,10 +97,8 @@ def format_completion(response: str) -> str:
 
 
 def _normalise_answer(text: str) -> str:
-    # The answer ends at the first end-of-text marker (whatever a batch decode prints after it is padding);
-    # the template's one separating space and trailing whitespace are not part of the answer.
-    text = text.split(EOS_TEXT, 1)[0]
-    return text.removeprefix(" ").rstrip()
+    # Whatever a batch decode prints after the first end-of-text marker is padding.
+    return text.split(EOS_TEXT, 1)[0].removeprefix(" ").rstrip()
 
 
 def exact_match(prediction: str, reference: str) -> bool:
@@ -205,7 +179,7 @@ def verse_runs(corpus_split: str) -> tuple[tuple[str, ...], ...]:
     for document in load_corpus_documents(corpus_split):
         run: list[str] = []
         in_stage_direction = False
-        for raw_line in document.split("\n"):
+        for raw_line in document.split("\n") + [""]:  # the blank line at the end closes the last run
             line = raw_line.strip()
             # Stage directions are bracketed and may span lines: "[Enter BERTRAM, ... all\nin black.]".
             if line.startswith("["):
@@ -219,8 +193,6 @@ def verse_runs(corpus_split: str) -> tuple[tuple[str, ...], ...]:
                 if len(run) >= 3:  # two lines to show and one to continue with (the "extra_line" rejection)
                     runs.append(tuple(run))
                 run = []
-        if len(run) >= 3:
-            runs.append(tuple(run))
     return tuple(runs)
 
 
@@ -239,8 +211,9 @@ class _Example:
         return "\n".join(self.response_lines)
 
 
-def _token_count(tokenizer, text: str) -> int:
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+def _response_tokens(tokenizer, response: str) -> int:
+    """Tokens of the completion of ``response`` without its end-of-text: ``" {response}"``."""
+    return len(tokenizer(format_completion(response).removesuffix(EOS_TEXT), add_special_tokens=False)["input_ids"])
 
 
 def _sample_examples(kinds: Sequence[TaskKind], corpus_split: str, size: int, rng: random.Random,
@@ -273,8 +246,7 @@ def _sample_examples(kinds: Sequence[TaskKind], corpus_split: str, size: int, rn
         for end in range(start + 2, min(len(run), start + _MAX_PASSAGE_LINES + 1)):
             passage = run[start:end]  # end < len(run): a next line exists
             response_lines = tuple(kind.transform(passage))
-            if _token_count(tokenizer, format_completion("\n".join(response_lines)).removesuffix(EOS_TEXT)) \
-                    >= min_response_tokens:
+            if _response_tokens(tokenizer, "\n".join(response_lines)) >= min_response_tokens:
                 break
         else:
             continue  # the run ends (or the cap is hit) before the response is long enough
@@ -308,12 +280,6 @@ def _count_pool(name: str, split: str) -> list[tuple[int, int]]:
     return [(start, stop) for start, stop in pairs if count_split(start, stop - start + 1) == split]
 
 
-def _count_too_short(tokenizer, start: int, stop: int, min_response_tokens: int) -> bool:
-    """Whether the answer counting from ``start`` to ``stop`` has fewer than ``min_response_tokens`` tokens."""
-    answer = format_completion(count_response(start, stop)).removesuffix(EOS_TEXT)
-    return _token_count(tokenizer, answer) < min_response_tokens
-
-
 def _sample_count_examples(name: str, split: str, size: int, rng: random.Random, tokenizer,
                            min_response_tokens: int, excluded: set[tuple]) -> list[_Example]:
     """``size`` distinct counts of ``split`` in a seeded order (a shuffle of the split's pool, so a larger ``size``
@@ -323,12 +289,16 @@ def _sample_count_examples(name: str, split: str, size: int, rng: random.Random,
     rng.shuffle(pool)
     examples: list[_Example] = []
     used = set(excluded)
+
+    def too_short(start, stop):
+        return _response_tokens(tokenizer, count_response(start, stop)) < min_response_tokens
+
     for start, stop in pool:
         if len(examples) == size:
             break
-        if name == COUNT_TENS_TASK and _count_too_short(tokenizer, start, stop, min_response_tokens):
+        if name == COUNT_TENS_TASK and too_short(start, stop):
             continue
-        while _count_too_short(tokenizer, start, stop, min_response_tokens):
+        while too_short(start, stop):
             stop += 1
         if (start, stop) in used:
             continue  # two lengths that grew to the same stop
@@ -421,17 +391,13 @@ def _metadata_columns(rows: Sequence[_Example]) -> dict[str, list[str]]:
 # Preference pairs
 # ---------------------------------------------------------------------------------------------------------------------
 
-def _words_with_lines(lines: Sequence[str]) -> list[list[str]]:
-    return [line.split() for line in lines]
-
-
 def _join_lines(word_lines: Sequence[Sequence[str]]) -> str:
     return "\n".join(" ".join(words) for words in word_lines if words)
 
 
 def _wrong_response(example: _Example, rejected_kind: str, rng: random.Random) -> str:
     """A plausible wrong answer of the given kind (whole words only, so the tokens change where the words do)."""
-    word_lines = _words_with_lines(example.response_lines)
+    word_lines = [line.split() for line in example.response_lines]
     positions = [(li, wi) for li, words in enumerate(word_lines) for wi in range(len(words))]
     if rejected_kind == "truncated":
         # Stop early at a word boundary in the second half, as if generation ended too soon.
@@ -456,11 +422,11 @@ def _wrong_response(example: _Example, rejected_kind: str, rng: random.Random) -
 
 def _rejected_for(example: _Example, rejected_kind: str, rng: random.Random, tokenizer) -> str:
     """A wrong answer of ``rejected_kind`` that is strictly shorter (or longer) in tokens than the right one."""
-    chosen_tokens = _token_count(tokenizer, format_completion(example.response).removesuffix(EOS_TEXT))
+    chosen_tokens = _response_tokens(tokenizer, example.response)
     want_shorter = rejected_kind in SHORTER_REJECTED_KINDS
     for _ in range(_MAX_ATTEMPTS_PER_EXAMPLE):
         wrong = _wrong_response(example, rejected_kind, rng)
-        tokens = _token_count(tokenizer, format_completion(wrong).removesuffix(EOS_TEXT))
+        tokens = _response_tokens(tokenizer, wrong)
         if not exact_match(wrong, example.response) and (tokens < chosen_tokens if want_shorter
                                                          else tokens > chosen_tokens):
             return wrong
