@@ -249,6 +249,13 @@ def resolve_context_len(context_len: int | None, configs: list[dict]) -> int:
     return fitting_context_len(configs, MAX_N)
 
 
+def model_configs(models: dict[str, str]) -> list[dict]:
+    """The config.json of each `--model NAME=DIR` folder; a damaged folder is refused before torch loads."""
+    from .folders import check_model_folder
+
+    return [check_model_folder(folder, f"--model {name}={folder}") for name, folder in models.items()]
+
+
 def check_at_least_one(args, *names: str) -> None:
     """ValueError naming the first of the integer options `names` set below 1."""
     for name in names:
@@ -311,11 +318,11 @@ def cmd_train(args) -> int:
     metrics = train(cfg)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
     finished = cfg.stop_at_step is None or cfg.stop_at_step == cfg.max_steps
-    if finished and not args.no_summary and int(os.environ.get("RANK", "0")) == 0:
-        from .eval.summary import print_training_summary
-
-        print_training_summary(cfg, args.sample_prompt)
     if finished and int(os.environ.get("RANK", "0")) == 0:
+        if not args.no_summary:
+            from .eval.summary import print_training_summary
+
+            print_training_summary(cfg, args.sample_prompt)
         print(next_commands(cfg))
     return 0
 
@@ -397,10 +404,7 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--baseline {baseline!r} is none of the models {sorted(models)}")
     check_bench_baseline(baseline, models[baseline])
     check_at_least_one(args, "num_positions", "context_len", "max_new_tokens", "repeats")
-    from .folders import check_model_folder
-
-    context_len = resolve_context_len(args.context_len, [check_model_folder(path, f"--model {name}={path}")
-                                                         for name, path in models.items()])
+    context_len = resolve_context_len(args.context_len, model_configs(models))
     from .eval.bench import bench_extras, benchmark_models, write_report  # torch: after every argument check
 
     report = benchmark_models(models, baseline, args.num_positions, context_len,
@@ -437,10 +441,7 @@ def cmd_report(args) -> int:
     check_at_least_one(args, "num_positions", "max_new_tokens", "repeats", "context_len")
     if not args.no_mauve and args.mauve_samples < 10:
         raise ValueError(f"--mauve-samples must be at least 10 (MAUVE's minimum), got {args.mauve_samples}")
-    from .folders import check_model_folder
-
-    args.context_len = resolve_context_len(args.context_len, [check_model_folder(path, f"--model {name}={path}")
-                                                              for name, path in models.items()])
+    args.context_len = resolve_context_len(args.context_len, model_configs(models))
     from .eval.report import build_report, write_report  # torch: after every argument check
     # The command as run, every option spelled out, so that report.md says exactly how to rerun it.
     options = [*(("--model", m) for m in args.model), ("--output", args.output),
@@ -541,12 +542,10 @@ def cmd_serve(args) -> int:
                          f"{args.max_queue}")
     if args.batch_wait_ms < 0:
         raise ValueError(f"--batch-wait-ms must be >= 0, got {args.batch_wait_ms}")
-    from .folders import check_model_folder
     from .serving import model_names
 
     models = model_names(args.model)
-    for name, folder in models.items():  # a bad folder is refused before torch loads
-        check_model_folder(folder, f"--model {name}={folder}")
+    model_configs(models)  # a bad folder is refused before torch loads
     check_port_free(args.host, args.port)  # before the models load, not after
     from .serving.app import serve
 

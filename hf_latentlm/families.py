@@ -196,15 +196,10 @@ def load_component(name: str, source: str, folder: str) -> PreTrainedModel:
     return model
 
 
-def families_initialised_from_causal_lms() -> list[str]:
-    """The families `train --init-from` can start from a pretrained causal LM (sorted)."""
-    return sorted(s.name for s in FAMILIES.values() if s.init_from is not None)
-
-
 def check_init_from(family: str) -> None:
     """ValueError unless `family` can start from a pretrained causal LM (`--init-from`)."""
     if get_family(family).init_from is None:
-        able = families_initialised_from_causal_lms()
+        able = sorted(s.name for s in FAMILIES.values() if s.init_from is not None)
         raise ValueError(f"--init-from only applies to --family {', '.join(able) or '(none)'}, not {family!r}: the "
                          f"{family} family starts from random weights")
 

@@ -95,15 +95,11 @@ No evaluation was given to `hf-latentlm push` (`--eval-results`, `--baseline-eva
 
 def files_to_upload(folder: Path) -> list[str]:
     """Top-level files of `folder` that a push sends (sorted), never a subfolder such as `checkpoint-*`."""
-    names = []
-    for path in sorted(folder.iterdir()):
-        if not path.is_file():
-            continue
-        if any(fnmatch.fnmatch(path.name, p) for p in NEVER_UPLOAD):
-            continue
-        if any(fnmatch.fnmatch(path.name, p) for p in UPLOAD_PATTERNS):
-            names.append(path.name)
-    return names
+    def matches(path, patterns):
+        return any(fnmatch.fnmatch(path.name, p) for p in patterns)
+
+    return [path.name for path in sorted(folder.iterdir())
+            if path.is_file() and not matches(path, NEVER_UPLOAD) and matches(path, UPLOAD_PATTERNS)]
 
 
 def family_of(config: dict) -> str:
@@ -228,25 +224,24 @@ def results_section(result: dict | None, baseline: dict | None) -> str:
 
     ours = metrics_of(result)
     intervals = "95% bootstrap intervals in brackets, ≈0: the interval contains 0"
-    lines = []
     if baseline is None:
-        lines += ["| metric | this model |", "|---|---|"]
+        lines = ["| metric | this model |", "|---|---|"]
         lines += [f"| {name} | {cell(value, entry)} |" for name, value, entry in ours.values()]
         lines += ["", f"Measured with `{eval_command(result)}` ({intervals})."]
         return "\n".join(lines)
-    settings = ("split", "num_positions", "context_len")
-    ours_settings = [result.get("split")] + [result["brier"].get(k) for k in settings[1:]]
-    base_settings = [baseline.get("split")] + [baseline["brier"].get(k) for k in settings[1:]]
-    if ours_settings != base_settings:
-        raise ValueError(f"--baseline-eval was measured with other settings ({dict(zip(settings, base_settings))}) "
-                         f"than the model's evaluation ({dict(zip(settings, ours_settings))}): evaluate both the same "
-                         f"way")
+
+    def settings(r):
+        return {"split": r.get("split"), **{k: r["brier"].get(k) for k in ("num_positions", "context_len")}}
+
+    if settings(result) != settings(baseline):
+        raise ValueError(f"--baseline-eval was measured with other settings ({settings(baseline)}) than the model's "
+                         f"evaluation ({settings(result)}): evaluate both the same way")
     theirs = metrics_of(baseline)
-    lines += ["| metric | this model | AR baseline | ratio |", "|---|---|---|---|"]
+    lines = ["| metric | this model | AR baseline | ratio |", "|---|---|---|---|"]
     for key, (name, value, entry) in ours.items():
         if key not in theirs:
             continue
-        base_value, base_entry = theirs[key][1], theirs[key][2]
+        _, base_value, base_entry = theirs[key]
         ratio = f"{value / base_value:.2f}" if base_value else "—"
         lines.append(f"| {name} | {cell(value, entry)} | {cell(base_value, base_entry)} | {ratio} |")
     lines += ["", f"Measured with ({intervals}):", "",

@@ -6,7 +6,7 @@ same preset have the same backbone width, depth and attention layout.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,6 @@ class Preset:
     warmup_steps: int
     max_steps: int
     name: str = "custom"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 PRESETS: dict[str, Preset] = {

@@ -35,18 +35,20 @@ BOOKKEEPING = {"architectures", "torch_dtype", "transformers_version", "model_ty
                "pretraining_tp", "attention_dropout", "_from_model_config"}
 
 
-def _require(config: dict, field: str, allowed, label: str) -> None:
-    value = config.get(field, allowed[0])
-    if value not in allowed:
-        raise ValueError(f"{label}.{field} = {value!r} is not supported (supported: {list(allowed)})")
+def _require(config: dict, required: dict, label: str) -> None:
+    """ValueError naming the first field of `required` ({field: allowed values}) whose value is not allowed (a
+    missing field has the first allowed value)."""
+    for field, allowed in required.items():
+        value = config.get(field, allowed[0])
+        if value not in allowed:
+            raise ValueError(f"{label}.{field} = {value!r} is not supported (supported: {list(allowed)})")
 
 
 def autoencoder_config_from_official(official: dict) -> tuple[CALMAutoencoderConfig, list[str]]:
     """The official `AutoencoderConfig` fields -> (`CALMAutoencoderConfig` in the official form, notes)."""
     label = "the official autoencoder config"
-    _require(official, "hidden_act", ("silu",), label)
-    _require(official, "mlp_bias", (False,), label)
-    _require(official, "tie_word_embeddings", (False,), label)  # its output layer is tied by construction instead
+    # (tie_word_embeddings: its output layer is tied by construction instead)
+    _require(official, {"hidden_act": ("silu",), "mlp_bias": (False,), "tie_word_embeddings": (False,)}, label)
     for field in ("num_encoder_layers", "num_decoder_layers"):
         if official[field] % 2:
             raise ValueError(f"{label}.{field} = {official[field]} is odd: the official code runs {field} // 2 "
@@ -67,13 +69,12 @@ def calm_config_from_official(official: dict, autoencoder: CALMAutoencoderConfig
                                                                                                         list[str]]:
     """The official `CALMConfig` fields and the autoencoder's config -> (`CALMConfig` in the official form, notes)."""
     label = "the official CALM config"
-    _require(official, "hidden_act", ("silu",), label)
-    for field in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
-        _require(official, field, (False,), label)
-    _require(official, "beta", (1, 1.0), label)  # our energy loss is the α = 1 energy score
-    for field in ("patch_size", "vocab_size", "latent_size"):
-        theirs = {"patch_size": autoencoder.chunk_size, "vocab_size": autoencoder.vocab_size,
-                  "latent_size": autoencoder.latent_size}[field]
+    # (beta: our energy loss is the α = 1 energy score)
+    _require(official, {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
+                        "tie_word_embeddings": (False,), "beta": (1, 1.0)}, label)
+    autoencoder_fields = {"patch_size": autoencoder.chunk_size, "vocab_size": autoencoder.vocab_size,
+                          "latent_size": autoencoder.latent_size}
+    for field, theirs in autoencoder_fields.items():
         if official[field] != theirs:
             raise ValueError(f"{label}.{field} = {official[field]} disagrees with its autoencoder's ({theirs})")
     rope = {"rope_type": "default", "rope_theta": float(official.get("rope_theta", 10000.0))}

@@ -12,6 +12,7 @@ import torch
 
 from ..modeling.configuration_cola import ColaConfig, ColaVAEConfig
 from ..modeling.modeling_cola import ColaForCausalLM
+from .calm import _max_diff, _require, load_into
 
 #: The official `generate_task_repaint_inference` defaults the papers' numbers use: greedy read-out, CFG 7, 16 Euler
 #: steps per block.
@@ -38,13 +39,6 @@ _UNUSED = {"architectures", "torch_dtype", "transformers_version", "model_type",
            "attn_dropout", "init_fn", "init_cutoff_factor", "rope_full_precision", "_from_model_config"}
 #: The official DiT's RoPE base (fixed in its code, not a config field).
 DIT_ROPE_THETA = 10000.0
-
-
-def _require(config: dict, required: dict, label: str) -> None:
-    for field, allowed in required.items():
-        value = config.get(field, allowed[0])
-        if value not in allowed:
-            raise ValueError(f"{label}.{field} = {value!r} is not supported (supported: {list(allowed)})")
 
 
 def cola_config_from_official(vae: dict, dit: dict, **overrides) -> tuple[ColaConfig, list[str]]:
@@ -213,8 +207,6 @@ def cola_state_dict_from_official(vae_state: dict, dit_state: dict, config: Cola
 def cola_from_official(vae_config: dict, dit_config: dict, vae_state: dict, dit_state: dict,
                        **overrides) -> tuple[ColaForCausalLM, list[str]]:
     """The official VAE and DiT (config.json dicts and tensors) -> (`ColaForCausalLM` in fp32, eval mode; notes)."""
-    from .calm import load_into
-
     config, notes = cola_config_from_official(vae_config, dit_config, **overrides)
     model = ColaForCausalLM(config).float().eval()
     load_into(model, cola_state_dict_from_official(vae_state, dit_state, config), "the official Cola checkpoint")
@@ -238,12 +230,6 @@ def cola_2b_config(**overrides) -> ColaConfig:
 # ---------------------------------------------------------------------------------------------------------------------
 # Parity with the official outputs
 # ---------------------------------------------------------------------------------------------------------------------
-
-def _max_diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    if ours.shape != theirs.shape:
-        raise ValueError(f"shape {tuple(ours.shape)} against the reference's {tuple(theirs.shape)}")
-    return (ours.double() - theirs.double()).abs().max().item()
-
 
 def _left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [T_i, ...] -> (left-padded batch [B, T, ...] filled with zeros, attention mask [B, T])."""

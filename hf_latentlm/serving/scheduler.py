@@ -141,10 +141,6 @@ class BatchScheduler:
     def start(self) -> None:
         self._worker.start()
 
-    @property
-    def closing(self) -> bool:
-        return self._closing
-
     def submit(self, row: Row) -> None:
         """Queue `row`, or raise an `OpenAIError`: 503 when the server is shutting down, 429 when the queue is full."""
         with self._condition:
