@@ -68,7 +68,6 @@ class CALMOutput(ModelOutput):
     attentions: tuple[torch.Tensor, ...] | None = None
 
 
-
 # One output class for every multi-token family (model_calls: backbone calls; the prefill, which also yields the
 # first chunk, included); the family name is kept for existing imports.
 CALMGenerateOutput = GenerateOutput
@@ -93,7 +92,7 @@ class CALMGenerationOptions(GenerationOptions):
     noise_seeds: one int per row; row b draws all its noise from a generator seeded with it, so a row gives the
         same tokens alone or in any batch. Default: seeds drawn from the global torch RNG.
     draws: where the random numbers come from instead (`RowGenerators` or `ReplayedDraws`); `noise_seeds` is then
-        unused. `ReplayedDraws` reproduces another implementation's samples for the same recorded draws.
+        unused.
     top_k / top_p: refused unless 0 / 1.0 (CALM has no token probabilities).
     """
 
@@ -282,11 +281,10 @@ class CALMAutoencoder(BackbonePreTrainedModel):
                 sample_latent: bool | None = None, **kwargs) -> CALMAutoencoderOutput:
         """input_ids [B, T] (T a multiple of K) or chunks [B, L, K]. With labels (same shape; −100 = ignore), the
         loss over the scored tokens (not −100, and not padding where `attention_mask` [B, T] is 0; every chunk is
-        encoded on its own, so padding changes nothing else). In training mode the input is corrupted and the sampled latent dropped out.
-        sample_latent: decode a sampled z = μ + σ·ε (True) or the posterior mean μ (False). Default: sample only
-        in training, so that an eval-mode forward is deterministic (and compiles to the same numbers);
-        `reconstruction_accuracy` reports both decodings. `output_hidden_states` and `return_dict` apply as in
-        transformers."""
+        encoded on its own, so padding changes nothing else). Training mode corrupts the input and drops out the
+        sampled latent. sample_latent: decode a sampled z = μ + σ·ε (True) or the posterior mean μ (False); default:
+        sample only in training, so that an eval-mode forward is deterministic. `output_hidden_states` and
+        `return_dict` apply as in transformers."""
         check_forward_kwargs(self, kwargs)
         cfg = self.config
         chunks = input_ids if input_ids.dim() == 3 else chunk_tokens(input_ids, cfg.chunk_size)
@@ -391,7 +389,7 @@ class ReferenceEnergyHeadBlock(nn.Module):
 
 
 class ReferenceEnergyHead(nn.Module):
-    """`energy_head_type="reference"` (default), the reference code's MLP generator: noise and hidden state each
+    """`energy_head_type="reference"`, the reference code's MLP generator: noise and hidden state each
     through a Linear and a LayerNorm, residual blocks, then LayerNorm -> Linear -> SiLU -> Linear (zero-initialised).
     (hidden h [..., d], noise ε [..., S, d_noise]) -> S latent samples [..., S, l]."""
 
@@ -585,9 +583,6 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         self.autoencoder.eval()  # frozen: never corrupt inputs or drop out latents
         return self
 
-    def get_output_embeddings(self):
-        return None  # no softmax over tokens: CALM has no token likelihood
-
     # ------------------------------------------------------------------------------------------------------------
     # forward
     # ------------------------------------------------------------------------------------------------------------
@@ -646,8 +641,7 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         loss, fidelity, diversity = self.masked_energy_loss(hidden, targets, scored, target_noise, model_noise)
         return CALMOutput(loss=loss, last_hidden_state=hidden, energy_fidelity=fidelity.detach(),
                           energy_diversity=diversity.detach(), context_spread=context_spread(hidden, scored),
-                          hidden_states=out.hidden_states,
-                          attentions=out.attentions)
+                          hidden_states=out.hidden_states, attentions=out.attentions)
 
     def masked_energy_loss(self, hidden: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor,
                            target_noise: torch.Tensor, model_noise: torch.Tensor):
@@ -757,5 +751,6 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
 
 
 __all__ = ["CALMAutoencoder", "CALMAutoencoderOutput", "CALMForCausalLM", "CALMModel", "CALMPreTrainedModel",
-           "CALMOutput", "CALMGenerateOutput", "CALMGenerationOptions", "CALMDecodingState", "ReplayedDraws", "RowGenerators", "ENERGY_HEADS", "ReferenceEnergyHead",
-           "SwiGLUEnergyHead", "chunk_tokens", "context_spread", "energy_head_parameter_count"]
+           "CALMOutput", "CALMGenerateOutput", "CALMGenerationOptions", "CALMDecodingState", "ReplayedDraws",
+           "RowGenerators", "ENERGY_HEADS", "ReferenceEnergyHead", "SwiGLUEnergyHead", "chunk_tokens", "context_spread",
+           "energy_head_parameter_count"]
