@@ -299,9 +299,7 @@ class QuadraticDecoder:
         if self.propose:
             proposals = logits[:, width:].argmax(-1).view(batch, width, width)  # [B, m, k]
             state.pending = proposals.gather(1, accepted[:, None, None].expand(-1, 1, width)).squeeze(1)[:, 1:]
-            state.pending_ok = torch.ones(batch, dtype=torch.bool, device=q.device)
-        else:
-            state.pending_ok = torch.zeros(batch, dtype=torch.bool, device=q.device)
+        state.pending_ok = torch.full((batch,), self.propose, dtype=torch.bool, device=q.device)
         return DecodingStep(committed, accepted + 1)
 
 
