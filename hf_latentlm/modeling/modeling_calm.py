@@ -683,12 +683,11 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         """Left-fill the prompt to whole chunks (see `CALMGenerationOptions`) and encode it; the prefill's last
         hidden state yields the first chunk."""
         cfg = self.config
-        batch, prompt_len = input_ids.shape
+        prompt_len = input_ids.shape[1]
         fill_token = cfg.eos_token_id if cfg.eos_token_id is not None else request.pad_token_id
         fill = (-prompt_len) % cfg.chunk_size
-        ids = torch.cat([input_ids.new_full((batch, fill), fill_token), input_ids], dim=1)
-        mask = torch.cat([request.attention_mask.new_zeros((batch, fill)), request.attention_mask], dim=1)
-        ids = torch.where(mask.bool(), ids, torch.full_like(ids, fill_token))
+        mask = F.pad(request.attention_mask, (fill, 0))
+        ids = torch.where(mask.bool(), F.pad(input_ids, (fill, 0)), fill_token)
         cache = DynamicCache(config=cfg)
         hidden = self(input_ids=ids, attention_mask=mask, cache=cache).last_hidden_state[:, -1]
         draws = RowGenerators(options.noise_seeds) if options.draws is None else options.draws
