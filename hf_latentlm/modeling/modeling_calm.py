@@ -204,7 +204,6 @@ class CALMAutoencoder(BackbonePreTrainedModel):
     base_model_prefix = "autoencoder"
     supports_gradient_checkpointing = False  # no attention blocks to checkpoint
     _no_split_modules = None
-    main_input_name = "input_ids"
     _can_compile_fullgraph = True  # MLPs only; eval and training forwards compile (tests/modeling/test_compile.py)
     # No attention at all: any implementation is fine, so the CALM around it can switch freely.
     _supports_sdpa = _supports_flex_attn = _supports_flash_attn = True
@@ -663,7 +662,7 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         Arguments as `masked_energy_loss` (targets may hold −100 where the caller ignores a step: read as token 0).
         The targets' posterior samples are μ + σ·target_noise from the frozen autoencoder (no gradient); the model's
         samples come from the energy head with `model_noise`. Used by the training loss (masked mean over steps) and
-        by per-response scores (sums over a response's chunks, hf_latentlm/training/latent_scores.py)."""
+        by per-response scores (sums over a response's chunks, hf_latentlm/training/scorers.py)."""
         with torch.no_grad():
             mean, log_std = self.autoencoder.encode(targets.clamp(min=0))  # unscored steps: any token, weight 0
             target_samples = mean[..., None, :] + log_std.exp()[..., None, :] * target_noise  # [B, L, M, l]

@@ -372,8 +372,8 @@ class PLMModel(PLMPreTrainedModel):
         transformers' output capturing (`_can_record_outputs`).
         """
         check_backbone_inputs(self, kwargs, input_ids=input_ids, inputs_embeds=inputs_embeds)
-        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        batch, length = embeds.shape[:2]
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch, length = hidden.shape[:2]
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         past = cache.get_seq_length() if cache is not None else 0
@@ -382,9 +382,8 @@ class PLMModel(PLMPreTrainedModel):
             if position_ids is None:
                 raise ValueError("a 4-D attention_mask needs explicit position_ids")
         else:
-            position_ids, mask = causal_layout(attention_mask, batch, length, past, embeds.device, position_ids)
-        cos, sin = self.rotary(position_ids, dtype=embeds.dtype)
-        hidden = embeds
+            position_ids, mask = causal_layout(attention_mask, batch, length, past, hidden.device, position_ids)
+        cos, sin = self.rotary(position_ids, dtype=hidden.dtype)
         captured = {}
         for index, layer in enumerate(self.layers):
             if index in capture_layers:
