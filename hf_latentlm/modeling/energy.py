@@ -18,9 +18,7 @@ def energy_loss(samples: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
 
     samples [P, N, l]: N ≥ 2 model draws per step; targets [P, M, l]: M draws of the target.
         loss_p = 2/(N·M) Σ_n Σ_m ‖t_m − s_n‖  −  1/(N(N−1)) Σ_{n≠k} ‖s_n − s_k‖
-    Returns (loss [P], fidelity [P], diversity [P]) with loss = fidelity − diversity. Pairwise distances come
-    from `torch.cdist` (no Python loop over samples); a distance is never differentiated at 0 because the
-    diagonal n = k is dropped before the square root.
+    Returns (loss [P], fidelity [P], diversity [P]) with loss = fidelity − diversity, vectorised over samples.
     """
     if samples.dim() != 3 or targets.dim() != 3 or samples.shape[0] != targets.shape[0] \
             or samples.shape[2] != targets.shape[2]:
