@@ -4,29 +4,23 @@
 This file is copied into Hub checkpoints by `save_pretrained`, so it imports only `torch`.
 
 An auxiliary `u` is one of `N` fixed random unit vectors `e_u` (the "bank"). At every position `i` the bank is
-partitioned into disjoint cells, one per likely next token, so that the cell of token `v` holds (close to)
-`N * q(v | x_<i)` auxiliaries. The encoder describes the observed token `x_i` by an auxiliary drawn uniformly from
-its cell, and the decoder recovers `x_i = f(u_i; q_i)` by looking up the owner of `u_i`.
+partitioned into cells, one per likely next token, the cell of token `v` holding (close to) `N * q(v | x_<i)`
+auxiliaries. The encoder describes the observed token `x_i` by an auxiliary drawn uniformly from its cell, and the
+decoder recovers `x_i = f(u_i; q_i)` as the owner of `u_i`.
 
 Voronoi / Laguerre cells (PLM paper, Eq. 10 and App. 11):
 
     f(u; q_i) = argmax_{v in T_i}  e_v . e_u + w_{i,v}
 
 with `T_i` the `M` most likely tokens, `e_v` the UNNORMALISED LM-head row of token `v`, and offsets `w_{i,v}` fitted
-per position so that the cell of `v` holds `n_{i,v}` auxiliaries (integer capacities from largest-remainder
-rounding of the renormalised top-M probabilities; they sum to `N`).
+per position so that the cell of `v` holds `n_{i,v}` auxiliaries (largest-remainder rounding of the renormalised
+top-M probabilities; they sum to `N`). Training fits the offsets iteratively (`voronoi_owners`: most cells end
+exact); decoding samples from the exact cells (`exact_voronoi_owners`: the one optimal assignment).
 
-Quantile cells (the PTP baseline): the bank is the `N` equal buckets of [0, 1) and token `v` owns the buckets whose
-midpoint lies in its CDF interval, vocabulary order.
+Quantile cells (the PTP baseline): token `v` owns the buckets b/N whose midpoint lies in its CDF interval.
 
-Training fits the offsets iteratively (`voronoi_owners`: the cells end close to their capacities, most of them
-exactly); decoding samples from the exact cells (`exact_voronoi_owners`: every cell holds its capacity, the
-one optimal assignment, which is the iterative fit's result wherever that ends exact).
-
-Auxiliaries are sampled, never differentiated: everything runs under `torch.no_grad()`. Everything is vectorised
-over positions; the only Python loops run over rounds, sweeps, chunks of positions and the exact cells' moves.
-Ties are broken towards the lowest index (candidate rank, token id, auxiliary index), and every step is computed per
-position, so results are deterministic and do not depend on how positions are batched or chunked.
+Everything runs under `torch.no_grad()`, vectorised over positions. Ties go to the lowest index (candidate rank,
+token id, auxiliary index) and every step is computed per position, so results do not depend on batching or chunking.
 """
 
 from __future__ import annotations
@@ -181,35 +175,26 @@ def fit_laguerre_offsets(
 
     raising underfilled and lowering overfilled cells. Details (constants at the top of the file):
       * Scale: sigma = RMS over open candidates of the per-candidate std of s_uv over the bank.
-      * Init from capacity shares and score scale: w_v = -(mean_v + std_v * Phi^-1(1 - n_v / N)), the offset at
-        which a Gaussian approximation of candidate v's scores alone would put n_v auxiliaries above the others'
-        typical level.
+      * Init: w_v = -(mean_v + std_v * Phi^-1(1 - n_v / N)), where a Gaussian approximation of candidate v's scores
+        would put n_v auxiliaries above the others' typical level.
       * Schedule: tau decreases geometrically from TAU_START * sigma to TAU_END * sigma over all rounds * sweeps
         updates (one continuous schedule; rounds only mark shortlist refreshes).
-      * Over-relaxation: each Sinkhorn step is scaled per cell by l_v / sum_u pi(v|u)(1 - pi(v|u)) >= 1, the inverse
-        of the fraction of the cell's load that sits on its boundary (a diagonal Newton step). At small tau only
-        boundary auxiliaries respond to w_v, so the plain step is far too short. Heavy-ball momentum (MOMENTUM x the
-        previous step) is added on top.
+      * Over-relaxation: each step is scaled per cell by l_v / sum_u pi(v|u)(1 - pi(v|u)) >= 1 (a diagonal Newton
+        step: at small tau only boundary auxiliaries respond to w_v, so the plain step is far too short), plus
+        heavy-ball momentum (MOMENTUM x the previous step).
       * Clipping: each step is clipped to +-MAX_STEP * tau, since log(n / l) explodes for (almost) empty cells.
-      * Reachable targets: a cell's load cannot exceed the number m_v of shortlists it appears in, so within a round
-        the target is min(n_v, m_v - 1/2). Without this cap a cell missing from (almost) all shortlists is pushed up
-        by the clip at every sweep with no feedback, and at the next refresh or the final argmax it swallows a large
-        part of the bank.
-      * Shortlists: the soft assignment of each auxiliary only looks at its `shortlist` best candidates (by
-        s_uv + w_v), selected at the start of the first round (`_top_candidates_per_auxiliary`: repeated max; no
-        `torch.topk`, which is slow over the candidate dimension on CPU) and refreshed at every later round:
-        the best candidate outside the shortlist replaces the worst member when it now scores higher
-        (`_refresh_shortlist`). More rounds of fewer sweeps beat the paper's 2 x 12: each refresh lets the
-        shortlists follow the offsets, for a lower TV at about the same cost.
-      * Early exit: at the start of each later round, the rows whose hard cells hold their capacities exactly keep
-        their offsets and leave the fit (`_rows_holding_capacities`), once they are at least a quarter of the rows
-        still fitted; the fit ends when no row is left.
+      * Reachable targets: a cell's load cannot exceed the number m_v of shortlists it appears in, so the target is
+        min(n_v, m_v - 1/2); uncapped, a cell missing from almost all shortlists is pushed up at every sweep with no
+        feedback and then swallows a large part of the bank.
+      * Shortlists: each auxiliary's soft assignment looks only at its `shortlist` best candidates (by s_uv + w_v),
+        selected in the first round (`_top_candidates_per_auxiliary`) and refreshed at every later one
+        (`_refresh_shortlist`), so that they follow the offsets.
+      * Early exit: rows whose hard cells hold their capacities exactly leave the fit at the start of a later round.
     The caller takes the final hard argmax over all M candidates.
     """
     scores = scores.transpose(1, 2).float()  # [P, M, N]: contiguous when the caller passed a transposed view
     num_pos, num_cand, num_aux = scores.shape
     shortlist = max(min(shortlist, num_cand), 1)
-    is_open = capacities > 0
 
     if score_mean is None or score_std is None:
         score_mean, score_std = scores.mean(dim=2), scores.std(dim=2)
@@ -226,7 +211,7 @@ def fit_laguerre_offsets(
     inv_taus = inv_tau.t().contiguous()[:, :, None, None].unbind(0)
     taus = (1.0 / inv_tau).t().contiguous()[:, :, None].unbind(0)
     zeros = torch.zeros_like(offsets)  # scatter_add's out-of-place start: one op per load instead of two
-    is_closed = ~is_open
+    is_closed = capacities <= 0
     previous = torch.zeros_like(offsets)
     update_index = 0
     adjusted, work = torch.empty_like(scores), torch.empty_like(scores)  # dense scratch buffers of the refreshes
@@ -240,8 +225,8 @@ def fit_laguerre_offsets(
             # A row whose hard cells hold its capacities exactly is already the balanced assignment, which further
             # sweeps would only reproduce: its offsets are final and it can leave the fit. Rows leave once at least a
             # quarter of them are done: leaving copies the [P, M, N] scores, which a few finished rows do not repay.
-            # Not under torch.compile: which rows leave is
-            # data-dependent (a graph break), and the full schedule gives the same owners.
+            # Not under torch.compile: which rows leave is data-dependent (a graph break); the full schedule gives the
+            # same owners.
             if not torch.compiler.is_compiling():
                 done = _rows_holding_capacities(adjusted, capacities, work)
                 finished = int(done.sum())
@@ -374,10 +359,9 @@ def voronoi_owners(
     output_embeddings: [V, d] LM-head weight; its rows e_v are the cell sites, NOT normalised.
     bank:              [N, d] auxiliary unit vectors (`sample_auxiliary_bank`).
     top_m:             number M of candidate tokens per position.
-    chunk_size:        positions fitted at once; the scores of a chunk take chunk_size * N * M floats. Default: as
-                       many positions as keep a chunk near CHUNK_ELEMENTS scores (at least 32), from the chunk's
-                       number of open candidates: small chunks keep large fits in cache, large ones keep small fits
-                       from paying every sweep's ops for a handful of positions.
+    chunk_size:        positions fitted at once (a chunk's scores take chunk_size * N * M floats). Default: as many
+                       as keep a chunk near CHUNK_ELEMENTS scores (at least MIN_CHUNK), so that large fits stay in
+                       cache and small ones do not pay every sweep's ops for a handful of positions.
     scores:            optional `token_scores(output_embeddings, bank)`, e.g. cached per LM-head weight version; the
                        result is identical, without the [V, d] x [d, N] product.
     ranked:            optional `ranked_candidates(logits, top_m, N)` of these rows, when the caller has them.
@@ -406,16 +390,13 @@ def voronoi_owners(
         # Positions with one or two open candidates need no iterative fit (low-entropy text, e.g. counting or
         # copying, is mostly such positions at decode): one candidate owns the whole bank, and two split it exactly.
         start = sum(w <= 1 for w in widths)  # widths are sorted: the rows of width 1 come first
-        rows = order[:start]
-        owners[rows] = candidates[rows, :1]
-        total_variation[rows] = 0.0
         end = sum(w <= 2 for w in widths)
+        owners[order[:start]] = candidates[order[:start], :1]
+        rows = order[start:end]
         if end > start:
-            rows = order[start:end]
-            cand = candidates[rows, :2]
-            owners[rows] = cand.gather(1, _two_cell_split(all_scores, cand, capacities[rows, 0]))
-            total_variation[rows] = 0.0
-            start = end
+            owners[rows] = _two_cell_owners(all_scores, candidates[rows], capacities[rows])
+        total_variation[order[:end]] = 0.0
+        start = end
     while start < num_pos:
         if order is None:
             # Under torch.compile keep every column and the batch order: the trimmed width is data-dependent (a graph
@@ -451,25 +432,25 @@ def voronoi_owners(
         # Same owners as the eager path for two-candidate positions (no data-dependent shapes: computed for every
         # position, kept where exactly two candidates are open).
         two = (open_count == 2)[:, None]
-        exact = candidates[:, :2].gather(1, _two_cell_split(all_scores, candidates[:, :2], capacities[:, 0]))
-        owners = torch.where(two, exact, owners)
+        owners = torch.where(two, _two_cell_owners(all_scores, candidates, capacities), owners)
         total_variation = torch.where(two[:, 0], torch.zeros_like(total_variation), total_variation)
     return VoronoiAssignment(owners, candidates, capacities, total_variation)
 
 
-def _two_cell_split(all_scores: torch.Tensor, cand: torch.Tensor, first_capacity: torch.Tensor) -> torch.Tensor:
-    """Exact Laguerre cells of two candidates: local owner (0 or 1) `[P, N]` of every auxiliary.
+def _two_cell_owners(all_scores: torch.Tensor, candidates: torch.Tensor, capacities: torch.Tensor) -> torch.Tensor:
+    """Exact Laguerre cells of the first two of `candidates` [P, M] (`capacities` [P, M]): the owner token `[P, N]` of
+    every auxiliary.
 
     With two sites the balanced assignment is a threshold on d_u = s_u0 - s_u1: candidate 0 takes the n_0
     auxiliaries with the largest d_u (any other split can swap a pair and gain), which are the cells of the offset
     w_0 - w_1 = -(a value between the n_0-th and (n_0+1)-th largest d_u). Ties in d_u go to the lower bank index.
     So the cell masses are exactly the capacities, where the iterative fit only approaches them.
     """
-    diff = all_scores[cand[:, 0]] - all_scores[cand[:, 1]]  # [P, N]
+    diff = all_scores[candidates[:, 0]] - all_scores[candidates[:, 1]]  # [P, N]
     ranking = torch.argsort(diff, dim=1, descending=True, stable=True)
     rank = torch.empty_like(ranking).scatter_(1, ranking, torch.arange(diff.shape[1], device=diff.device)
                                               .expand_as(ranking).contiguous())
-    return (rank >= first_capacity[:, None]).long()
+    return candidates[:, :2].gather(1, (rank >= capacities[:, :1]).long())
 
 
 @torch.no_grad()
@@ -486,18 +467,13 @@ def exact_voronoi_owners(
     """The Laguerre cells of `voronoi_owners` holding their capacities exactly: decoding's sampler.
 
     Same inputs as `voronoi_owners` (the token `scores` required). Every cell holds exactly n_v auxiliaries, so the
-    owner of a uniform auxiliary is distributed exactly as the rounded top-M distribution, and `total_variation` is
-    0. The cells are the balanced assignment maximising the total score (Eq. 10 with exact capacities): for generic
-    scores there is one, so wherever `voronoi_owners` ends with exact cells (most rows) the owners are the same,
-    however they were reached. Found in two steps, both cheap at decode sizes, where the iterative fit's shortlist
-    machinery is hundreds of dispatched ops:
-      * `fit_dense_offsets`: `sweeps` dense annealed Sinkhorn updates over all open candidates, which leave cells
-        a few auxiliaries off their capacities;
-      * `hold_capacities`: successive shortest paths move those auxiliaries and end at the exact assignment.
-    Positions with at most two open candidates take the exact shortcuts of `voronoi_owners`. `fit`: what computes
-    the offsets instead of `fit_dense_offsets` (same arguments and result), e.g. a compiled fit: the moves end at the
-    one optimal assignment whatever offsets they start from, so the owners do not depend on it. The moves run eager
-    (their number is data-dependent).
+    owner of a uniform auxiliary follows the rounded top-M distribution exactly (`total_variation` is 0). The cells
+    are the balanced assignment maximising the total score (Eq. 10 with exact capacities), unique for generic scores,
+    so wherever `voronoi_owners` ends with exact cells the owners are the same. Two steps, both cheap at decode sizes:
+    `fit_dense_offsets` (dense Sinkhorn sweeps, which leave cells a few auxiliaries off) and `hold_capacities`
+    (successive shortest paths to the exact assignment). Positions with at most two open candidates take the exact
+    shortcuts of `voronoi_owners`. `fit`: what computes the offsets instead of `fit_dense_offsets` (same arguments
+    and result), e.g. a compiled fit; the owners do not depend on it.
     """
     num_pos, num_aux = logits.shape[0], bank.shape[0]
     candidates, capacities = ranked_candidates(logits, top_m, num_aux) if ranked is None else ranked
@@ -506,8 +482,7 @@ def exact_voronoi_owners(
     open_count = (capacities > 0).sum(dim=1)
     two = (open_count == 2).nonzero().squeeze(1)
     if two.numel():
-        cand = candidates[two, :2]
-        owners[two] = cand.gather(1, _two_cell_split(all_scores, cand, capacities[two, 0]))
+        owners[two] = _two_cell_owners(all_scores, candidates[two], capacities[two])
     rows = (open_count > 2).nonzero().squeeze(1)
     if rows.numel():
         # Every candidate column, closed ones too (they never take an auxiliary): at decode sizes the op count is the
@@ -529,7 +504,6 @@ def fit_dense_offsets(scores: torch.Tensor, capacities: torch.Tensor, score_mean
     over-relaxation, clip and momentum are those of `fit_laguerre_offsets`; the soft assignment is a softmax over
     every candidate instead of a shortlist, which at decode sizes (a few positions, M <= 128) is fewer ops.
     """
-    is_open = capacities > 0
     offsets, sigma = _starting_offsets(capacities, score_mean, score_std, scores.shape[2])
     offsets = offsets[:, :, None]  # [P, M, 1] throughout the loop
     capacity = capacities.float()[:, :, None]
@@ -537,7 +511,7 @@ def fit_dense_offsets(scores: torch.Tensor, capacities: torch.Tensor, score_mean
     taus = (TAU_START * sigma) * torch.tensor([decay**k for k in range(sweeps)], device=sigma.device)  # [P, sweeps]
     taus = taus.t().contiguous()[:, :, None, None]
     schedule = zip((1.0 / taus).unbind(0), taus.unbind(0))  # (1 / tau, tau) of each update, [P, 1, 1] each
-    is_closed = None if bool(is_open.all()) else ~is_open[:, :, None]
+    is_closed = None if bool((capacities > 0).all()) else (capacities <= 0)[:, :, None]
     previous = torch.zeros_like(offsets)
     # a fixed number of ops per update: at decode sizes their count is the cost
     for inv_tau, tau in schedule:
@@ -695,10 +669,10 @@ class VoronoiSampler:
     def token_scores(self, head: torch.Tensor, bank: torch.Tensor) -> TokenScores:
         """`token_scores(head, bank)`, cached while neither tensor changes."""
         if torch.compiler.is_compiling():  # no Python-side cache inside a graph
-            return token_scores(head.detach().float(), bank.float())
+            return token_scores(head, bank)
         key = (head.data_ptr(), head._version, head.device, head.dtype, bank.data_ptr(), bank._version)
         if key != self._scores_key:
-            self._scores_key, self._scores = key, token_scores(head.detach().float(), bank.float())
+            self._scores_key, self._scores = key, token_scores(head, bank)
         return self._scores
 
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -744,10 +718,9 @@ class VoronoiSampler:
                        ranked: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Decoding's cells: the owner token of every auxiliary [P, N] for each row of `logits` [P, V].
 
-        Voronoi: the exact cells (`exact_voronoi_owners`): every cell holds its capacity, so a token drawn through a
-        uniform auxiliary follows the rounded top-M q exactly; they are the cells training's fit reaches wherever it
-        ends exact, found with fewer ops at decode sizes. Other types: `training_cells`. `ranked`: the rows'
-        `candidates`, when the caller computed them already."""
+        Voronoi: the exact cells (`exact_voronoi_owners`), so a token drawn through a uniform auxiliary follows the
+        rounded top-M q exactly. Other types: `training_cells`. `ranked`: the rows' `candidates`, when the caller
+        computed them already."""
         cfg = self.config
         if cfg.auxiliary_type != "voronoi":
             return self.training_cells(logits, head, bank)[0]

@@ -4,7 +4,7 @@ continuous autoregressive model that predicts its latents."""
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-from .configuration_backbone import BackboneConfig, check_positive, run_validators
+from .configuration_backbone import BackboneConfig, check_fraction, check_non_negative, check_positive, run_validators
 
 TEMPERATURE_SAMPLERS = ("pool", "exact")
 ENERGY_HEAD_TYPES = ("reference", "swiglu")
@@ -69,15 +69,9 @@ class CALMAutoencoderConfig(PreTrainedConfig):
         """Raise a ValueError naming the first bad field."""
         super().validate_architecture()
         check_positive(self, ("vocab_size", "chunk_size", "latent_size", "hidden_size", "intermediate_size"))
-        for name in ("num_encoder_layers", "num_decoder_layers"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"CALMAutoencoderConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("token_replace_prob", "latent_dropout"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"CALMAutoencoderConfig.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.kl_weight < 0 or self.kl_clamp < 0:
-            raise ValueError(f"CALMAutoencoderConfig.kl_weight and kl_clamp must be >= 0, got {self.kl_weight} and "
-                             f"{self.kl_clamp}")
+        check_non_negative(self, ("num_encoder_layers", "num_decoder_layers"))
+        check_fraction(self, ("token_replace_prob", "latent_dropout"))
+        check_non_negative(self, ("kl_weight", "kl_clamp"))
         if (self.log_std_min is None) != (self.log_std_max is None):
             raise ValueError("CALMAutoencoderConfig.log_std_min and log_std_max must both be set or both be None "
                              "(no clamp)")
@@ -107,14 +101,10 @@ class CALMConfig(BackboneConfig):
 
     `max_position_embeddings` counts TOKENS; the backbone uses one rotary position per chunk. Step i reads the K
     tokens of chunk i-1, embedded (own table, d) and compressed by Linear(K·d, 2d) -> SiLU -> Linear(2d, d) -> RMSNorm.
-    Energy head, `energy_head_type`:
-        "swiglu" (this project's head): x = Linear(ε), c = Linear(h); each block x + SwiGLU(RMSNorm(W_x x + W_h c))
-        with intermediate size d, 5d² weights; out = Linear_{d,l}(RMSNorm(x)).
-        "reference" (the reference code's MLPGenerator): x = LayerNorm(Linear(ε)), c = LayerNorm(Linear(h)); each
-        block x + Linear_{d,d}(SiLU(g) ⊙ u), [g, u] = Linear_{d,2d}(SiLU(Linear_{d,d}(SiLU(Linear_{2d,d}([LayerNorm(x),
-        c]))))), ≈ 6d² weights; out = Linear_{d,l}(SiLU(Linear_{d,d}(LayerNorm(x)))). Not the default: at small scale
-        it drives the backbone's output to the same vector at every position (results/calm_equal_compute/).
-        The last linear layer is zero-initialised in both (paper).
+    Energy head, `energy_head_type` (both zero-initialise their last linear layer, as the paper does): "swiglu"
+    (this project's `SwiGLUEnergyHead`, 5d² weights a block) or "reference" (the reference code's MLPGenerator,
+    `ReferenceEnergyHead`, ≈ 6d² a block; not the default: at small scale it drives the backbone's output to the same
+    vector at every position, results/calm_equal_compute/).
     Energy loss: Eq. 10, α = 1. The generation defaults (`generation_temperature`, `temperature_*`, `exact_*`) can
     each be overridden in `generate()`.
     """
@@ -137,9 +127,8 @@ class CALMConfig(BackboneConfig):
     # Default T in (0, 1]; T = 1 is one head draw per step (transformers reserves `temperature` for the
     # GenerationConfig).
     generation_temperature: int | float = 1.0
-    # For T < 1, "pool" (draw `temperature_pool_size` samples, pick a decoded chunk with weight C(count, 1/T),
-    # stepping 1/T down by one while no chunk has weight; approximate, tends to the tempered law as the pool grows) or
-    # "exact" (rejection: n = ⌊1/T⌋ agreeing draws, then a Bernoulli-factory stage for the fractional part of 1/T).
+    # For T < 1: "pool" (approximate: a weighted pick among `temperature_pool_size` draws) or "exact" (rejection
+    # sampling); see `CALMGenerationOptions`.
     temperature_sampler: str = "pool"
     # Norm closing the input compression: "rms" (RMSNorm, rms_norm_eps) or "layer" (LayerNorm with bias, the
     # official form).
@@ -204,5 +193,5 @@ class CALMConfig(BackboneConfig):
                              f"got {self.temperature_sampler!r}")
 
 
-__all__ = ["CALMAutoencoderConfig", "CALMConfig", "ENERGY_HEAD_TYPES", "INPUT_NORMS", "REFERENCE_AUTOENCODER_RECIPE", "STAGE_LAYOUTS",
-           "TEMPERATURE_SAMPLERS"]
+__all__ = ["CALMAutoencoderConfig", "CALMConfig", "ENERGY_HEAD_TYPES", "INPUT_NORMS", "REFERENCE_AUTOENCODER_RECIPE",
+           "STAGE_LAYOUTS", "TEMPERATURE_SAMPLERS"]

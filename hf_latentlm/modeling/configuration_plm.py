@@ -2,7 +2,7 @@
 
 from huggingface_hub.dataclasses import strict
 
-from .configuration_backbone import BackboneConfig, check_positive
+from .configuration_backbone import BackboneConfig, check_non_negative, check_positive
 
 AUXILIARY_TYPES = ("voronoi", "quantile", "none")
 ACCEPTANCE_RULES = ("exact", "epsilon", "nucleus")
@@ -77,8 +77,7 @@ class PLMConfig(BackboneConfig):
             if not 0 <= getattr(self, name) < self.num_hidden_layers:
                 raise ValueError(f"PLMConfig.{name} must be in [0, num_hidden_layers={self.num_hidden_layers}), "
                                  f"got {getattr(self, name)}")
-        if self.alignment_weight < 0:
-            raise ValueError(f"PLMConfig.alignment_weight must be >= 0, got {self.alignment_weight}")
+        check_non_negative(self, ("alignment_weight",))
 
 
 def check_acceptance(rule: str, epsilon: float, nucleus: float, owner: str = "") -> None:

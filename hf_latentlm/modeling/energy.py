@@ -18,9 +18,7 @@ def energy_loss(samples: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
 
     samples [P, N, l]: N ≥ 2 model draws per step; targets [P, M, l]: M draws of the target.
         loss_p = 2/(N·M) Σ_n Σ_m ‖t_m − s_n‖  −  1/(N(N−1)) Σ_{n≠k} ‖s_n − s_k‖
-    Returns (loss [P], fidelity [P], diversity [P]) with loss = fidelity − diversity. Pairwise distances come
-    from `torch.cdist` (no Python loop over samples); a distance is never differentiated at 0 because the
-    diagonal n = k is dropped before the square root.
+    Returns (loss [P], fidelity [P], diversity [P]) with loss = fidelity − diversity, vectorised over samples.
     """
     if samples.dim() != 3 or targets.dim() != 3 or samples.shape[0] != targets.shape[0] \
             or samples.shape[2] != targets.shape[2]:
@@ -101,8 +99,8 @@ def pool_temperature_choice(chunks: torch.Tensor, temperature: float, uniforms: 
     r ≤ 2), the reference's cascade n → n−1 → … → 1 for integer r, then the same weighted random pick.
     The pick is the official code's: the distinct chunks in order of first appearance, the first whose cumulative
     weight exceeds u · total; so the same draws and u give the same chunk. With T = 1 this is a plain uniform pick
-    from the pool. `temperature=0` takes the most frequent chunk (the
-    T -> 0 limit, "greedy"). Returns LongTensor [B] of pool indices. Vectorised over rows and draws.
+    from the pool; `temperature=0` takes the most frequent chunk (the T -> 0 limit, "greedy"). Returns LongTensor [B]
+    of pool indices. Vectorised over rows and draws.
     """
     if chunks.dim() != 3 or uniforms.shape != chunks.shape[:1]:
         raise ValueError(f"expected chunks [B, S, K] and uniforms [B], got {tuple(chunks.shape)} and "
@@ -114,12 +112,13 @@ def pool_temperature_choice(chunks: torch.Tensor, temperature: float, uniforms: 
     # Step-down, per row: the smallest k >= 0 with (most frequent count) > r − k − 1.
     steps = (r - counts.max(-1).values.double()).floor().clamp(min=0)  # [B]
     # Each distinct chunk's weight C(count, r') sits on its first draw; later copies weigh 0.
-    log_w = torch.where(first_draws(chunks), log_binomial(counts, r - steps[:, None]), -math.inf)
+    first = first_draws(chunks)
+    log_w = torch.where(first, log_binomial(counts, r - steps[:, None]), -math.inf)
     cdf = torch.softmax(log_w, dim=-1).cumsum(-1)
     target = uniforms.double()[:, None].to(cdf.device) * cdf[:, -1:]
     picked = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=chunks.shape[1] - 1)
     # A rounding overshoot can only land on a later copy; step back to a first draw of some chunk.
-    return torch.where(first_draws(chunks).gather(1, picked[:, None]).squeeze(1), picked,
+    return torch.where(first.gather(1, picked[:, None]).squeeze(1), picked,
                        (log_w > -math.inf).long().cumsum(-1).argmax(-1))
 
 

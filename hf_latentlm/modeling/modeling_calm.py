@@ -68,7 +68,6 @@ class CALMOutput(ModelOutput):
     attentions: tuple[torch.Tensor, ...] | None = None
 
 
-
 # One output class for every multi-token family (model_calls: backbone calls; the prefill, which also yields the
 # first chunk, included); the family name is kept for existing imports.
 CALMGenerateOutput = GenerateOutput
@@ -93,7 +92,7 @@ class CALMGenerationOptions(GenerationOptions):
     noise_seeds: one int per row; row b draws all its noise from a generator seeded with it, so a row gives the
         same tokens alone or in any batch. Default: seeds drawn from the global torch RNG.
     draws: where the random numbers come from instead (`RowGenerators` or `ReplayedDraws`); `noise_seeds` is then
-        unused. `ReplayedDraws` reproduces another implementation's samples for the same recorded draws.
+        unused.
     top_k / top_p: refused unless 0 / 1.0 (CALM has no token probabilities).
     """
 
@@ -205,7 +204,6 @@ class CALMAutoencoder(BackbonePreTrainedModel):
     base_model_prefix = "autoencoder"
     supports_gradient_checkpointing = False  # no attention blocks to checkpoint
     _no_split_modules = None
-    main_input_name = "input_ids"
     _can_compile_fullgraph = True  # MLPs only; eval and training forwards compile (tests/modeling/test_compile.py)
     # No attention at all: any implementation is fine, so the CALM around it can switch freely.
     _supports_sdpa = _supports_flex_attn = _supports_flash_attn = True
@@ -282,11 +280,10 @@ class CALMAutoencoder(BackbonePreTrainedModel):
                 sample_latent: bool | None = None, **kwargs) -> CALMAutoencoderOutput:
         """input_ids [B, T] (T a multiple of K) or chunks [B, L, K]. With labels (same shape; −100 = ignore), the
         loss over the scored tokens (not −100, and not padding where `attention_mask` [B, T] is 0; every chunk is
-        encoded on its own, so padding changes nothing else). In training mode the input is corrupted and the sampled latent dropped out.
-        sample_latent: decode a sampled z = μ + σ·ε (True) or the posterior mean μ (False). Default: sample only
-        in training, so that an eval-mode forward is deterministic (and compiles to the same numbers);
-        `reconstruction_accuracy` reports both decodings. `output_hidden_states` and `return_dict` apply as in
-        transformers."""
+        encoded on its own, so padding changes nothing else). Training mode corrupts the input and drops out the
+        sampled latent. sample_latent: decode a sampled z = μ + σ·ε (True) or the posterior mean μ (False); default:
+        sample only in training, so that an eval-mode forward is deterministic. `output_hidden_states` and
+        `return_dict` apply as in transformers."""
         check_forward_kwargs(self, kwargs)
         cfg = self.config
         chunks = input_ids if input_ids.dim() == 3 else chunk_tokens(input_ids, cfg.chunk_size)
@@ -391,7 +388,7 @@ class ReferenceEnergyHeadBlock(nn.Module):
 
 
 class ReferenceEnergyHead(nn.Module):
-    """`energy_head_type="reference"` (default), the reference code's MLP generator: noise and hidden state each
+    """`energy_head_type="reference"`, the reference code's MLP generator: noise and hidden state each
     through a Linear and a LayerNorm, residual blocks, then LayerNorm -> Linear -> SiLU -> Linear (zero-initialised).
     (hidden h [..., d], noise ε [..., S, d_noise]) -> S latent samples [..., S, l]."""
 
@@ -585,9 +582,6 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         self.autoencoder.eval()  # frozen: never corrupt inputs or drop out latents
         return self
 
-    def get_output_embeddings(self):
-        return None  # no softmax over tokens: CALM has no token likelihood
-
     # ------------------------------------------------------------------------------------------------------------
     # forward
     # ------------------------------------------------------------------------------------------------------------
@@ -647,8 +641,7 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         loss, fidelity, diversity = self.masked_energy_loss(hidden, targets, scored, target_noise, model_noise)
         return CALMOutput(loss=loss, last_hidden_state=hidden, energy_fidelity=fidelity.detach(),
                           energy_diversity=diversity.detach(), context_spread=context_spread(hidden, scored),
-                          hidden_states=out.hidden_states,
-                          attentions=out.attentions)
+                          hidden_states=out.hidden_states, attentions=out.attentions)
 
     def masked_energy_loss(self, hidden: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor,
                            target_noise: torch.Tensor, model_noise: torch.Tensor):
@@ -670,7 +663,7 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         Arguments as `masked_energy_loss` (targets may hold −100 where the caller ignores a step: read as token 0).
         The targets' posterior samples are μ + σ·target_noise from the frozen autoencoder (no gradient); the model's
         samples come from the energy head with `model_noise`. Used by the training loss (masked mean over steps) and
-        by per-response scores (sums over a response's chunks, hf_latentlm/training/latent_scores.py)."""
+        by per-response scores (sums over a response's chunks, hf_latentlm/training/scorers.py)."""
         with torch.no_grad():
             mean, log_std = self.autoencoder.encode(targets.clamp(min=0))  # unscored steps: any token, weight 0
             target_samples = mean[..., None, :] + log_std.exp()[..., None, :] * target_noise  # [B, L, M, l]
@@ -690,12 +683,11 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
         """Left-fill the prompt to whole chunks (see `CALMGenerationOptions`) and encode it; the prefill's last
         hidden state yields the first chunk."""
         cfg = self.config
-        batch, prompt_len = input_ids.shape
+        prompt_len = input_ids.shape[1]
         fill_token = cfg.eos_token_id if cfg.eos_token_id is not None else request.pad_token_id
         fill = (-prompt_len) % cfg.chunk_size
-        ids = torch.cat([input_ids.new_full((batch, fill), fill_token), input_ids], dim=1)
-        mask = torch.cat([request.attention_mask.new_zeros((batch, fill)), request.attention_mask], dim=1)
-        ids = torch.where(mask.bool(), ids, torch.full_like(ids, fill_token))
+        mask = F.pad(request.attention_mask, (fill, 0))
+        ids = torch.where(mask.bool(), F.pad(input_ids, (fill, 0)), fill_token)
         cache = DynamicCache(config=cfg)
         hidden = self(input_ids=ids, attention_mask=mask, cache=cache).last_hidden_state[:, -1]
         draws = RowGenerators(options.noise_seeds) if options.draws is None else options.draws
@@ -758,5 +750,6 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
 
 
 __all__ = ["CALMAutoencoder", "CALMAutoencoderOutput", "CALMForCausalLM", "CALMModel", "CALMPreTrainedModel",
-           "CALMOutput", "CALMGenerateOutput", "CALMGenerationOptions", "CALMDecodingState", "ReplayedDraws", "RowGenerators", "ENERGY_HEADS", "ReferenceEnergyHead",
-           "SwiGLUEnergyHead", "chunk_tokens", "context_spread", "energy_head_parameter_count"]
+           "CALMOutput", "CALMGenerateOutput", "CALMGenerationOptions", "CALMDecodingState", "ReplayedDraws",
+           "RowGenerators", "ENERGY_HEADS", "ReferenceEnergyHead", "SwiGLUEnergyHead", "chunk_tokens", "context_spread",
+           "energy_head_parameter_count"]

@@ -300,9 +300,7 @@ class QuadraticDecoder:
         if self.propose:
             proposals = logits[:, width:].argmax(-1).view(batch, width, width)  # [B, m, k]
             state.pending = proposals.gather(1, accepted[:, None, None].expand(-1, 1, width)).squeeze(1)[:, 1:]
-            state.pending_ok = torch.ones(batch, dtype=torch.bool, device=q.device)
-        else:
-            state.pending_ok = torch.zeros(batch, dtype=torch.bool, device=q.device)
+        state.pending_ok = torch.full((batch,), self.propose, dtype=torch.bool, device=q.device)
         return DecodingStep(committed, accepted + 1)
 
 
@@ -375,8 +373,8 @@ class PLMModel(PLMPreTrainedModel):
         transformers' output capturing (`_can_record_outputs`).
         """
         check_backbone_inputs(self, kwargs, input_ids=input_ids, inputs_embeds=inputs_embeds)
-        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        batch, length = embeds.shape[:2]
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch, length = hidden.shape[:2]
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         past = cache.get_seq_length() if cache is not None else 0
@@ -385,9 +383,8 @@ class PLMModel(PLMPreTrainedModel):
             if position_ids is None:
                 raise ValueError("a 4-D attention_mask needs explicit position_ids")
         else:
-            position_ids, mask = causal_layout(attention_mask, batch, length, past, embeds.device, position_ids)
-        cos, sin = self.rotary(position_ids, dtype=embeds.dtype)
-        hidden = embeds
+            position_ids, mask = causal_layout(attention_mask, batch, length, past, hidden.device, position_ids)
+        cos, sin = self.rotary(position_ids, dtype=hidden.dtype)
         captured = {}
         for index, layer in enumerate(self.layers):
             if index in capture_layers:
@@ -419,25 +416,15 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         self.auxiliary_sampler = VoronoiSampler(config)
         self.post_init()
 
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, value):
-        self.lm_head = value
-
     @classmethod
     def from_causal_lm(cls, model_or_path, **plm_config) -> "PLMForCausalLM":
         """A PLM whose shared backbone is a copy of a Llama-architecture causal LM: a `LlamaForCausalLM`, or its
-        folder or Hub id (loaded in float32 for training). Embeddings, blocks, final norm and LM head are copied,
-        tied where the source ties them; vocabulary, sizes, RoPE and special-token ids come from the source, and
-        `plm_config` sets PLM's own fields (block_size, num_auxiliaries, ...). The encoder pass (`forward` without
-        labels) then computes the source's logits. A source field the backbone cannot express is refused with a
-        ValueError naming it (`plm_config_from_llama`).
-
-        PLM's own parts never enter the encoder pass: the auxiliary projection and the mask auxiliary start at the
-        root-mean-square scale of the source's token embeddings (the decoder rows then enter the blocks at the scale
-        the source was trained on), and the alignment map g_ψ at the identity (encoder and decoder states share one
-        residual space)."""
+        folder or Hub id (loaded in float32 for training); see docs/families/plm.md. Embeddings, blocks, final norm
+        and LM head are copied (tied where the source ties them), so the encoder pass computes the source's logits;
+        `plm_config` sets PLM's own fields. A source field the backbone cannot express is refused with a ValueError
+        naming it (`plm_config_from_llama`). PLM's own parts never enter the encoder pass: the auxiliary projection
+        and the mask auxiliary start at the RMS scale of the source's token embeddings (the scale its blocks were
+        trained on), the alignment map g_ψ at the identity (encoder and decoder states share one residual space)."""
         from transformers import LlamaForCausalLM
 
         source = model_or_path if isinstance(model_or_path, nn.Module) else load_llama_causal_lm(str(model_or_path))
@@ -551,11 +538,8 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         of the OBSERVED token it predicts (`input_ids`), never from `labels`: a row whose label is masked (-100) is
         not scored, but it is still an input of the later rows of its block. Training draws from the global RNG;
         eval mode uses `fixed_uniforms` over the decoder rows (the same for every sequence of the batch), so the eval
-        loss is deterministic and a row's loss does not depend on the rest of the batch.
-
-        Voronoi cells are fitted only at positions whose observed token has a cell (`VoronoiSampler.training_cells`):
-        elsewhere the decoder reads the mask auxiliary whatever the cells are (about half the positions of a partly
-        trained PLM, nearly all at initialisation)."""
+        loss is deterministic and a row's loss does not depend on the rest of the batch. Voronoi cells are fitted
+        only where the observed token has one (`VoronoiSampler.training_cells`)."""
         batch, length = input_ids.shape
         targets = input_ids[:, dec_pos]  # [B, D]
         observed = input_ids[:, 1:].reshape(-1)  # the token scored by each row of q
@@ -577,11 +561,9 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         with_alignment: False leaves out the alignment term (and its hidden-state capture) even when
         `alignment_weight` > 0; PLM's DPO score has no alignment term.
 
-        Two passes (paper §3): the encoder pass over the tokens, with gradient, whose keys stay in a cache; the
-        auxiliaries are fitted from its detached logits; the decoder rows then read those keys (so decoder loss
-        trains the encoder pass too) and, causally, the rows of their own block. Under gradient checkpointing
-        (which drops caches) one joint forward over [tokens; auxiliaries] computes the same thing, after a no-grad
-        encoder pass for the auxiliaries.
+        Two passes (paper §3, `_two_passes`): the decoder rows read the cached keys of the encoder pass, with
+        gradient (so the decoder loss trains the encoder pass too). Under gradient checkpointing, which drops caches,
+        one joint forward (`_joint_pass`) computes the same thing.
         Positions follow the padding like the plain forward's: with a 2-D `attention_mask` (left padding) a row's
         encoder logits equal `forward(input_ids, attention_mask)`'s, and padded targets are never scored."""
         cfg = self.config
@@ -591,7 +573,9 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
                    if with_alignment and cfg.alignment_weight > 0 else None)
         passes = (self._joint_pass if self.model.gradient_checkpointing and self.training and torch.is_grad_enabled()
                   else self._two_passes)
-        out = passes(input_ids, attention_mask, layout, aux, capture, kwargs)
+        positions = (make_padding_position_ids(attention_mask) if attention_mask is not None  # over real tokens only
+                     else torch.arange(length, device=input_ids.device)[None].expand(batch, -1))
+        out = passes(input_ids, attention_mask, positions, layout, aux, capture, kwargs)
         enc_logits, dec_logits, aux = out.encoder_logits, out.decoder_logits, out.auxiliaries
 
         # Scored rows: labelled targets that are real tokens. Encoder: every one. Decoder: those of a block up to
@@ -601,11 +585,10 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
             scored = scored & attention_mask.bool()
         targets = labels[:, dec_pos]  # [B, D]
         enc_valid = scored[:, 1:]
-        enc_nll = token_nll(enc_logits[:, :-1], labels[:, 1:])
         dec_valid = scored[:, dec_pos] & self.decoder_row_valid(input_ids, dec_pos, dec_start)
-        dec_nll = token_nll(dec_logits, targets)
         n_enc, n_dec = enc_valid.sum(), dec_valid.sum()
-        enc_sum, dec_sum = (enc_nll * enc_valid).sum(), (dec_nll * dec_valid).sum()
+        enc_sum = (token_nll(enc_logits[:, :-1], labels[:, 1:]) * enc_valid).sum()
+        dec_sum = (token_nll(dec_logits, targets) * dec_valid).sum()
         total = enc_sum + dec_sum
         align_sum = None
         if capture is not None:
@@ -632,16 +615,8 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
             hidden_states=out.encoder_output.hidden_states, attentions=out.encoder_output.attentions,
             encoder_nll=enc_sum.detach() / n_enc.clamp(min=1), decoder_nll=dec_sum.detach() / n_dec.clamp(min=1),
             alignment_loss=None if align_sum is None else align_sum.detach() / n_dec.clamp(min=1),
-            reconstructed_tokens=reconstructed,
-            auxiliary_tv=tv,
-            mask_auxiliary_fraction=uses_mask,
+            reconstructed_tokens=reconstructed, auxiliary_tv=tv, mask_auxiliary_fraction=uses_mask,
         )
-
-    def _token_positions(self, input_ids, attention_mask) -> torch.Tensor:
-        """[B, T] rotary positions of the tokens: counted over real tokens only under a padding mask."""
-        if attention_mask is not None:
-            return make_padding_position_ids(attention_mask)
-        return torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
 
     def _objective_visibility(self, layout, attention_mask, length: int, encoder_rows: bool) -> torch.Tensor:
         """Visibility of [the encoder rows, if `encoder_rows`; the decoder rows] over [the T token keys; the decoder
@@ -662,11 +637,10 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
                                key_pos=torch.cat([enc_idx, dec_pos]), key_group=torch.cat([no_group, dec_block]),
                                key_valid=key_valid)
 
-    def _two_passes(self, input_ids, attention_mask, layout, aux, capture, kwargs) -> ObjectivePasses:
+    def _two_passes(self, input_ids, attention_mask, positions, layout, aux, capture, kwargs) -> ObjectivePasses:
         """Encoder pass into a cache, auxiliaries from its detached logits, decoder pass over the cached keys."""
         dec_pos = layout[0]
         length = input_ids.shape[1]
-        positions = self._token_positions(input_ids, attention_mask)
         cache = DynamicCache(config=self.config)
         enc = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
                          capture_layers=capture[:1] if capture else (), **kwargs)
@@ -680,12 +654,11 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         mids = (enc.mid_residuals[0], dec.mid_residuals[0]) if capture else None
         return ObjectivePasses(enc_logits, self.lm_head(dec.last_hidden_state), mids, aux, tv, enc)
 
-    def _joint_pass(self, input_ids, attention_mask, layout, aux, capture, kwargs) -> ObjectivePasses:
+    def _joint_pass(self, input_ids, attention_mask, positions, layout, aux, capture, kwargs) -> ObjectivePasses:
         """[tokens; auxiliaries] in one forward (no cache, so gradient checkpointing works): the encoder rows see the
         causal prefix, the decoder rows what they see in the two-pass path (`_objective_visibility`)."""
         dec_pos = layout[0]
         length = input_ids.shape[1]
-        positions = self._token_positions(input_ids, attention_mask)
         tv = None
         if aux is None:
             with torch.no_grad():
@@ -710,8 +683,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
         first EOS target, which is itself still scored)."""
         eos = self.config.eos_token_id if self.config.eos_token_id is not None else -1
         eos_cum = F.pad((input_ids == eos).long().cumsum(1), (1, 0))  # eos_cum[:, p] = #EOS among x_<p
-        eos_inside = (eos_cum[:, dec_pos] - eos_cum[:, dec_start]) > 0
-        return ~eos_inside
+        return eos_cum[:, dec_pos] == eos_cum[:, dec_start]  # no EOS among x_start .. x_{pos-1}
 
     @staticmethod
     def reconstructed_tokens(correct: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, first: torch.Tensor,
