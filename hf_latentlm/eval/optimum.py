@@ -23,7 +23,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutput
 
 from ..data.generated import GeneratedLanguage
-from .brier import MAX_N, _geometric_score, brier_terms, paired_draws, summarize_brier
+from .brier import MAX_N, _geometric_score, brier_terms, interval_entry, paired_draws, summarize_brier
 from .nll import has_likelihood
 from .sampling import evaluation_windows, model_device, trained_row_length
 
@@ -117,9 +117,7 @@ def _bootstrap_gap(terms: dict[str, torch.Tensor], num_bootstrap: int, seed: int
         point = {k: score(t.mean(dim=0)) for k, t in terms.items()}
         boots = {k: score(t[idx].mean(dim=1)) for k, t in terms.items()}
         gap = (point["model"] - point["unigram"]) / (point["true"] - point["unigram"])
-        gaps = (boots["model"] - boots["unigram"]) / (boots["true"] - boots["unigram"])
-        lo, hi = torch.quantile(gaps, torch.tensor([0.025, 0.975], dtype=gaps.dtype)).tolist()
-        out[name] = {"value": float(gap), "ci_low": lo, "ci_high": hi, "interval_contains_zero": lo <= 0.0 <= hi}
+        out[name] = interval_entry(gap, (boots["model"] - boots["unigram"]) / (boots["true"] - boots["unigram"]))
     return out
 
 
@@ -189,12 +187,15 @@ def evaluate_against_optimum(model, language: GeneratedLanguage, num_positions: 
     return result
 
 
+def percent_interval(entry: dict) -> str:
+    """A gap closed with its interval, in percent."""
+    return f"{100 * entry['value']:.1f}% [{100 * entry['ci_low']:.1f}, {100 * entry['ci_high']:.1f}]"
+
+
 def optimum_headline(result: dict) -> str:
     """One line: the gap closed with intervals, and the likelihood excess where there is one."""
-    parts = []
-    for name, label in (("brierlm_2", "BrierLM-2"), ("brier_1", "Brier-1")):
-        e = result["gap_closed"][name]
-        parts.append(f"{label} gap closed {100 * e['value']:.1f}% [{100 * e['ci_low']:.1f}, {100 * e['ci_high']:.1f}]")
+    parts = [f"{label} gap closed {percent_interval(result['gap_closed'][name])}"
+             for name, label in (("brierlm_2", "BrierLM-2"), ("brier_1", "Brier-1"))]
     if "likelihood" in result:
         lk = result["likelihood"]
         parts.append(f"NLL {lk['nll']:.3f} vs optimum {lk['true_nll']:.3f} nats/token (excess {lk['excess_nll']:.3f}, "
