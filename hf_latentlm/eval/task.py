@@ -15,11 +15,11 @@ import time
 import torch
 
 from ..training.tasks import exact_match
+from .sampling import PLAIN_SAMPLING
 from .speed import CallCounter
 
-# Plain sampling at temperature 1: the only decoding every family shares (PLM samples through Voronoi auxiliaries
-# and has no greedy mode). After SFT the answers of this task are low-entropy, so it is close to greedy.
-PLAIN_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+# Answers are drawn with PLAIN_SAMPLING (PLM samples through Voronoi auxiliaries and has no greedy mode). After SFT
+# the answers of this task are low-entropy, so it is close to greedy.
 
 
 def left_padded(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,10 +34,7 @@ def left_padded(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tens
 
 def answer_tokens(new_tokens: torch.Tensor, eos_token_id: int) -> list[list[int]]:
     """The generated ids of every row up to (not including) its first end-of-text token."""
-    answers = []
-    for row in new_tokens.tolist():
-        answers.append(row[:row.index(eos_token_id)] if eos_token_id in row else row)
-    return answers
+    return [row[:row.index(eos_token_id)] if eos_token_id in row else row for row in new_tokens.tolist()]
 
 
 @torch.no_grad()
