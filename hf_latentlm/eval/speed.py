@@ -1,16 +1,15 @@
 """Generation speed: wall-clock tokens/s including prefill, and model calls per generated token.
 
-Model calls are counted with a forward hook on the model itself, so the count is honest for any
-decoding scheme (one call per token for AR, fewer for multi-token families). Warm-up runs are
-discarded; the reported figure is the median of `repeats` timed runs.
-
-Absolute tokens/s drift on shared machines, so a family's speed is reported as a ratio to the AR baseline
-(`speed_versus_baseline`): both models timed on the same prompts, with the same settings, in the same process.
+Model calls are counted with a forward hook on the model itself, so the count is honest for any decoding scheme (one
+call per token for AR, fewer for multi-token families). Warm-up runs are discarded; the reported figure is the median
+of `repeats` timed runs. Absolute tokens/s drift on shared machines, so a family's speed is reported as a ratio to the
+AR baseline (`speed_versus_baseline`): both models timed on the same prompts, with the same settings, in one process.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
@@ -84,15 +83,11 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
         raise ValueError(f"prompts must be a non-empty [batch, length] tensor, got {tuple(prompts.shape)}")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    device = next(model.parameters()).device
-    prompts = prompts.to(device)
+    prompts = prompts.to(next(model.parameters()).device)
     kwargs = unbiased_sampling_kwargs(max_new_tokens, generate_kwargs)
     was_training = model.training
     model.eval()
-
-    def run():
-        return timed_generate(model, prompts, seed, kwargs)
-
+    run = functools.partial(timed_generate, model, prompts, seed, kwargs)  # kwargs as updated below
     # Two warm-up runs. The first does a model's one-time work (allocator, lazy initialisation, PLM's token-auxiliary
     # scores, computed once per model), which is no cost of a generated token; the second is counted, and the timed
     # runs repeat its work exactly (same seed). A compiled call is counted uncompiled (the same arithmetic; the
