@@ -32,6 +32,7 @@ import torch
 from datasets import Dataset
 from trl import DPOTrainer, GRPOTrainer, SFTTrainer
 
+from .eval.sampling import model_mode
 from .eval.task import generate_answers
 from .families import BACKBONE_LORA_TARGETS, BASELINE_FAMILY, FamilySpec, family_of_model_type
 from .folders import POST_TRAINING_RECORD
@@ -127,9 +128,7 @@ def with_policy_rejections(pairs: Dataset, model, tokenizer, batch_size: int = 8
     if len(pairs) == 0:
         raise ValueError("no preference pairs to sample rejections for")
     eos = tokenizer.eos_token
-    was_training = model.training
-    model.eval()
-    try:
+    with model_mode(model, False):
         rejected = list(pairs["rejected"])
         kinds = list(pairs["rejected_kind"]) if "rejected_kind" in pairs.column_names else [None] * len(pairs)
         for start in range(0, len(pairs), batch_size):
@@ -141,8 +140,6 @@ def with_policy_rejections(pairs: Dataset, model, tokenizer, batch_size: int = 8
                 text = tokenizer.decode(answer) + (eos if len(answer) < limit else "")
                 if not tasks.exact_match(text, chosen):
                     rejected[start + offset], kinds[start + offset] = text, SAMPLED_REJECTION
-    finally:
-        model.train(was_training)
     columns = [c for c in ("rejected", "rejected_kind") if c in pairs.column_names]
     return pairs.remove_columns(columns).add_column("rejected", rejected).add_column("rejected_kind", kinds)
 

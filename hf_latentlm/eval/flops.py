@@ -25,6 +25,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from .sampling import model_mode
+
 __all__ = ["FlopCounter", "compare_with_flop_counter_mode", "count_flops", "counted_training_flops",
            "inference_flops_per_token", "parameter_counts", "reads_chunks", "training_flops_per_token",
            "weights_updated"]
@@ -137,15 +139,11 @@ def inference_flops_per_token(model, context_length: int, temperature: float = 1
     _check_context(model, context_length)
     if not 0 < temperature <= 1:
         raise ValueError(f"temperature must be in (0, 1], got {temperature}")
-    was_training = model.training
-    model.eval()
-    try:
+    with model_mode(model, False):
         prompt = _random_rows(model, 1, context_length, seed)
         if reads_chunks(model):
             return _calm_inference(model, prompt, temperature, seed)
         return _ar_inference(model, prompt)
-    finally:
-        model.train(was_training)
 
 
 def _ar_inference(model, prompt: torch.Tensor) -> dict:
@@ -230,8 +228,6 @@ def training_flops_per_token(model, seq_len: int, batch_size: int = 1, seed: int
         raise ValueError(f"seq_len {seq_len} must be a multiple of CALM's chunk_size K = {model.config.chunk_size} "
                          f"and at least 2K (the energy loss predicts chunk i+1 from chunk i)")
     rows = _random_rows(model, batch_size, seq_len, seed)
-    was_training = model.training
-    model.train()
 
     def step(backward: bool):
         with torch.random.fork_rng(devices=[]):  # same noise draws in both runs; the caller's RNG is left alone
@@ -240,16 +236,16 @@ def training_flops_per_token(model, seq_len: int, batch_size: int = 1, seed: int
             if backward:
                 out.loss.backward()
 
-    try:
-        # The counter attributes backward work to modules only when the forward ran under the same counter, so the
-        # step is counted twice: forward alone, then forward + backward; backward = the difference.
-        weights_updated(model)
-        forward, _ = count_flops(lambda: step(False), model)
-        weights_updated(model)
-        both, _ = count_flops(lambda: step(True), model)
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
+    with model_mode(model, True):
+        try:
+            # The counter attributes backward work to modules only when the forward ran under the same counter, so the
+            # step is counted twice: forward alone, then forward + backward; backward = the difference.
+            weights_updated(model)
+            forward, _ = count_flops(lambda: step(False), model)
+            weights_updated(model)
+            both, _ = count_flops(lambda: step(True), model)
+        finally:
+            model.zero_grad(set_to_none=True)
     tokens = rows.numel()
     root = type(model).__name__
     children = [name for name, _ in model.named_children()]
@@ -377,14 +373,10 @@ def counted_training_flops(model, rows: torch.Tensor) -> dict:
     """FLOPs of the training step on `rows` (forward + the backward of `model(input_ids=rows, labels=rows).loss`),
     from the forward alone, as after an optimizer update (`weights_updated`); per token of `rows`. The model's mode
     and the caller's RNG are left as they were."""
-    was_training = model.training
-    model.train()
-    try:
+    with model_mode(model, True):
         weights_updated(model)
         with torch.random.fork_rng(devices=[]), FlopCounter() as counter:
             model(input_ids=rows, labels=rows)
-    finally:
-        model.train(was_training)
     tokens = rows.numel()
     return {"per_token": counter.total / tokens, "forward_per_token": counter.forward / tokens,
             "backward_per_token": counter.backward / tokens, "tokens": tokens,
@@ -401,26 +393,24 @@ def compare_with_flop_counter_mode(model, rows: torch.Tensor, prompt_len: int = 
         torch.manual_seed(0)
         model(input_ids=rows, labels=rows).loss.backward()
 
-    was_training = model.training
-    try:
-        model.train()
-        weights_updated(model)
-        reference_step, _ = count_flops(step, model)
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(0)
-        ours_step = counted_training_flops(model, rows)["per_token"] * rows.numel()
-        model.eval()
-        prompt = rows[:, :prompt_len]
-        options = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": new_tokens,
-                   "min_new_tokens": new_tokens}
-        with torch.no_grad():
-            torch.manual_seed(1)
-            reference_generate, expected = count_flops(lambda: model.generate(prompt, **options), model)
-            torch.manual_seed(1)
-            with FlopCounter() as counter:
-                out = model.generate(prompt, **options)
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
+    with model_mode(model, True):
+        try:
+            weights_updated(model)
+            reference_step, _ = count_flops(step, model)
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(0)
+            ours_step = counted_training_flops(model, rows)["per_token"] * rows.numel()
+            model.eval()
+            prompt = rows[:, :prompt_len]
+            options = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": new_tokens,
+                       "min_new_tokens": new_tokens}
+            with torch.no_grad():
+                torch.manual_seed(1)
+                reference_generate, expected = count_flops(lambda: model.generate(prompt, **options), model)
+                torch.manual_seed(1)
+                with FlopCounter() as counter:
+                    out = model.generate(prompt, **options)
+        finally:
+            model.zero_grad(set_to_none=True)
     return {"training": (reference_step.total, ours_step), "generate": (reference_generate.total, counter.forward),
             "same_generation": bool(torch.equal(out, expected)), "backward": counter.backward}

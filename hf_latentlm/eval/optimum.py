@@ -25,7 +25,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from ..data.generated import GeneratedLanguage
 from .brier import MAX_N, _geometric_score, brier_terms, interval_entry, paired_draws, summarize_brier
 from .nll import has_likelihood
-from .sampling import evaluation_windows, model_device, trained_row_length
+from .sampling import evaluation_windows, model_device, model_mode, trained_row_length
 
 EVALUATION_TOKENS = 200_000  # validation ids the windows are spread over (like the corpus's validation split)
 REFERENCE_PAIRS = 16  # pairs of draws per window for the true language and its unigram (cheap: numpy)
@@ -129,26 +129,24 @@ def likelihood_against_optimum(model, language: GeneratedLanguage, stream: torch
     per-position KL(true ‖ model)."""
     rows = stream[: num_rows * seq_len].view(-1, seq_len)
     device = model_device(model)
-    was_training = model.training
-    model.eval()
     sums = {"model": 0.0, "true": 0.0, "unigram": 0.0, "kl": 0.0}
     unigram = torch.from_numpy(language.unigram_probs())
-    for start in range(0, len(rows), batch_size):
-        batch = rows[start:start + batch_size]
-        true = torch.from_numpy(language.position_probs(batch.numpy()))[:, :-1]  # [B, T-1, V] float64
-        logits = model(input_ids=batch.to(device)).logits[:, :-1].double().cpu()
-        if logits.shape[-1] < true.shape[-1]:
-            raise ValueError(f"the model scores {logits.shape[-1]} tokens, the language has {true.shape[-1]}")
-        # Normalised over the model's whole vocabulary (it may be padded past the language's ids).
-        log_model = torch.log_softmax(logits, dim=-1)[..., :true.shape[-1]]
-        target = batch[:, 1:]
-        picked = lambda logp: -logp.gather(-1, target.unsqueeze(-1)).sum().item()  # noqa: E731
-        sums["model"] += picked(log_model)
-        sums["true"] += picked(torch.log(true.clamp(min=1e-300)))
-        sums["unigram"] -= torch.log(unigram[target]).sum().item()
-        support = true > 0
-        sums["kl"] += torch.where(support, true * (torch.log(true.clamp(min=1e-300)) - log_model), 0.0).sum().item()
-    model.train(was_training)
+    with model_mode(model, False):
+        for start in range(0, len(rows), batch_size):
+            batch = rows[start:start + batch_size]
+            true = torch.from_numpy(language.position_probs(batch.numpy()))[:, :-1]  # [B, T-1, V] float64
+            logits = model(input_ids=batch.to(device)).logits[:, :-1].double().cpu()
+            if logits.shape[-1] < true.shape[-1]:
+                raise ValueError(f"the model scores {logits.shape[-1]} tokens, the language has {true.shape[-1]}")
+            # Normalised over the model's whole vocabulary (it may be padded past the language's ids).
+            log_model = torch.log_softmax(logits, dim=-1)[..., :true.shape[-1]]
+            target = batch[:, 1:]
+            picked = lambda logp: -logp.gather(-1, target.unsqueeze(-1)).sum().item()  # noqa: E731
+            sums["model"] += picked(log_model)
+            sums["true"] += picked(torch.log(true.clamp(min=1e-300)))
+            sums["unigram"] -= torch.log(unigram[target]).sum().item()
+            support = true > 0
+            sums["kl"] += torch.where(support, true * (torch.log(true.clamp(min=1e-300)) - log_model), 0.0).sum().item()
     count = rows[:, 1:].numel()
     mean = {name: value / count for name, value in sums.items()}
     return {"nll": mean["model"], "true_nll": mean["true"], "unigram_nll": mean["unigram"],

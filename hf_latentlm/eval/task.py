@@ -15,7 +15,7 @@ import time
 import torch
 
 from ..training.tasks import exact_match
-from .sampling import PLAIN_SAMPLING
+from .sampling import PLAIN_SAMPLING, model_mode
 from .speed import CallCounter
 
 # Answers are drawn with PLAIN_SAMPLING (PLM samples through Voronoi auxiliaries and has no greedy mode). After SFT
@@ -67,9 +67,7 @@ def evaluate_task(model, tokenizer, dataset, batch_size: int = 8, max_new_tokens
     prompts, references = list(dataset["prompt"]), list(dataset["completion"])
     if max_new_tokens is None:  # room for the longest reference and its end-of-text token, plus a margin
         max_new_tokens = max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in references) + 8
-    was_training = model.training
-    try:
-        model.eval()
+    with model_mode(model, False):
         answers, calls = [], 0
         for start in range(0, len(prompts), batch_size):
             batch_answers, batch_calls = generate_answers(model, tokenizer, prompts[start:start + batch_size],
@@ -88,8 +86,6 @@ def evaluate_task(model, tokenizer, dataset, batch_size: int = 8, max_new_tokens
             elapsed += time.perf_counter() - begin
             timed_tokens += min(len(answer) + 1, max_new_tokens)
             timed_calls += used
-    finally:
-        model.train(was_training)
     return {
         "accuracy": sum(correct) / len(correct),
         "num_examples": len(correct),
