@@ -1,6 +1,6 @@
-"""Post-training recipes, the CLI's `sft`, `dpo` and `grpo`: load a model folder, train it on a task with the trainers
-of `training/post_training.py` and `training/grpo.py`, and save a normal checkpoint (a LoRA run merged first) that `hf-latentlm
-generate/eval`, the Auto classes and `push` load.
+"""Post-training recipes, the CLI's `sft`, `dpo` and `grpo`: load a model folder, train it on a task with the
+trainers of `training/post_training.py` and `training/grpo.py`, and save a normal checkpoint (a LoRA run merged
+first) that `hf-latentlm generate/eval`, the Auto classes and `push` load.
 
 * The family is resolved once (`PostTrainingRun`): the AR baseline (any model outside the registry) trains with
   TRL's stock `SFTTrainer` / `DPOTrainer` / `GRPOTrainer`, every registered family with `LatentSFTTrainer` /
@@ -13,11 +13,9 @@ generate/eval`, the Auto classes and `push` load.
   (`training.checkpoint.latest_checkpoint`), with the same data order, schedule and RNG, so 2 steps + resume to 4
   ends where 4 straight steps do. The final model is written at the top of `output_dir`; the checkpoint folders
   sit beside it (the top-level `config.json` is the final model's). A fresh run refuses an `output_dir` that holds
-  checkpoints (rotation would delete them): resume it or pick another folder.
-  Atomicity: transformers 5's `Trainer._save_checkpoint` is NOT atomic — it writes straight into
-  `checkpoint-<step>/` (model, then optimizer/scheduler/RNG, then `trainer_state.json` with a plain `open("w")`)
-  and only then rotates older checkpoints away. A crash mid-save leaves a partial newest folder while the previous
-  complete checkpoint is still there; `latest_checkpoint` skips a folder without a readable `trainer_state.json`.
+  checkpoints (rotation would delete them): resume it or pick another folder. The Trainer's save is not atomic (a
+  crash mid-save leaves a partial newest folder beside the previous complete one, `trainer_state.json` written
+  last), so `latest_checkpoint` skips a folder without a readable `trainer_state.json`.
 * Multi-process: under `torchrun --nproc_per_node N` (or `accelerate launch --multi_gpu`) with `use_cpu=True` on
   CPU, `LatentDPOTrainer` splits the reference precomputation across ranks and gathers it.
 """
@@ -34,6 +32,7 @@ import torch
 from datasets import Dataset
 from trl import DPOTrainer, GRPOTrainer, SFTTrainer
 
+from .eval.sampling import model_mode
 from .eval.task import generate_answers
 from .families import BACKBONE_LORA_TARGETS, BASELINE_FAMILY, FamilySpec, family_of_model_type
 from .folders import POST_TRAINING_RECORD
@@ -129,9 +128,7 @@ def with_policy_rejections(pairs: Dataset, model, tokenizer, batch_size: int = 8
     if len(pairs) == 0:
         raise ValueError("no preference pairs to sample rejections for")
     eos = tokenizer.eos_token
-    was_training = model.training
-    model.eval()
-    try:
+    with model_mode(model, False):
         rejected = list(pairs["rejected"])
         kinds = list(pairs["rejected_kind"]) if "rejected_kind" in pairs.column_names else [None] * len(pairs)
         for start in range(0, len(pairs), batch_size):
@@ -143,8 +140,6 @@ def with_policy_rejections(pairs: Dataset, model, tokenizer, batch_size: int = 8
                 text = tokenizer.decode(answer) + (eos if len(answer) < limit else "")
                 if not tasks.exact_match(text, chosen):
                     rejected[start + offset], kinds[start + offset] = text, SAMPLED_REJECTION
-    finally:
-        model.train(was_training)
     columns = [c for c in ("rejected", "rejected_kind") if c in pairs.column_names]
     return pairs.remove_columns(columns).add_column("rejected", rejected).add_column("rejected_kind", kinds)
 

@@ -1,11 +1,10 @@
 """Side-by-side benchmark of several models in ONE process run, relative to a baseline.
 
-Absolute speed on shared machines drifts, so the headline is each model's ratio to the
-baseline measured in the same run: tokens/s at batch 1 and batch 8 (same prompts, same number
-of new tokens; the baseline is timed again next to each model), model calls per token, and
-quality (BrierLM-2, NLL, MAUVE). `bench_extras` measures each model further in the same process: other decoding
-settings (its family's, `FamilySpec.bench_decodings`, and sweeps of one `generate()` option), the family's own measurements,
-training step time and a profile of `generate()`.
+Absolute speed on shared machines drifts, so the headline is each model's ratio to the baseline measured in the same
+run: tokens/s at batch 1 and batch 8 (same prompts, same number of new tokens; the baseline is timed again next to
+each model), model calls per token, and quality (BrierLM-2, NLL, MAUVE). `bench_extras` measures each model further
+in the same process: other decoding settings (its family's, `FamilySpec.bench_decodings`, and sweeps of one
+`generate()` option), the family's own measurements, training step time and a profile of `generate()`.
 """
 
 from __future__ import annotations
@@ -30,10 +29,9 @@ from ..families import family_of_model_type
 from ..folders import check_model_folder
 from ..loading import load_model_and_tokenizer
 from ..presets import get_preset
-from .arguments import named_models, parse_sweeps  # noqa: F401  (their home before arguments.py)
 from .brier import evaluate_brier
 from .harness import check_evaluation_lengths, evaluate_model, nll_rows, split_stream
-from .optimum import evaluation_stream
+from .optimum import evaluation_stream, percent_interval
 from .sampling import evaluation_windows
 from .flops import counted_training_flops
 from .speed import compiled_decoding_speed, fresh_training_step_time, speed_versus_baseline
@@ -81,10 +79,9 @@ def benchmark_models(models: dict[str, str], baseline: str, num_positions: int =
                       "ratio_to_baseline": {**{f"tokens_per_s_{k}": r for k, r in speed["ratio"].items()},
                                             **{f"flops_per_s_{k}": r for k, r in speed["flops_per_s_ratio"].items()}}}
         del model
-    base = rows[baseline]
+    reference = rows[baseline]["brier"]["brierlm_2"]["value"]
     for row in rows.values():
-        row["ratio_to_baseline"]["brierlm_2"] = _safe_ratio(row["brier"]["brierlm_2"]["value"],
-                                                            base["brier"]["brierlm_2"]["value"])
+        row["ratio_to_baseline"]["brierlm_2"] = row["brier"]["brierlm_2"]["value"] / reference if reference else None
     return {
         "command": " ".join(["hf-latentlm", *sys.argv[1:]]) if sys.argv and "hf-latentlm" in sys.argv[0] else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -113,14 +110,7 @@ def shared_language(models: dict[str, str]) -> GeneratedLanguage | None:
 
 def gap_cell(row: dict) -> str:
     """BrierLM-2 gap closed with its interval, in percent, or — for a model not trained on a generated language."""
-    if "optimum" not in row:
-        return "—"
-    e = row["optimum"]["gap_closed"]["brierlm_2"]
-    return f"{100 * e['value']:.1f}% [{100 * e['ci_low']:.1f}, {100 * e['ci_high']:.1f}]"
-
-
-def _safe_ratio(a: float, b: float) -> float | None:
-    return a / b if b else None
+    return percent_interval(row["optimum"]["gap_closed"]["brierlm_2"]) if "optimum" in row else "—"
 
 
 def format_ci(entry: dict, digits: int) -> str:
@@ -266,12 +256,10 @@ def bench_extras(models: dict[str, str], baseline: str, sweeps: dict[str, dict[s
                 key: speed["tokens_per_s"] / reference["compiled"][key]["tokens_per_s"]
                 for key, speed in row["compiled_decoding"]["compiled"].items()}
     if train_steps:
-        reference = result["models"][baseline]["training"]["tokens_per_s"]
+        reference = result["models"][baseline]["training"]
         for row in result["models"].values():
-            row["training"]["tokens_per_s_over_baseline"] = row["training"]["tokens_per_s"] / reference
-        achieved = result["models"][baseline]["training"]["achieved_flops_per_s"]
-        for row in result["models"].values():
-            row["training"]["achieved_flops_per_s_over_baseline"] = row["training"]["achieved_flops_per_s"] / achieved
+            for key in ("tokens_per_s", "achieved_flops_per_s"):
+                row["training"][f"{key}_over_baseline"] = row["training"][key] / reference[key]
     return result
 
 

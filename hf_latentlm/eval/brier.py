@@ -1,17 +1,16 @@
 """Brier-n and BrierLM: likelihood-free quality from two samples per position.
 
-For a context with true continuation y and two independent model samples x¹, x², the unbiased
-estimate of the Brier score of the n-token outcome is
+For a context with true continuation y and two independent model samples x¹, x², the unbiased estimate of the Brier
+score of the n-token outcome is
 
     1{x¹₁..ₙ = y₁..ₙ} + 1{x²₁..ₙ = y₁..ₙ} − 1{x¹₁..ₙ = x²₁..ₙ}
 
-averaged over positions (Brier-n); BrierLM = 100 × geometric mean of Brier-1..4 and
-BrierLM-2 = 100 × √(Brier-1 · Brier-2), the headline at small scale where Brier-3/4 vanish into
-noise. Each value comes with a percentile-bootstrap 95% interval over positions.
+averaged over positions (Brier-n); BrierLM = 100 × geometric mean of Brier-1..4 and BrierLM-2 = 100 × √(Brier-1 ·
+Brier-2), the headline at small scale where Brier-3/4 vanish into noise. Each value comes with a percentile-bootstrap
+95% interval over positions.
 """
 
 from __future__ import annotations
-
 
 import torch
 
@@ -35,6 +34,12 @@ def _geometric_score(means: torch.Tensor) -> torch.Tensor:
     return torch.where(positive, 100 * torch.exp(logs), torch.zeros_like(logs))
 
 
+def interval_entry(value: torch.Tensor, boots: torch.Tensor) -> dict:
+    """A point value with the 95% percentile interval of its bootstrap replicates `boots`."""
+    lo, hi = torch.quantile(boots, torch.tensor([0.025, 0.975], dtype=boots.dtype)).tolist()
+    return {"value": float(value), "ci_low": lo, "ci_high": hi, "interval_contains_zero": lo <= 0.0 <= hi}
+
+
 def summarize_brier(terms: torch.Tensor, num_bootstrap: int = 1000, seed: int = 0) -> dict:
     """Brier-1..n, BrierLM and BrierLM-2 with 95% bootstrap intervals from per-position terms."""
     num_positions, max_n = terms.shape
@@ -44,15 +49,10 @@ def summarize_brier(terms: torch.Tensor, num_bootstrap: int = 1000, seed: int = 
     idx = torch.randint(num_positions, (num_bootstrap, num_positions), generator=gen)
     boot_means = terms[idx].mean(dim=1)  # [num_bootstrap, max_n]
     means = terms.mean(dim=0)
-
-    def entry(value: torch.Tensor, boots: torch.Tensor) -> dict:
-        lo, hi = torch.quantile(boots, torch.tensor([0.025, 0.975], dtype=boots.dtype)).tolist()
-        return {"value": float(value), "ci_low": lo, "ci_high": hi, "interval_contains_zero": lo <= 0.0 <= hi}
-
-    result = {f"brier_{n + 1}": entry(means[n], boot_means[:, n]) for n in range(max_n)}
-    result["brierlm_2"] = entry(_geometric_score(means[:2]), _geometric_score(boot_means[:, :2]))
+    result = {f"brier_{n + 1}": interval_entry(means[n], boot_means[:, n]) for n in range(max_n)}
+    result["brierlm_2"] = interval_entry(_geometric_score(means[:2]), _geometric_score(boot_means[:, :2]))
     if max_n >= 4:
-        result["brierlm"] = entry(_geometric_score(means[:4]), _geometric_score(boot_means[:, :4]))
+        result["brierlm"] = interval_entry(_geometric_score(means[:4]), _geometric_score(boot_means[:, :4]))
     result["num_positions"] = num_positions
     return result
 

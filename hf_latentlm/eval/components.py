@@ -31,12 +31,6 @@ def reconstruction_rows(stream: torch.Tensor, num_tokens: int, row_length: int) 
     return rows
 
 
-def row_batches(rows: torch.Tensor):
-    """(batch, its row count) of `ROWS_PER_CALL` rows at a time."""
-    for i in range(0, len(rows), ROWS_PER_CALL):
-        yield rows[i:i + ROWS_PER_CALL], min(ROWS_PER_CALL, len(rows) - i)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # CALM
 # ---------------------------------------------------------------------------------------------------------------------
@@ -72,13 +66,11 @@ def vae_measurements(model, stream: torch.Tensor, num_tokens: int = 20000, row_l
     rows = reconstruction_rows(stream, num_tokens, row_length)
     model.eval()
     generator = torch.Generator().manual_seed(seed)
-    parts, weights = [], []
-    for batch, count in row_batches(rows):
-        parts.append(model.reconstruction_accuracy(batch, noise_levels, generator))
-        weights.append(count)
+    batches = rows.split(ROWS_PER_CALL)
+    parts = [model.reconstruction_accuracy(batch, noise_levels, generator) for batch in batches]
 
     def average(values):
-        return sum(v * w for v, w in zip(values, weights)) / sum(weights)
+        return sum(v * len(batch) for v, batch in zip(values, batches)) / len(rows)
 
     return {"num_tokens": rows.numel(), "row_length": row_length, "logsnr": parts[0]["logsnr"],
             "accuracy_mean": average([p["accuracy_mean"] for p in parts]),
@@ -106,7 +98,7 @@ def autoencoder_accuracy(model, stream: torch.Tensor, num_tokens: int = 20000, r
     row_length = row_length or checked_row_length(model)
     rows = reconstruction_rows(stream, num_tokens, row_length)
     model.eval()
-    correct = sum(model.reconstruction_accuracy(batch) * batch.numel() for batch, _ in row_batches(rows))
+    correct = sum(model.reconstruction_accuracy(batch) * batch.numel() for batch in rows.split(ROWS_PER_CALL))
     return {"num_tokens": rows.numel(), "row_length": row_length, "accuracy": correct / rows.numel()}
 
 

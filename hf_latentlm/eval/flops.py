@@ -11,10 +11,9 @@ Under `FlopCounterMode` a multiply-add is 2 FLOPs and only matrix products and a
 runs eager while counting, because the counter has no rule for the CPU SDPA kernel; `torch.cdist` gets the rule of
 the matrix product it amounts to (`_cdist_flops`).
 
-`FlopCounter` is the project's own counter for achieved FLOP/s: it reads the torch functions a call makes
-(`F.linear`, `matmul`, SDPA, `cdist`, ...) rather than aten ops, so it counts SDPA as it runs, is cheap enough for a
-real `generate()`, and derives a training step's backward from its forward. Its rules are written independently
-of `FlopCounterMode`'s and tests/eval/test_flops.py holds the two close on every family.
+`FlopCounter` is the project's own counter for achieved FLOP/s: it reads torch functions rather than aten ops, so it
+counts SDPA as it runs and is cheap enough for a real `generate()`; tests/eval/test_flops.py holds it close to
+`FlopCounterMode` on every family.
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ import math
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
+
+from .sampling import model_mode
 
 __all__ = ["FlopCounter", "compare_with_flop_counter_mode", "count_flops", "counted_training_flops",
            "inference_flops_per_token", "parameter_counts", "reads_chunks", "training_flops_per_token",
@@ -122,14 +123,10 @@ def _generate_count(model, prompt: torch.Tensor, new_tokens: int, **options) -> 
     return count
 
 
-def _prompt(model, context_length: int, seed: int) -> torch.Tensor:
-    # Token ids above the special ids, so that no prompt token is a pad / EOS.
+def _random_rows(model, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
+    # Token ids above the special ids, so that no token is a pad / EOS.
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, model.config.vocab_size, (1, context_length), generator=gen).to(model.device)
-
-
-def _difference(a: _Count, b: _Count, path: str) -> int:
-    return b.module(path) - a.module(path)
+    return torch.randint(3, model.config.vocab_size, (batch_size, seq_len), generator=gen).to(model.device)
 
 
 @torch.no_grad()
@@ -142,15 +139,11 @@ def inference_flops_per_token(model, context_length: int, temperature: float = 1
     _check_context(model, context_length)
     if not 0 < temperature <= 1:
         raise ValueError(f"temperature must be in (0, 1], got {temperature}")
-    was_training = model.training
-    model.eval()
-    try:
-        prompt = _prompt(model, context_length, seed)
+    with model_mode(model, False):
+        prompt = _random_rows(model, 1, context_length, seed)
         if reads_chunks(model):
             return _calm_inference(model, prompt, temperature, seed)
         return _ar_inference(model, prompt)
-    finally:
-        model.train(was_training)
 
 
 def _ar_inference(model, prompt: torch.Tensor) -> dict:
@@ -159,10 +152,10 @@ def _ar_inference(model, prompt: torch.Tensor) -> dict:
     one = _generate_count(model, prompt, 1, do_sample=False)
     two = _generate_count(model, prompt, 2, do_sample=False)
     step = two.total - one.total
-    backbone = _difference(one, two, f"{root}.model")
+    backbone = two.module(f"{root}.model") - one.module(f"{root}.model")
     attention = sum(two.ops(f"{root}.model").get(op, 0) - one.ops(f"{root}.model").get(op, 0) for op in _ATTENTION_OPS)
     parts = {"backbone_weights": backbone - attention, "attention_over_context": attention,
-             "lm_head": _difference(one, two, f"{root}.lm_head")}
+             "lm_head": two.module(f"{root}.lm_head") - one.module(f"{root}.lm_head")}
     parts["other"] = step - sum(parts.values())
     return {"family": "ar", "context_length": prompt.shape[1], "per_token": step, "per_step": step,
             "tokens_per_step": 1, "parts": parts,
@@ -183,8 +176,7 @@ def _calm_inference(model, prompt: torch.Tensor, temperature: float, seed: int) 
         raise RuntimeError(f"CALM step parts {parts} (sum {sum(parts.values())}) disagree with the generate() "
                            f"difference ({step}): generate() no longer calls what _calm_step_parts measures")
     return {"family": model.config.model_type, "context_length": prompt.shape[1], "per_token": step / K,
-            "per_step": step,
-            "tokens_per_step": K, "parts": {name: value / K for name, value in parts.items()},
+            "per_step": step, "tokens_per_step": K, "parts": {name: value / K for name, value in parts.items()},
             "head_draws_per_step": draws, "temperature": temperature,
             "method": "generate() with 2K new tokens minus generate() with K (one decoding step: backbone on the "
                       "previous chunk + energy head for the step's latent draws + autoencoder decoder of each), / K; "
@@ -200,7 +192,7 @@ def _calm_step_parts(model, prompt: torch.Tensor, draws: int, seed: int) -> dict
     cache = DynamicCache(config=cfg)
     mask = torch.ones_like(prompt)
     hidden = model(input_ids=prompt, attention_mask=mask, cache=cache).last_hidden_state[:, -1]
-    chunk = _prompt(model, cfg.chunk_size, seed + 1)
+    chunk = _random_rows(model, 1, cfg.chunk_size, seed + 1)
     mask = torch.cat([mask, torch.ones_like(chunk)], dim=1)
     backbone, out = count_flops(lambda: model(input_ids=chunk, attention_mask=mask, cache=cache), model)
     noise = torch.rand(1, draws, cfg.noise_size, generator=torch.Generator().manual_seed(seed)) - 0.5
@@ -210,11 +202,6 @@ def _calm_step_parts(model, prompt: torch.Tensor, draws: int, seed: int) -> dict
     attention = sum(backbone.ops().get(op, 0) for op in _ATTENTION_OPS)
     return {"backbone_weights": backbone.total - attention, "attention_over_context": attention,
             "energy_head": head.total, "autoencoder_decoder": decoder.total}
-
-
-def _random_rows(model, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, model.config.vocab_size, (batch_size, seq_len), generator=gen).to(model.device)
 
 
 @torch.no_grad()
@@ -241,8 +228,6 @@ def training_flops_per_token(model, seq_len: int, batch_size: int = 1, seed: int
         raise ValueError(f"seq_len {seq_len} must be a multiple of CALM's chunk_size K = {model.config.chunk_size} "
                          f"and at least 2K (the energy loss predicts chunk i+1 from chunk i)")
     rows = _random_rows(model, batch_size, seq_len, seed)
-    was_training = model.training
-    model.train()
 
     def step(backward: bool):
         with torch.random.fork_rng(devices=[]):  # same noise draws in both runs; the caller's RNG is left alone
@@ -251,16 +236,16 @@ def training_flops_per_token(model, seq_len: int, batch_size: int = 1, seed: int
             if backward:
                 out.loss.backward()
 
-    try:
-        # The counter attributes backward work to modules only when the forward ran under the same counter, so the
-        # step is counted twice: forward alone, then forward + backward; backward = the difference.
-        weights_updated(model)
-        forward, _ = count_flops(lambda: step(False), model)
-        weights_updated(model)
-        both, _ = count_flops(lambda: step(True), model)
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
+    with model_mode(model, True):
+        try:
+            # The counter attributes backward work to modules only when the forward ran under the same counter, so the
+            # step is counted twice: forward alone, then forward + backward; backward = the difference.
+            weights_updated(model)
+            forward, _ = count_flops(lambda: step(False), model)
+            weights_updated(model)
+            both, _ = count_flops(lambda: step(True), model)
+        finally:
+            model.zero_grad(set_to_none=True)
     tokens = rows.numel()
     root = type(model).__name__
     children = [name for name, _ in model.named_children()]
@@ -388,14 +373,10 @@ def counted_training_flops(model, rows: torch.Tensor) -> dict:
     """FLOPs of the training step on `rows` (forward + the backward of `model(input_ids=rows, labels=rows).loss`),
     from the forward alone, as after an optimizer update (`weights_updated`); per token of `rows`. The model's mode
     and the caller's RNG are left as they were."""
-    was_training = model.training
-    model.train()
-    try:
+    with model_mode(model, True):
         weights_updated(model)
         with torch.random.fork_rng(devices=[]), FlopCounter() as counter:
             model(input_ids=rows, labels=rows)
-    finally:
-        model.train(was_training)
     tokens = rows.numel()
     return {"per_token": counter.total / tokens, "forward_per_token": counter.forward / tokens,
             "backward_per_token": counter.backward / tokens, "tokens": tokens,
@@ -412,26 +393,24 @@ def compare_with_flop_counter_mode(model, rows: torch.Tensor, prompt_len: int = 
         torch.manual_seed(0)
         model(input_ids=rows, labels=rows).loss.backward()
 
-    was_training = model.training
-    try:
-        model.train()
-        weights_updated(model)
-        reference_step, _ = count_flops(step, model)
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(0)
-        ours_step = counted_training_flops(model, rows)["per_token"] * rows.numel()
-        model.eval()
-        prompt = rows[:, :prompt_len]
-        options = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": new_tokens,
-                   "min_new_tokens": new_tokens}
-        with torch.no_grad():
-            torch.manual_seed(1)
-            reference_generate, expected = count_flops(lambda: model.generate(prompt, **options), model)
-            torch.manual_seed(1)
-            with FlopCounter() as counter:
-                out = model.generate(prompt, **options)
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
+    with model_mode(model, True):
+        try:
+            weights_updated(model)
+            reference_step, _ = count_flops(step, model)
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(0)
+            ours_step = counted_training_flops(model, rows)["per_token"] * rows.numel()
+            model.eval()
+            prompt = rows[:, :prompt_len]
+            options = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": new_tokens,
+                       "min_new_tokens": new_tokens}
+            with torch.no_grad():
+                torch.manual_seed(1)
+                reference_generate, expected = count_flops(lambda: model.generate(prompt, **options), model)
+                torch.manual_seed(1)
+                with FlopCounter() as counter:
+                    out = model.generate(prompt, **options)
+        finally:
+            model.zero_grad(set_to_none=True)
     return {"training": (reference_step.total, ours_step), "generate": (reference_generate.total, counter.forward),
             "same_generation": bool(torch.equal(out, expected)), "backward": counter.backward}

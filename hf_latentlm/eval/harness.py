@@ -1,8 +1,8 @@
 """Evaluate one model on a split of the embedded corpus (or of a generated language): Brier-n/BrierLM(-2), NLL,
 MAUVE, and against a generated language's optimum.
 
-Every family is measured through the same sampling interface (`sampling.sample_continuations`),
-on the same evenly spaced windows of the split, so numbers are comparable across families.
+Every family is measured through the same sampling interface (`sampling.sample_continuations`), on the same evenly
+spaced windows of the split, so numbers are comparable across families.
 """
 
 from __future__ import annotations

@@ -9,11 +9,9 @@
 lm-eval finds models only in its own registry (no entry points), so the two commands above import this module and
 then run lm-eval's own command line unchanged. See docs/lm_eval.md.
 
-* ``generate_until``: every family through its own ``generate()``, batched with left padding by generation
-  settings, longest prompt first (as lm-eval's ``hf`` model). The task's settings pass through as given (greedy
-  included) and a family refuses what it cannot do with its own error. ``until`` stop strings end a row through a
-  ``StoppingCriteria``. Each request gets its own seed (``request_seeds``), so a request's text does not depend on
-  the batch it lands in (families with ``row_seeds_option``; AR samples each row from its own generator).
+* ``generate_until``: every family through its own ``generate()`` with the task's settings as given (a family
+  refuses what it cannot do with its own error), batched with left padding; each request gets its own seed
+  (``request_seeds``), so its text does not depend on the batch it lands in.
 * ``loglikelihood`` / ``loglikelihood_rolling``: from the forward's next-token logits, for models with token
   likelihoods (``eval.nll.has_likelihood``); other families raise ``NotImplementedError`` naming the family.
 """
@@ -115,12 +113,10 @@ class HFLatentLM(TemplateLM):
             from ..loading import load_model_and_tokenizer
 
             model, folder_tokenizer = load_model_and_tokenizer(pretrained, device=device)
-            self.pretrained_name = pretrained
+        elif tokenizer is None:
+            raise ValueError(f"{MODEL_NAME}: a loaded model needs its tokenizer (tokenizer=...)")
         else:
-            if tokenizer is None:
-                raise ValueError(f"{MODEL_NAME}: a loaded model needs its tokenizer (tokenizer=...)")
             model, folder_tokenizer = pretrained.to(device).eval(), None
-            self.pretrained_name = getattr(model, "name_or_path", type(model).__name__)
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
@@ -235,12 +231,9 @@ class HFLatentLM(TemplateLM):
         results = []
         for chunk in ordered.get_batched(n=self.batch_size):
             inputs = [(context + continuation)[-(self.max_length + 1):][:-1] for _, context, continuation in chunk]
-            width = max(map(len, inputs))
-            ids = torch.full((len(inputs), width), self.tokenizer.pad_token_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for b, row in enumerate(inputs):
-                ids[b, :len(row)], mask[b, :len(row)] = torch.tensor(row), 1
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            batch = self.tokenizer.pad({"input_ids": inputs}, padding=True, padding_side="right", return_tensors="pt")
+            logits = self.model(input_ids=batch["input_ids"].to(self.device),
+                                attention_mask=batch["attention_mask"].to(self.device)).logits
             log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()
             for (request, _, continuation), row, row_log_probs in zip(chunk, inputs, log_probs):
                 # Position t predicts token t + 1: the continuation's n tokens are predicted at the row's last n.
@@ -261,12 +254,11 @@ class HFLatentLM(TemplateLM):
         order of the requests or the other tasks in the run. `copy` numbers identical requests (lm-eval repeats a
         request `repeats` times), so repeated samples differ. Base: `seed`, else `torch.initial_seed()` (set by
         lm-eval's `--seed`)."""
-        base = self.seed
         seen = Counter()
         seeds = []
         for req in requests:
             key = (getattr(req, "task_name", None), getattr(req, "doc_id", None), getattr(req, "idx", None))
-            seeds.append(stable_int("lm_eval", base, *key, seen[key]))
+            seeds.append(stable_int("lm_eval", self.seed, *key, seen[key]))
             seen[key] += 1
         return seeds
 

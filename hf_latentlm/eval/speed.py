@@ -1,16 +1,15 @@
 """Generation speed: wall-clock tokens/s including prefill, and model calls per generated token.
 
-Model calls are counted with a forward hook on the model itself, so the count is honest for any
-decoding scheme (one call per token for AR, fewer for multi-token families). Warm-up runs are
-discarded; the reported figure is the median of `repeats` timed runs.
-
-Absolute tokens/s drift on shared machines, so a family's speed is reported as a ratio to the AR baseline
-(`speed_versus_baseline`): both models timed on the same prompts, with the same settings, in the same process.
+Model calls are counted with a forward hook on the model itself, so the count is honest for any decoding scheme (one
+call per token for AR, fewer for multi-token families). Warm-up runs are discarded; the reported figure is the median
+of `repeats` timed runs. Absolute tokens/s drift on shared machines, so a family's speed is reported as a ratio to the
+AR baseline (`speed_versus_baseline`): both models timed on the same prompts, with the same settings, in one process.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
@@ -20,7 +19,7 @@ from transformers import CompileConfig
 
 from ..modeling.modeling_backbone import training_hooks
 from .flops import FlopCounter
-from .sampling import unbiased_sampling_kwargs
+from .sampling import model_mode, unbiased_sampling_kwargs
 
 
 # generate() options of compiled decoding: transformers' `compile_config`, and `cache_implementation` ("static": the
@@ -84,30 +83,24 @@ def measure_generation_speed(model, prompts: torch.Tensor, max_new_tokens: int =
         raise ValueError(f"prompts must be a non-empty [batch, length] tensor, got {tuple(prompts.shape)}")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    device = next(model.parameters()).device
-    prompts = prompts.to(device)
+    prompts = prompts.to(next(model.parameters()).device)
     kwargs = unbiased_sampling_kwargs(max_new_tokens, generate_kwargs)
-    was_training = model.training
-    model.eval()
-
-    def run():
-        return timed_generate(model, prompts, seed, kwargs)
-
+    run = functools.partial(timed_generate, model, prompts, seed, kwargs)  # kwargs as updated below
     # Two warm-up runs. The first does a model's one-time work (allocator, lazy initialisation, PLM's token-auxiliary
     # scores, computed once per model), which is no cost of a generated token; the second is counted, and the timed
     # runs repeat its work exactly (same seed). A compiled call is counted uncompiled (the same arithmetic; the
     # counter sees torch functions, which a compiled graph no longer calls), then warmed up once more compiled: that
     # first compiled call, compiling included, is timed apart.
     compile_options = {name: kwargs.pop(name) for name in COMPILE_OPTIONS if name in kwargs}
-    run()
-    with FlopCounter() as flops:
+    with model_mode(model, False):
         run()
-    first_call_s = None
-    if compile_options:
-        kwargs.update(compile_options)
-        first_call_s = run()[0]
-    runs = [run() for _ in range(repeats)]
-    model.train(was_training)
+        with FlopCounter() as flops:
+            run()
+        first_call_s = None
+        if compile_options:
+            kwargs.update(compile_options)
+            first_call_s = run()[0]
+        runs = [run() for _ in range(repeats)]
     times = [r[0] for r in runs]
     calls, new_tokens, by_network = runs[-1][1:]
     median = statistics.median(times)
@@ -219,16 +212,12 @@ def alternating_speed_ratio(model, baseline, prompts: torch.Tensor, pairs: int =
     sides = {"model": (model, unbiased_sampling_kwargs(max_new_tokens, generate_kwargs)),
              "baseline": (baseline, unbiased_sampling_kwargs(max_new_tokens))}
     runs = {name: [] for name in sides}
-    was_training = {name: m.training for name, (m, _) in sides.items()}
-    for m, _ in sides.values():
-        m.eval()
-    for repeat in range(pairs + 1):  # the first pair warms up
-        for name, (m, kwargs) in sides.items():
-            run = timed_generate(m, prompts.to(next(m.parameters()).device), seed, kwargs)
-            if repeat:
-                runs[name].append(run)
-    for name, (m, _) in sides.items():
-        m.train(was_training[name])
+    with model_mode(model, False), model_mode(baseline, False):
+        for repeat in range(pairs + 1):  # the first pair warms up
+            for name, (m, kwargs) in sides.items():
+                run = timed_generate(m, prompts.to(next(m.parameters()).device), seed, kwargs)
+                if repeat:
+                    runs[name].append(run)
     result = {}
     for name, timed in runs.items():
         times = [run[0] for run in timed]

@@ -9,6 +9,7 @@ from ..data.generated import parse_corpus
 from ..families import BASELINE_FAMILY, FamilySpec, get_family
 from ..loading import load_model_and_tokenizer
 from .optimum import evaluate_against_optimum, evaluation_stream, optimum_headline
+from .sampling import PLAIN_SAMPLING
 from .speed import alternating_speed_ratio, fresh_baseline, measure_generation_speed
 
 DEFAULT_SAMPLE_PROMPT = "ROMEO.\n"
@@ -40,9 +41,8 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, seed
         raise ValueError(f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"position limit {limit}")
     torch.manual_seed(seed)
-    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-    kwargs.update(sampling)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kwargs)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         **{**PLAIN_SAMPLING, **sampling})
     new = out[0, ids.shape[1]:]
     return tokenizer.decode(new, skip_special_tokens=True), new.numel()
 

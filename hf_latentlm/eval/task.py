@@ -15,11 +15,11 @@ import time
 import torch
 
 from ..training.tasks import exact_match
+from .sampling import PLAIN_SAMPLING, model_mode
 from .speed import CallCounter
 
-# Plain sampling at temperature 1: the only decoding every family shares (PLM samples through Voronoi auxiliaries
-# and has no greedy mode). After SFT the answers of this task are low-entropy, so it is close to greedy.
-PLAIN_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+# Answers are drawn with PLAIN_SAMPLING (PLM samples through Voronoi auxiliaries and has no greedy mode). After SFT
+# the answers of this task are low-entropy, so it is close to greedy.
 
 
 def left_padded(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,10 +34,7 @@ def left_padded(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tens
 
 def answer_tokens(new_tokens: torch.Tensor, eos_token_id: int) -> list[list[int]]:
     """The generated ids of every row up to (not including) its first end-of-text token."""
-    answers = []
-    for row in new_tokens.tolist():
-        answers.append(row[:row.index(eos_token_id)] if eos_token_id in row else row)
-    return answers
+    return [row[:row.index(eos_token_id)] if eos_token_id in row else row for row in new_tokens.tolist()]
 
 
 @torch.no_grad()
@@ -70,9 +67,7 @@ def evaluate_task(model, tokenizer, dataset, batch_size: int = 8, max_new_tokens
     prompts, references = list(dataset["prompt"]), list(dataset["completion"])
     if max_new_tokens is None:  # room for the longest reference and its end-of-text token, plus a margin
         max_new_tokens = max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in references) + 8
-    was_training = model.training
-    try:
-        model.eval()
+    with model_mode(model, False):
         answers, calls = [], 0
         for start in range(0, len(prompts), batch_size):
             batch_answers, batch_calls = generate_answers(model, tokenizer, prompts[start:start + batch_size],
@@ -91,8 +86,6 @@ def evaluate_task(model, tokenizer, dataset, batch_size: int = 8, max_new_tokens
             elapsed += time.perf_counter() - begin
             timed_tokens += min(len(answer) + 1, max_new_tokens)
             timed_calls += used
-    finally:
-        model.train(was_training)
     return {
         "accuracy": sum(correct) / len(correct),
         "num_examples": len(correct),
