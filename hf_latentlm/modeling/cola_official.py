@@ -22,15 +22,8 @@ class InterleavedRotaryEmbedding(RotaryEmbedding):
     """RoPE tables for the official DiT: frequencies over `head_dim` = the rotated channels only, each angle repeated
     for an adjacent pair of channels (interleaved layout, not rotate-half)."""
 
-    @torch.no_grad()
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype | None = None):
-        with torch.autocast(device_type=position_ids.device.type, enabled=False):
-            freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device, torch.float32)
-            emb = freqs.repeat_interleave(2, dim=-1)
-            cos, sin = emb.cos(), emb.sin()
-        if dtype is not None:
-            cos, sin = cos.to(dtype), sin.to(dtype)
-        return cos, sin
+    def layout(self, freqs: torch.Tensor) -> torch.Tensor:
+        return freqs.repeat_interleave(2, dim=-1)
 
 
 def apply_interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,14 +127,9 @@ def vae_layers(config: ColaVAEConfig, num_layers: int) -> nn.ModuleList:
         return nn.ModuleList(OfficialVAEBlock(config, i) for i in range(num_layers))
     if num_layers == config.num_hidden_layers:
         return decoder_layers(config)
-    return decoder_layers(replace_layers(config, num_layers))
-
-
-def replace_layers(config, num_layers: int):
-    """A copy of a config with another `num_hidden_layers` (to size a stack of blocks)."""
-    copy = type(config).from_dict(config.to_dict())
-    copy.num_hidden_layers = num_layers
-    return copy
+    resized = type(config).from_dict(config.to_dict())  # a copy with another depth, to size the stack
+    resized.num_hidden_layers = num_layers
+    return decoder_layers(resized)
 
 
 class GeluMLP(nn.Module):

@@ -23,9 +23,8 @@ class AuroraAutoencoderConfig(BackboneConfig):
     and to slots ≤ ⌊j·N/L⌋; it never sees a token, so a sequence decodes in one parallel pass, with logits
     h_j·Eᵀ through the encoder's token embedding E. Both are causal by position, so with keep_ratio 1 slot i is the
     latent of token i and a prefix encodes (and decodes) the same whatever follows.
-    The backbone fields size both halves: `num_hidden_layers` blocks EACH (paper: 6 + 6).
-    Loss: token cross-entropy only. The standardisation statistics are buffers of the autoencoder, estimated by the
-    denoiser's first training batch from this (then frozen) encoder and saved with the denoiser's weights.
+    The backbone fields size both halves: `num_hidden_layers` blocks EACH (paper: 6 + 6). Loss: token cross-entropy
+    only. The standardisation statistics are buffers of the autoencoder, set by the denoiser's training.
     """
 
     model_type = "aurora_autoencoder"
@@ -74,17 +73,14 @@ class AuroraConfig(BlockLatentConfig):
     r"""AURORA-LM: a frozen query autoencoder (a submodule, saved in this checkpoint) and a block-causal denoiser
     that predicts clean latent blocks.
 
-    Denoiser backbone: the backbone fields (the AR baseline of the same preset has the same width, depth and heads):
-    RMSNorm, SwiGLU, RoPE, per-head QK-norm; bidirectional inside blocks of `block_size` latent positions (paper 16),
-    causal across. Clean latents enter through a full-width linear map; noisy latents through the low-rank bottleneck
-    D -> `noisy_input_rank` -> hidden (**choice**: the clean history keeps full width, as the paper squeezes "only
-    the noisy pathway"). The timestep (sinusoidal -> 2-layer MLP) and the self-conditioning draft each go through one
-    linear map per layer and are ADDED to the residual stream before that layer. The head predicts the full-width
-    clean latent ẑ (x0 prediction).
-    Training: x_σ = (1 − σ)·z + σ·ε over standardised latents z, one σ per (row, block). The "tan" time sampler draws
-    σ = d·tan(πτ/2) / (1 + d·tan(πτ/2)), τ ~ U(0, 1), d = `time_shift` (7: Pr(σ > 0.7) = 0.795).
-    Generation: `num_inference_steps` Euler steps per block (σ from 1 to 0 on a uniform grid); prompt CFG
-    (`cfg_scale`, 1 = off) applies only while σ ≥ `cfg_min_sigma` and only to rows with a clean prefix.
+    Denoiser backbone: the backbone fields (the AR baseline of the same preset has the same width, depth and heads),
+    with per-head QK-norm. Clean latents enter through a full-width linear map; noisy latents through the low-rank
+    bottleneck D -> `noisy_input_rank` -> hidden (**choice**: the clean history keeps full width, as the paper
+    squeezes "only the noisy pathway"). The timestep and the self-conditioning draft each go through one linear map
+    per layer and are ADDED to the residual stream before that layer. The head predicts the clean latent ẑ (x0).
+    Training: x_σ = (1 − σ)·z + σ·ε over standardised latents z, one σ per (row, block) ("tan" sampler: flow.py).
+    Generation: prompt CFG (`cfg_scale`, 1 = off) applies only while σ ≥ `cfg_min_sigma` and only to rows with a
+    clean prefix.
     """
 
     model_type = "aurora"
@@ -121,10 +117,6 @@ class AuroraConfig(BlockLatentConfig):
     # draft training shows), or "guided", its final prediction. The paper does not say.
     self_condition_draft: str = "unguided"
     cfg_min_sigma: int | float = 0.9
-
-    def __post_init__(self, **kwargs):
-        self.embed_component_config(vocab_size=self.vocab_size)
-        super().__post_init__(**kwargs)
 
     @property
     def uses_consistency(self) -> bool:

@@ -41,6 +41,7 @@ class BlockLatentConfig(BackboneConfig):
     decode_temperature: int | float = 0.0
 
     def __post_init__(self, **kwargs):
+        self.embed_component_config(vocab_size=self.vocab_size)
         old = kwargs.pop("num_ode_steps", None)  # the deprecated spelling, also found in old config.json files
         if old is not None:
             warn_num_ode_steps()

@@ -17,26 +17,19 @@ ATTENTION_DTYPES = (None, "bfloat16")
 
 @strict
 class ColaVAEConfig(BackboneConfig):
-    r"""Causal text VAE: one latent of `latent_size` channels per token.
+    r"""Causal text VAE: one latent of `latent_size` channels per token (docs/families/cola.md).
 
-    Encoder: token embedding -> `num_hidden_layers` pre-norm blocks (block-causal attention: bidirectional inside
-    blocks of `vae_block_size` positions, causal across) -> RMSNorm -> linear to d_z -> LayerNorm without affine
-    parameters = posterior mean μ (power ≈ 1 per channel, **code**). Posterior N(μ, σ²I) with one σ² = exp(−logSNR)
-    for every position and channel (**choice**, method-specs §3: the logSNR is a scalar, learnable or fixed).
-    Decoder (reads latents only, **code**): linear d_z -> hidden, `num_hidden_layers` block-causal blocks, RMSNorm,
-    linear to the vocabulary; position i yields the logits of token i, so a block of latents decodes in ONE pass.
-    The backbone fields size both halves: `num_hidden_layers` blocks EACH (paper: 4 + 4).
-    Loss: reconstruction CE (clean input, sampled z) + kl_weight·KL + mask_loss_weight·masked CE.
+    Encoder: token embedding -> `num_hidden_layers` pre-norm blocks, block-causal over blocks of `vae_block_size`
+    positions -> RMSNorm -> linear to d_z -> LayerNorm without affine parameters = posterior mean μ (**code**).
+    Posterior N(μ, σ²I) with one σ² = exp(−logSNR) for every position and channel (**choice**, method-specs §3).
+    Decoder (reads latents only, **code**): linear d_z -> hidden, block-causal blocks, RMSNorm, linear to the
+    vocabulary; a block of latents decodes in ONE pass. The backbone fields size both halves: `num_hidden_layers`
+    blocks EACH (paper: 4 + 4). Loss: reconstruction CE (sampled z) + kl_weight·KL + mask_loss_weight·masked CE.
 
-    `architecture="official"` is the official form (ByteDance-Seed/Cola-DLM's `ColaTextVAEModel`, patch size 1):
-    the embedding has one row more than the vocabulary (used here as the masked pass's [MASK] input); a linear
-    patch embedding follows it; the blocks are post-norm with LayerNorms (eps `rms_norm_eps`): x <- LN(x) +
-    attn(x), then x <- x + LN(mlp(x)), with biases on the attention output and the SwiGLU MLP (its fused up/gate
-    projection split into `up_proj` and `gate_proj`), `qkv_bias` on the q/k/v projections and a LayerNorm QK-norm
-    over the whole q and k widths (not per head); `num_key_value_heads` = heads / the official `shared_heads_kv`.
-    The encoder has no final norm and emits mean and log-variance (the posterior's own, clamped to [-30, 20]; no
-    logSNR parameter). The decoder has `num_decoder_layers` blocks, a linear un-patch layer, an affine LayerNorm
-    and a read-out with bias.
+    `architecture="official"` is the official form (ByteDance-Seed/Cola-DLM's `ColaTextVAEModel`, patch size 1;
+    modules in cola_official.py, conversion in hf_latentlm/official/cola.py): post-norm LayerNorm blocks with
+    biases, one extra embedding row (the masked pass's [MASK] input), linear patch layers, no final encoder norm, the
+    posterior's own log-variance (no logSNR parameter), `num_decoder_layers` decoder blocks and an affine final norm.
     """
 
     model_type = "cola_vae"
@@ -101,24 +94,18 @@ class ColaVAEConfig(BackboneConfig):
 class ColaConfig(BlockLatentConfig):
     r"""Cola DLM: the text VAE (a submodule, trained jointly) and a block-causal DiT prior over its latents.
 
-    DiT backbone: the backbone fields (the AR baseline of the same preset has the same width, depth and heads).
-    Blocks with adaLN-Zero timestep conditioning (sinusoidal -> MLP, per position: the clean history has t = 0),
-    bidirectional inside a latent block, causal across blocks. `block_size` (paper 16) must be a multiple of the VAE's
-    `vae_block_size`, so that a finished DiT block is also a finished VAE block.
+    DiT backbone: the backbone fields (the AR baseline of the same preset has the same width, depth and heads), with
+    adaLN-Zero timestep conditioning per position (the clean history has t = 0). `block_size` (paper 16) must be a
+    multiple of the VAE's `vae_block_size`, so that a finished DiT block is also a finished VAE block.
     Training: flow matching, z_t = (1 − t)·z_0 + t·ε, target velocity ε − z_0, one t per (row, block) (**choice**:
     the reference draws one per row; independent blocks give the same expectation with less variance). The paper
     publishes none of the λ values: these are choices, logged as loss parts.
-    Generation: `num_inference_steps` Euler (or Heun) steps per block; `cfg_scale` is forced to 1 for a block with no
-    history.
 
-    `dit_architecture="official"` is the official form (ByteDance-Seed/Cola-DLM's `ColaDiTModel`, patch size 1):
-    the timestep embedding is sinusoidal(1000·t, 256 features, sin first) -> Linear -> SiLU -> Linear -> SiLU ->
-    Linear; each block's adaLN modulation is the official four (shift/scale and gate of both sublayers, stacked in
-    our one `modulation`); attention has a per-head LayerNorm QK-norm with affine parameters and rotates only the
-    first `rope_dim` channels of each head, in interleaved pairs, with θ = rope_theta (official: 10000); the MLP is
-    Linear -> GELU(tanh) -> Linear with biases (`intermediate_size` = expand_ratio · hidden); the final norm is an
-    affine LayerNorm. `attention_dtype="bfloat16"` computes the attention products under bfloat16 autocast, as
-    the official DiT does on every device (needed to reproduce its outputs closely).
+    `dit_architecture="official"` is the official form (ByteDance-Seed/Cola-DLM's `ColaDiTModel`, patch size 1;
+    modules in cola_official.py): its timestep embedding, per-head LayerNorm QK-norm, interleaved RoPE on the first
+    `rope_dim` channels of each head, a GELU(tanh) MLP with biases and an affine final norm. `attention_dtype=
+    "bfloat16"` computes the attention products under bfloat16 autocast, as the official DiT does on every device
+    (needed to reproduce its outputs closely).
     """
 
     model_type = "cola"
@@ -144,10 +131,6 @@ class ColaConfig(BlockLatentConfig):
     dit_architecture: str = "ours"  # "official": the official form (class docstring)
     rope_dim: int | None = None  # official form: rotated channels per head (None -> head_dim)
     attention_dtype: str | None = None  # None (the inputs' dtype) or "bfloat16" (official form, class docstring)
-
-    def __post_init__(self, **kwargs):
-        self.embed_component_config(vocab_size=self.vocab_size)
-        super().__post_init__(**kwargs)
 
     @property
     def trains_vae(self) -> bool:

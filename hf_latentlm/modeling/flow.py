@@ -49,11 +49,8 @@ def _clamp_inside_unit_interval(t: torch.Tensor) -> torch.Tensor:
 
 def logit_normal_times(shape, loc: float = 0.0, scale: float = 1.0, generator: Optional[torch.Generator] = None,
                        device=None) -> torch.Tensor:
-    """Flow times t = sigmoid(loc + scale * z), z ~ N(0, 1): float32 tensor of `shape` (int or tuple), in (0, 1).
-
-    loc > 0 puts more mass near the noise end (t = 1), scale widens the spread (SD3's logit-normal sampling).
-    generator: optional torch.Generator for reproducible draws; device: where to draw (default: the generator's).
-    """
+    """Flow times t = sigmoid(loc + scale * z), z ~ N(0, 1): float32 tensor of `shape` (int or tuple), in (0, 1)
+    (SD3's logit-normal sampling: loc > 0 puts more mass near the noise end). device: default the generator's."""
     z = torch.randn(shape, generator=generator, device=_default_device(device, generator), dtype=torch.float32)
     t = torch.sigmoid(loc + scale * z)
     # float32 sigmoid rounds to exactly 1 for logits above ~17 (and to 0 far below).
@@ -61,11 +58,8 @@ def logit_normal_times(shape, loc: float = 0.0, scale: float = 1.0, generator: O
 
 
 def shift_times(t, shift: float) -> torch.Tensor:
-    """SD3-style time shift: shift * t / (1 + (shift - 1) * t), elementwise on t (tensor of times in [0, 1]).
-
-    A monotone map of [0, 1] onto itself with fixed endpoints; shift > 1 moves times toward 1 (more noise), shift < 1
-    toward 0, shift = 1 is the identity. Raises ValueError for shift <= 0.
-    """
+    """SD3-style time shift: shift * t / (1 + (shift - 1) * t), elementwise on times t in [0, 1]: a monotone map of
+    [0, 1] onto itself; shift > 1 moves times toward 1 (more noise), shift = 1 is the identity."""
     if not shift > 0:
         raise ValueError(f"shift must be > 0, got {shift}")
     return shift * t / (1 + (shift - 1) * t)
@@ -86,10 +80,9 @@ def tan_shift_times(u, shift: float) -> torch.Tensor:
     """AURORA-LM's "tan-d" noise schedule σ(u; d) = d·tan(πu/2) / (1 + d·tan(πu/2)), elementwise on u (tensor or
     number, values in [0, 1]) with d = shift > 0 -> float32 tensor of u's shape, values in [0, 1].
 
-    Monotone increasing with σ(0) = 0 and σ(1) = 1 exactly (the pole of tan gives the limit, not NaN). Larger d puts
-    more mass near the noise end; d = 1 maps u = 1/2 to 1/2. It equals the SD3 shift of the d = 1 schedule:
-    shift_times(σ(u; 1), d). With u ~ U[0, 1), Pr(σ > a) = 1 - (2/π)·atan(a / ((1 - a)·d)).
-    Raises ValueError unless shift is a finite number > 0.
+    Monotone increasing with σ(0) = 0 and σ(1) = 1 exactly (the pole of tan gives the limit, not NaN). It equals the
+    SD3 shift of the d = 1 schedule, shift_times(σ(u; 1), d). With u ~ U[0, 1), Pr(σ > a) = 1 - (2/π)·atan(a /
+    ((1 - a)·d)).
     """
     shift = _check_tan_shift(shift)
     u = torch.as_tensor(u)
@@ -190,12 +183,9 @@ def make_time_sampler(kind: str, **kwargs):
 
 
 def repaint(sample: torch.Tensor, known: Optional[torch.Tensor], known_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """Clean-condition repaint: put the known clean values back where `known_mask` is True.
-
-    sample [...]: the current state; known: the clean values, broadcastable to `sample`; known_mask: bool,
-    broadcastable to `sample` (e.g. [B, Q, 1] against [B, Q, D]). Both None returns `sample` itself.
-    The result keeps `sample`'s dtype.
-    """
+    """Clean-condition repaint: put the known clean values back where `known_mask` is True. known and the bool
+    known_mask broadcast to `sample` (e.g. [B, Q, 1] against [B, Q, D]); both None returns `sample` itself. The result
+    keeps `sample`'s dtype."""
     if known is None and known_mask is None:
         return sample
     if known is None or known_mask is None:
@@ -219,21 +209,14 @@ class FlowMatchEulerSampler:
     After construction (or `set_timesteps`), `timesteps` is a float32 tensor [S + 1] from 1.0 down to 0.0.
     """
 
-    order = 1
-
     def __init__(self, num_steps: int = 16, shift: float = 1.0):
-        if not shift > 0:
-            raise ValueError(f"shift must be > 0, got {shift}")
-        self.shift = float(shift)
+        self.shift = float(shift)  # checked by `shift_times`
         self.num_steps = _check_num_steps(num_steps)
         self.set_timesteps()
 
     def set_timesteps(self, num_steps: Optional[int] = None, device=None) -> None:
-        """Build `self.timesteps` (float32 [S + 1], strictly decreasing, 1.0 first, 0.0 last) on `device`.
-
-        num_steps: a new step count S, or None to keep the current one. The grid is
-        shift_times(1 - i/S, shift), i = 0..S.
-        """
+        """Build `self.timesteps` = shift_times(1 - i/S, shift), i = 0..S (float32, strictly decreasing) on `device`;
+        num_steps: a new step count S, or None to keep the current one."""
         if num_steps is not None:
             self.num_steps = _check_num_steps(num_steps)
         steps = self.num_steps
@@ -250,11 +233,8 @@ class FlowMatchEulerSampler:
         return _check_num_steps(num_steps)
 
     def step(self, velocity: torch.Tensor, step_index: int, sample: torch.Tensor) -> torch.Tensor:
-        """One Euler step from timesteps[step_index] to timesteps[step_index + 1].
-
-        velocity, sample: same shape [...]; returns sample + (t_{i+1} - t_i) * velocity (dtype of sample and
-        velocity; the 0-dim step size does not promote them).
-        """
+        """One Euler step from timesteps[step_index] to timesteps[step_index + 1]: sample + (t_{i+1} - t_i) * velocity
+        (the 0-dim step size does not promote their dtype)."""
         if not 0 <= step_index < self.num_steps:
             raise IndexError(f"step_index must be in [0, {self.num_steps}), got {step_index}")
         dt = self.timesteps[step_index + 1] - self.timesteps[step_index]
@@ -278,12 +258,9 @@ class FlowMatchEulerSampler:
 
     def solve(self, velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor,
               known: Optional[torch.Tensor] = None, known_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Integrate from `noise` (the state at t = 1) to t = 0 and return the final state.
-
-        velocity_fn(x, t): x a state shaped like `noise`, t a 0-dim float32 tensor -> velocity shaped like x.
-        known, known_mask: optional clean condition (see `repaint`), re-imposed before every velocity call and on
-        the result, so the field always sees the known values and they come out exactly.
-        """
+        """Integrate from `noise` (the state at t = 1) to t = 0 and return the final state. velocity_fn(x, t [0-dim
+        float32]) -> velocity shaped like x. known, known_mask: optional clean condition (`repaint`), re-imposed
+        before every velocity call and on the result, so the field sees the known values and they come out exactly."""
         x = noise
         for i in range(self.num_steps):
             x = repaint(x, known, known_mask)
@@ -302,8 +279,6 @@ class FlowMatchHeunSampler(FlowMatchEulerSampler):
     `step` stays the single Euler step; `solve` runs Heun and calls velocity_fn 2 * S - 1 times.
     """
 
-    order = 2
-
     @classmethod
     def evaluations(cls, num_steps: int) -> int:
         return 2 * _check_num_steps(num_steps) - 1
@@ -313,17 +288,15 @@ class FlowMatchHeunSampler(FlowMatchEulerSampler):
         """Same contract as `FlowMatchEulerSampler.solve`; the predictor state is repainted too, so every call of
         velocity_fn sees the known values."""
         x = noise
-        last = self.num_steps - 1
         for i in range(self.num_steps):
             x = repaint(x, known, known_mask)
             velocity = velocity_fn(x, self.timesteps[i])
             predicted = self.step(velocity, i, x)
-            if i == last:
+            if i == self.num_steps - 1:
                 x = predicted
-                continue
-            predicted = repaint(predicted, known, known_mask)
-            velocity_next = velocity_fn(predicted, self.timesteps[i + 1])
-            x = self.step((velocity + velocity_next) / 2, i, x)
+            else:
+                predicted = repaint(predicted, known, known_mask)
+                x = self.step((velocity + velocity_fn(predicted, self.timesteps[i + 1])) / 2, i, x)
         return repaint(x, known, known_mask)
 
 
@@ -333,31 +306,21 @@ class FlowMatchHeunSampler(FlowMatchEulerSampler):
 
 
 def x0_to_velocity(sample: torch.Tensor, x0: torch.Tensor, t) -> torch.Tensor:
-    """Velocity implied by a clean-latent prediction: v = (sample - x0) / t, since x_t = x0 + t * (x1 - x0).
-
-    sample [...]: the state x_t; x0: the predicted clean latent, shaped like sample; t: time(s), a number or a tensor
-    broadcastable to sample (e.g. [B, 1, 1]), every value > 0 (t = 0 divides by zero). Returns sample's dtype.
-    """
+    """Velocity implied by a clean-latent prediction x0 of the state `sample` = x_t: v = (sample - x0) / t, since
+    x_t = x0 + t * (x1 - x0). t: a number or a tensor broadcastable to sample, > 0. Returns sample's dtype."""
     return ((sample - x0) / t).to(sample.dtype)
 
 
 def euler_step_from_x0(sample: torch.Tensor, x0: torch.Tensor, t, t_next) -> torch.Tensor:
-    """One Euler step from t to t_next with the velocity of a clean-latent prediction, written in x0 form:
+    """One Euler step from t (> 0) to t_next with the velocity of a clean-latent prediction, written in x0 form:
     (t_next / t) * sample + (1 - t_next / t) * x0, i.e. sample + (t_next - t) * x0_to_velocity(sample, x0, t).
-
-    sample [...]: the state at t; x0: predicted clean latent, shaped like sample; t, t_next: numbers or tensors
-    broadcastable to sample, t > 0 and usually t_next < t. Exact at both ends: t_next = 0 returns x0 and t_next = t
-    returns sample. The ratio is formed in the times' dtype; the result has sample's dtype.
-    """
+    Exact at both ends (t_next = 0 gives x0, t_next = t gives sample); the result has sample's dtype."""
     ratio = t_next / t
     return (ratio * sample + (1 - ratio) * x0).to(sample.dtype)
 
 
 def classifier_free_guidance(conditional: torch.Tensor, unconditional: torch.Tensor, scale: float) -> torch.Tensor:
-    """Guided output unconditional + scale * (conditional - unconditional) for outputs of the same shape.
-
-    scale: a Python float; 1 returns `conditional` itself (no rounding), 0 gives the unconditional output.
-    """
+    """unconditional + scale * (conditional - unconditional); scale 1 returns `conditional` itself (no rounding)."""
     if scale == 1:
         return conditional
     return unconditional + scale * (conditional - unconditional)
@@ -369,11 +332,9 @@ def classifier_free_guidance(conditional: torch.Tensor, unconditional: torch.Ten
 
 
 def sinusoidal_timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
-    """Sinusoidal features of times t [...] (any float dtype) -> float32 [..., dim].
-
-    Output cat(cos(t * f), sin(t * f)) with f_i = max_period^(-i / half), i = 0..half-1, half = dim // 2; an odd dim
-    gets a zero last column. Computed in float32 whatever t's dtype (bf16 times would collide).
-    """
+    """Sinusoidal features of times t [...] -> float32 [..., dim]: cat(cos(t * f), sin(t * f)) with f_i =
+    max_period^(-i / half), half = dim // 2 (an odd dim gets a zero last column); float32 whatever t's dtype (bf16
+    times would collide)."""
     if dim < 1:
         raise ValueError(f"dim must be >= 1, got {dim}")
     half = dim // 2
@@ -387,11 +348,8 @@ def sinusoidal_timestep_embedding(t: torch.Tensor, dim: int, max_period: float =
 
 
 class TimestepEmbedding(nn.Module):
-    """t in [0,1] -> conditioning vector: sinusoidal(t * time_scale, frequency_size) -> Linear -> SiLU -> Linear.
-
-    hidden_size: output width; frequency_size: width of the sinusoidal features; time_scale: multiplies t first, so
-    times in [0, 1] span the periods the frequencies are laid out for (DiT uses 1000); max_period: longest period.
-    """
+    """t in [0,1] -> conditioning vector [..., hidden_size]: sinusoidal(t * time_scale, frequency_size) -> Linear ->
+    SiLU -> Linear. time_scale spreads times in [0, 1] over the periods the frequencies are laid out for (DiT: 1000)."""
 
     def __init__(self, hidden_size: int, frequency_size: int = 256, time_scale: float = 1000.0,
                  max_period: float = 10000.0):

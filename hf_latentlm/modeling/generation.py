@@ -319,12 +319,10 @@ def resolve_generation_request(family: str, config, generation_config, input_ids
 def compile_entry_point(cls: type, name: str):
     """`cls.<name>` behind a function with a code object of its own, made once per (class, method).
 
-    torch.compile keeps its graphs, and at most `recompile_limit` of them (default 8), on the code object of the
-    function it is given. Every forward that transformers' `deprecate_kwarg` decorates shares that decorator's code
-    object, so compiling the decorated methods themselves pooled the graphs of every network of every model in the
-    process under one limit: a bench of four families reached it and silently ran the rest eager, and so did
-    transformers' own compiled generate() of a Llama afterwards. Behind its own code object each method's graphs are
-    counted apart, and one class's graphs serve every model of that class and every later call."""
+    torch.compile keeps its graphs, at most `recompile_limit` of them, on the code object of the function it is
+    given, and every forward that transformers' `deprecate_kwarg` decorates shares that decorator's code object: all
+    networks would share one limit (and silently run eager past it). Behind its own code object each method's graphs
+    are counted apart, and one class's graphs serve every model of that class."""
     method = getattr(cls, name)
 
     def entry_point(module, *args, **kwargs):
@@ -527,12 +525,12 @@ class BlockDecodingState:
 class BlockLatentGenerationMixin(MultiTokenGenerationMixin):
     """`generate()` of families that denoise one block of latents (one latent per token, blocks of
     `config.block_size` counted from each row's first real token) at a time and read each finished block out with
-    a decoder (Cola DLM, AURORA-LM). The prompts' complete blocks are the clean history, encoded once and run once
-    through the prior and the decoder into their caches; a prompt that ends mid-block makes that block the first
-    generated one, with its known positions held at their clean latents (repaint). Each step then appends the
-    previous block's clean pass to the prior's cache, denoises the next block and decodes it.
+    a decoder (Cola DLM, AURORA-LM). The prompts' complete blocks are the clean history, run once through the prior
+    and the decoder into their caches; a prompt that ends mid-block makes that block the first generated one, with
+    its known positions held at their clean latents (repaint). Exactly `max_new_tokens` tokens come back unless EOS
+    stops a row (inside a block if need be).
 
-    A family implements, besides its options class (with `temperature` and `noise_seeds` fields):
+    A family implements, besides its options class:
     - `_encode_prompt(input_ids, real) -> [B, W, D]`: the latents the prior sees for the aligned prompts;
     - `_append_to_prior(latents, attention_mask, cache)`: one clean pass of the prior that writes `cache`;
     - `_decode_latents(latents, attention_mask, cache) -> [B, n, V]` logits (writes `cache`);

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -59,16 +59,10 @@ class SwiGLUMLP(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary embedding tables for explicit integer positions.
-
-    `forward(position_ids)` takes `position_ids` of shape [B, T] (or [T]); positions may be any integers, in any
-    order, repeated or with gaps (PLM decoder rows reuse the position of the token they predict).
-    Returns `cos, sin` of shape [B, T, head_dim] ([T, head_dim] for 1-D input), float32 unless `dtype` is given.
-
-    `inv_freq` is a non-persistent buffer (not saved). Note: `from_pretrained` builds the model on the meta device
-    and refills non-persistent buffers with `torch.empty`; the owning `PreTrainedModel._init_weights` must therefore
-    restore it, e.g. `init.copy_(module.inv_freq, module.compute_inv_freq())`.
-    """
+    """Rotary embedding tables for explicit integer positions: forward(position_ids [B, T] or [T], any integers in any
+    order, repeated or with gaps) -> cos, sin [B, T, head_dim] ([T, head_dim] for 1-D input), float32 unless `dtype`
+    is given. `inv_freq` is a non-persistent buffer, which `from_pretrained` refills with empty memory: the owning
+    model's `_init_weights` recomputes it (`init_backbone_weights`)."""
 
     def __init__(self, head_dim: int, base: float = 10000.0, config=None):
         super().__init__()
@@ -107,11 +101,16 @@ class RotaryEmbedding(nn.Module):
         # Angles in float32 even under autocast/bf16: positions times frequencies lose precision otherwise.
         with torch.autocast(device_type=position_ids.device.type, enabled=False):
             freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device, torch.float32)
-            emb = torch.cat((freqs, freqs), dim=-1)  # rotate-half layout: the two halves share frequencies
+            emb = self.layout(freqs)
             cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         if dtype is not None:
             cos, sin = cos.to(dtype), sin.to(dtype)
         return cos, sin
+
+    def layout(self, freqs: torch.Tensor) -> torch.Tensor:
+        """The angles [..., head_dim] of each channel from the frequencies' [..., head_dim/2]: rotate-half layout,
+        the two halves share frequencies."""
+        return torch.cat((freqs, freqs), dim=-1)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"
@@ -123,15 +122,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [B, Hq, T, D] and k [B, Hk, T, D] by cos/sin [B, T, D] (rotate-half convention).
-
-    `unsqueeze_dim` is where the head axis is inserted into cos/sin (1 for the [B, H, T, D] layout).
-    """
-    cos = cos.unsqueeze(unsqueeze_dim).to(q.dtype)
-    sin = sin.unsqueeze(unsqueeze_dim).to(q.dtype)
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [B, Hq, T, D] and k [B, Hk, T, D] by cos/sin [B, T, D] (rotate-half convention)."""
+    cos = cos.unsqueeze(1).to(q.dtype)
+    sin = sin.unsqueeze(1).to(q.dtype)
     q_rot = q * cos + rotate_half(q) * sin
     k_rot = k * cos.to(k.dtype) + rotate_half(k) * sin.to(k.dtype)
     return q_rot, k_rot
@@ -143,7 +138,7 @@ def apply_rotary(
 
 
 def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                            attention_mask: torch.Tensor | None, scaling: float,
                             **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q kᵀ · scaling) v written out, so that the probabilities exist: they go through
     `module.attention_probs`, where `output_attentions` records them. Takes the boolean mask as given (True = may
@@ -157,7 +152,7 @@ def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is not None:
         probs = probs.masked_fill(~attention_mask.any(dim=-1, keepdim=True), 0.0)
     probs = module.attention_probs(probs.to(query.dtype))
-    attn_output = torch.matmul(F.dropout(probs, p=dropout, training=module.training), value)
+    attn_output = torch.matmul(probs, value)
     return attn_output.transpose(1, 2).contiguous(), probs
 
 
@@ -191,9 +186,8 @@ class Attention(nn.Module):
     - `cache`: a `transformers.cache_utils.Cache` (e.g. `DynamicCache`); the new keys/values are appended with
       `cache.update(k, v, layer_idx)` and attention runs over all cached keys. Keys are cached AFTER rotary, so the
       cos/sin passed in must be those of the current call's positions only.
-    - Fully masked query rows (no visible key) return exactly ZERO attention output (before `o_proj`, so the
-      layer output is o_proj's bias-free projection of 0 = 0). SDPA alone would give NaN there on some kernels, which
-      would also poison gradients; such rows see every key and their output is zeroed afterwards.
+    - Fully masked query rows (no visible key) return exactly ZERO (before the bias-free `o_proj`). SDPA alone would
+      give NaN there on some kernels, so such rows see every key and their output is zeroed afterwards.
     - `qk_norm=True` applies a per-head RMSNorm over head_dim to q and k before rotary.
     """
 
@@ -208,7 +202,6 @@ class Attention(nn.Module):
         head_dim: int | None = None,
         qk_norm: bool = False,
         rms_norm_eps: float = 1e-6,
-        attention_dropout: float = 0.0,
         layer_idx: int | None = None,
         config=None,
     ):
@@ -222,7 +215,6 @@ class Attention(nn.Module):
         self.num_key_value_groups = num_heads // num_kv_heads
         self.head_dim = head_dim if head_dim is not None else hidden_size // num_heads
         self.scaling = self.head_dim**-0.5
-        self.attention_dropout = attention_dropout
         self.layer_idx = layer_idx
         self.config = config
         self.attention_probs = AttentionProbs()
@@ -277,8 +269,7 @@ class Attention(nn.Module):
                 attention_mask = attention_mask | ~row_has_key
 
         attention_function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        out, _ = attention_function(self, q, k, v, attention_mask, scaling=self.scaling,
-                                    dropout=self.attention_dropout if self.training else 0.0, **flash_kwargs)
+        out, _ = attention_function(self, q, k, v, attention_mask, scaling=self.scaling, **flash_kwargs)
         if row_has_key is not None:
             out = out.masked_fill(~row_has_key.transpose(1, 2), 0.0)
         return self.o_proj(out.reshape(bsz, q_len, self.num_heads * self.head_dim))
@@ -290,16 +281,9 @@ class AttentionProbs(nn.Identity):
 
 
 class DecoderBlock(GradientCheckpointingLayer):
-    """Pre-norm transformer block: h = x + attn(norm(x)); out = h + mlp(norm(h)).
-
-    forward(hidden_states, cos, sin, attention_mask, cache=None, return_mid=False) returns `out`, or `(out, mid)`
-    with `return_mid=True`, where `mid = h` is the residual stream between attention and MLP (used by PLM's
-    representation alignment).
-
-    Gradient checkpointing (set by `PreTrainedModel.gradient_checkpointing_enable`) recomputes `forward`; pass
-    `hidden_states` positionally (required by reentrant checkpointing). While checkpointing in training mode,
-    transformers drops a `cache=` keyword argument (set to None) so the cache is not written twice.
-    """
+    """Pre-norm transformer block: h = x + attn(norm(x)); out = h + mlp(norm(h)). forward(hidden_states, cos, sin,
+    attention_mask, cache=None, return_mid=False) returns `out`, or `(out, h)` with `return_mid=True` (PLM's
+    representation alignment). Pass `hidden_states` positionally (reentrant gradient checkpointing needs it)."""
 
     def __init__(
         self,
@@ -310,7 +294,6 @@ class DecoderBlock(GradientCheckpointingLayer):
         head_dim: int | None = None,
         rms_norm_eps: float = 1e-6,
         qk_norm: bool = False,
-        attention_dropout: float = 0.0,
         layer_idx: int | None = None,
         config=None,
     ):
@@ -318,8 +301,7 @@ class DecoderBlock(GradientCheckpointingLayer):
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(hidden_size, eps=rms_norm_eps)
         self.self_attn = Attention(hidden_size, num_heads, num_kv_heads, head_dim=head_dim, qk_norm=qk_norm,
-                                   rms_norm_eps=rms_norm_eps, attention_dropout=attention_dropout,
-                                   layer_idx=layer_idx, config=config)
+                                   rms_norm_eps=rms_norm_eps, layer_idx=layer_idx, config=config)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps=rms_norm_eps)
         self.mlp = SwiGLUMLP(hidden_size, intermediate_size)
 
@@ -558,9 +540,8 @@ EVALUATION_SEED = 0
 
 def evaluation_generator() -> torch.Generator:
     """Where an eval-mode latent-family loss draws its noise, flow times and block conditions: a CPU generator with a
-    fixed seed, new at every call, so the same batch gives the same loss (Trainer's `eval_loss`, early stopping) and
-    the global RNG is left alone. Callers draw ONE row and expand it over the batch (`fixed_row_draw`), so a row's
-    loss does not depend on the rest of the batch, as PLM's fixed eval auxiliaries (`fixed_uniforms`)."""
+    fixed seed, new at every call, so the same batch gives the same loss and the global RNG is left alone. Callers
+    draw ONE row and expand it over the batch (`fixed_row_draw`), so a row's loss does not depend on the others."""
     return torch.Generator().manual_seed(EVALUATION_SEED)
 
 
@@ -668,19 +649,14 @@ class OffsetCache:
     def __init__(self, cache: Cache, offset: int):
         self.cache, self.offset = cache, offset
 
-    def _ensure(self, layer_idx: int) -> None:
-        from transformers.cache_utils import DynamicLayer
-
-        while len(self.cache.layers) <= self.offset + layer_idx:
-            self.cache.layers.append(DynamicLayer())
-
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if len(self.cache.layers) <= self.offset + layer_idx:
             return 0
         return self.cache.get_seq_length(self.offset + layer_idx)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self._ensure(layer_idx)
+        while len(self.cache.layers) <= self.offset + layer_idx:
+            self.cache.layers.append(DynamicLayer())
         return self.cache.update(key_states, value_states, self.offset + layer_idx, *args, **kwargs)
 
 
@@ -725,7 +701,7 @@ def block_causal_layout(
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token cross-entropy [B, T] of logits [B, T, V] (float32) against targets [B, T] (negative ids read as 0;
     the caller masks them). Over rows of the contiguous [B·T, V] layout: the [B, V, T] transpose that
-    `F.cross_entropy` otherwise wants makes CPU log-softmax run strided, about 3x slower with its backward."""
+    `F.cross_entropy` otherwise wants makes CPU log-softmax run strided, much slower."""
     nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.clamp(min=0).reshape(-1),
                           reduction="none")
     return nll.view(targets.shape)

@@ -1,12 +1,10 @@
-"""AURORA-LM (paper 003; method-specs §4).
+"""AURORA-LM (paper 003; method-specs §4; docs/families/aurora.md).
 
-Two models:
 - `AuroraAutoencoder`: a query-based text autoencoder, trained first and then frozen. Learned query slots read the
   token embeddings causally (one slot per token at keep ratio 1) and a second set of queries reads the slots back to
-  token logits in one parallel pass. Its latents are standardised per channel before the denoiser sees them.
-- `AuroraForCausalLM`: the frozen autoencoder and a block-causal denoiser over its standardised latents. The denoiser
-  predicts the clean latent block (x0) from a noisy one, given the clean blocks before it; noisy inputs enter through
-  a low-rank bottleneck, the timestep and a self-conditioning draft are added to every layer. Training adds
+  token logits in one parallel pass.
+- `AuroraForCausalLM`: the frozen autoencoder and a block-causal denoiser that predicts the clean latent block (x0)
+  from a noisy one, given the clean blocks before it, over the per-channel standardised latents. Training adds
   self-trajectory consistency against an EMA copy; `generate()` integrates each block with Euler steps from σ = 1 to
   0 (SC-CFG, prompt CFG at high noise, repaint of a partial prompt block) and decodes it with the frozen decoder.
 """
@@ -14,7 +12,7 @@ Two models:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -30,13 +28,13 @@ from .configuration_backbone import decoder_blocks_tp_plan
 from .flow import (FlowMatchEulerSampler, TimestepEmbedding, classifier_free_guidance, euler_step_from_x0,
                    make_time_sampler, x0_to_velocity)
 from .generation import BlockDecodingState, BlockLatentGenerationOptions
-from .layers import (AttentionProbs, DecoderBlock, RMSNorm, RotaryEmbedding, decoder_layers, draw_block_conditions,
-                     dual_stream_mask, evaluation_generator, fixed_row_draw, init_backbone_weights,
-                     make_padding_position_ids)
+from .layers import (AttentionProbs, DecoderBlock, RMSNorm, RotaryEmbedding, decoder_layers, evaluation_generator,
+                     init_backbone_weights, make_padding_position_ids)
 from .modeling_backbone import (BackbonePreTrainedModel, check_backbone_inputs, check_block_training_rows,
                                 check_forward_kwargs, masked_cross_entropy, recording_nothing, refuse_vocab_resize,
                                 scored_positions)
-from .modeling_block_latent import BlockLatentForCausalLM, BlockLatentPreTrainedModel, BlockVelocityField
+from .modeling_block_latent import (BlockLatentForCausalLM, BlockLatentPreTrainedModel, BlockVelocityField,
+                                   DualStreamInputs)
 
 
 @dataclass
@@ -110,6 +108,7 @@ class QueryStack(nn.Module):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(config.hidden_size))
         self.query_residual = config.query_residual
+        self.keep_ratio = config.keep_ratio
         self.layers = decoder_layers(config)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary = RotaryEmbedding.from_config(config)
@@ -141,7 +140,10 @@ class QueryStack(nn.Module):
             positions = make_padding_position_ids(attention_mask)
         else:
             positions = torch.arange(past + context.shape[1], device=context.device)[None]
-        is_context, key_pos, key_valid = interleaved_stream(positions, attention_mask)
+        # The stream interleaves context item i and query i (context first), so that cached keys keep their order.
+        key_pos = positions.repeat_interleave(2, dim=1)
+        key_valid = None if attention_mask is None else attention_mask.repeat_interleave(2, dim=1)
+        is_context = torch.arange(key_pos.shape[-1], device=key_pos.device) % 2 == 0
         mask = causal_by_position_mask(key_pos[:, 2 * past:], key_pos, key_valid)
         # The residual copy path: query i starts from the learned query plus item i, which it shares a position with.
         start = self.query + context if self.query_residual else None
@@ -155,22 +157,8 @@ class QueryStack(nn.Module):
         return self.read(context, is_context, positions, causal_by_position_mask(positions, positions))
 
 
-def interleaved_stream(positions: torch.Tensor, valid: torch.Tensor | None) -> tuple:
-    """Keep ratio 1: context item i and query i share position i; the stream interleaves them (context first), so
-    that cached keys of earlier calls keep their order. positions [B or 1, n] -> (is_context [2n], positions
-    [B or 1, 2n], valid [B, 2n] or None)."""
-    n = positions.shape[-1]
-    is_context = torch.arange(2 * n, device=positions.device) % 2 == 0
-    valid = None if valid is None else valid.repeat_interleave(2, dim=1)
-    return is_context, positions.repeat_interleave(2, dim=1), valid
-
-
 class AuroraQueryEncoder(QueryStack):
     """Token embeddings [B, L, d] -> latent slots [B, N, d]. Slot i sees slots ≤ i and tokens 0 .. ⌈(i+1)L/N⌉ − 1."""
-
-    def __init__(self, config: AuroraAutoencoderConfig):
-        super().__init__(config)
-        self.keep_ratio = config.keep_ratio
 
     def forward(self, token_embeds: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache=None) -> torch.Tensor:
@@ -189,10 +177,6 @@ class AuroraQueryEncoder(QueryStack):
 class AuroraQueryDecoder(QueryStack):
     """Latent slots [B, N, d] -> decoder states [B, L, d]. Position j sees states ≤ j and slots ≤ ⌊j·N/L⌋; it never
     sees a token."""
-
-    def __init__(self, config: AuroraAutoencoderConfig):
-        super().__init__(config)
-        self.keep_ratio = config.keep_ratio
 
     def forward(self, latents: torch.Tensor, length: int | None = None, attention_mask: torch.Tensor | None = None,
                 cache=None) -> torch.Tensor:
@@ -433,11 +417,6 @@ class AuroraModel(AuroraPreTrainedModel):
         self.denoiser = AuroraDenoiser(config)
         self.post_init()
 
-    @property
-    def attention_block_size(self) -> int:
-        """Latent positions attend bidirectionally inside blocks of this size, causally across them."""
-        return self.config.block_size
-
     def encode_tokens(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                       cache=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The autoencoder's latents [B, T, D] of the tokens (ids, or their embeddings), standardised."""
@@ -452,13 +431,11 @@ class AuroraModel(AuroraPreTrainedModel):
                 timesteps: torch.Tensor | None = None, noisy: torch.Tensor | None = None,
                 self_condition: torch.Tensor | None = None, latents: torch.Tensor | None = None,
                 **kwargs) -> BaseModelOutputWithPast:
-        """input_ids [B, T] or their token embeddings `inputs_embeds` [B, T, D] (encoded by the autoencoder; with a
-        cache, its encoder's keys are kept in the same cache after the denoiser's layers), or the denoiser's input
-        `latents` = standardised latents [B, T, D]. attention_mask [B, cached +
-        T] (left padding; blocks are counted from each row's first real token), or a ready bool mask [B, 1, T,
-        cached + T] with `position_ids`. timesteps [B, T] (default 0: clean); noisy [B, T] bool: positions that take
-        the noisy-input bottleneck (default none); self_condition [B, T, D]: the draft (default none).
-        `output_hidden_states` / `output_attentions` (eager) are recorded for the denoiser's blocks."""
+        """The denoiser over input_ids [B, T] or their token embeddings `inputs_embeds` (encoded by the autoencoder),
+        or over standardised `latents` [B, T, D]; the other arguments as `prior_inputs` takes them (timesteps default
+        0: clean). noisy [B, T] bool: positions that take the noisy-input bottleneck (default none); self_condition
+        [B, T, D]: the draft (default none). `output_hidden_states` / `output_attentions` (eager) are recorded for the
+        denoiser's blocks."""
         inputs = self.prior_inputs(input_ids, attention_mask, position_ids, cache, inputs_embeds, latents, use_cache,
                                    timesteps, kwargs)
         hidden = self.denoiser(inputs.latents, inputs.timesteps, noisy, self_condition, inputs.position_ids,
@@ -468,16 +445,11 @@ class AuroraModel(AuroraPreTrainedModel):
 
 @dataclass
 class AuroraGenerationOptions(BlockLatentGenerationOptions):
-    """AURORA-LM's own `generate()` options (next to the transformers ones the shared skeleton honours).
-
-    Alignment, repaint of a partial prompt block, `max_new_tokens` and EOS work as for Cola DLM
-    (`BlockLatentGenerationMixin`). Per block: `num_inference_steps` Euler steps on the σ grid from 1 to 0; each step
+    """AURORA-LM's own `generate()` options, besides the transformers ones and those shared with Cola DLM
+    (`BlockLatentGenerationOptions`). Alignment, repaint of a partial prompt block, `max_new_tokens` and EOS:
+    `BlockLatentGenerationMixin`. Per block: `num_inference_steps` Euler steps on the σ grid from 1 to 0; each step
     predicts ẑ, feeds it to the next step as the self-conditioning draft, and moves x to (σ'/σ)·x + (1 − σ'/σ)·ẑ.
 
-    Shared with Cola DLM (`BlockLatentGenerationOptions`): num_inference_steps (default: the config's, 16),
-    timestep_shift (default 1.0, the uniform grid), temperature (default config.decode_temperature = 0: the greedy
-    read-out; the ODE always starts from seeded noise), noise_seeds (one per row: its noise and read-out draws, so a
-    row gives the same tokens alone or in any batch), top_k / top_p refused.
     self_condition_guidance (default config.self_condition_guidance = 4; `small`: 1): w_sc of SC-CFG, ẑ = ẑ_blind +
         w_sc·(ẑ_aware − ẑ_blind), where "aware" sees the previous step's draft and "blind" a zero draft (two denoiser
         evaluations per step from the second step on; 1 = one evaluation, the aware prediction).
@@ -512,19 +484,6 @@ class AuroraGenerationOptions(BlockLatentGenerationOptions):
             raise ValueError(f"self_condition_draft must be one of {SELF_CONDITION_DRAFTS}, got "
                              f"{values['self_condition_draft']!r}")
         return replace(self, **values, **shared)
-
-
-class DualStreamInputs(NamedTuple):
-    """The inputs of one dual-stream denoiser pass (`AuroraForCausalLM.dual_stream_inputs`): the noisy latents x
-    [B, T, D], the stream's latents [z ; x] [B, 2T, D], timesteps [0 ; σ], noisy (the second stream's positions),
-    positions and mask."""
-
-    x: torch.Tensor
-    latents: torch.Tensor
-    timesteps: torch.Tensor
-    noisy: torch.Tensor
-    positions: torch.Tensor
-    mask: torch.Tensor
 
 
 def noisy_stream_draft(draft: torch.Tensor | None) -> torch.Tensor | None:
@@ -682,15 +641,12 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentForCausalLM):
         every row, and nothing else is random (no draft, no consistency term): the same batch gives the same loss."""
         cfg = self.config
         check_block_training_rows(input_ids, attention_mask, "AURORA")
-        batch, length = input_ids.shape
+        length = input_ids.shape[1]
         scored = scored_positions(labels, attention_mask)
         z = self.latent_targets(input_ids, attention_mask)
         sampler = make_time_sampler(cfg.time_sampler, **cfg.time_sampler_kwargs())
         generator = None if self.training else evaluation_generator()
-        sigma, clean_lead, history_visible = draw_block_conditions(sampler, batch, length, cfg.block_size,
-                                                                   cfg.prompt_block_prob, cfg.history_dropout,
-                                                                   input_ids.device, generator)
-        noise = torch.randn_like(z) if generator is None else fixed_row_draw(generator, batch, z.shape[1:], z.device)
+        sigma, clean_lead, history_visible, noise = self.training_draws(z, sampler, generator)
         stream = self.dual_stream_inputs(z, sigma, noise, history_visible, attention_mask)
         draft = self.self_condition_draft(stream)
         x0 = self.predict_x0(stream.latents, stream.timesteps, stream.noisy, noisy_stream_draft(draft), stream.mask,
@@ -766,23 +722,6 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentForCausalLM):
         return self.predict_x0(latents, timesteps, stream.noisy, draft, stream.mask, stream.positions,
                                ema=True)[:, length:]
 
-    def dual_stream_inputs(self, z: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor,
-                           history_visible: torch.Tensor | None = None,
-                           attention_mask: torch.Tensor | None = None) -> DualStreamInputs:
-        """The inputs of one dual-stream denoiser pass over every block of rows whose blocks start at column 0 (right
-        padding only). z [B, T, D] standardised clean latents; sigma [B, T] (one per block; 0 on clean leading
-        positions); noise [B, T, D]: ε. Returns x = (1 − σ)·z + σ·ε [B, T, D], latents [z ; x], timesteps [0 ; σ],
-        noisy (the second stream), positions and mask (`dual_stream_mask`, history where `history_visible`)."""
-        batch, length = z.shape[:2]
-        device = z.device
-        x = (1 - sigma[..., None]) * z + sigma[..., None] * noise
-        latents = torch.cat([z, x], dim=1)
-        timesteps = torch.cat([torch.zeros_like(sigma), sigma], dim=1)
-        noisy = torch.arange(2 * length, device=device)[None].expand(batch, -1) >= length
-        positions = torch.arange(length, device=device).repeat(2)[None].expand(batch, -1)
-        mask = dual_stream_mask(length, self.config.block_size, history_visible, attention_mask, device)
-        return DualStreamInputs(x, latents, timesteps, noisy, positions, mask)
-
     def denoising_error(self, x0: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         """Per-position denoising error [B, T]: mean over channels of (ẑ − z)², divided by σ² (clamped at
         `velocity_min_sigma`) when `loss_space` is "velocity"."""
@@ -798,7 +737,7 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentForCausalLM):
         """The plain denoising error of every latent position with the given draws, unreduced: [B, T] (float32).
         One pass of the online denoiser, without a self-conditioning draft (a zero draft, as the training objective
         gives a row that draws none) and without consistency; arguments as `dual_stream_inputs`. Used by
-        per-response scores (sums over a response's positions, hf_latentlm/training/latent_scores.py)."""
+        per-response scores (sums over a response's positions, hf_latentlm/training/scorers.py)."""
         stream = self.dual_stream_inputs(z, sigma, noise, history_visible, attention_mask)
         draft = None if self.model.denoiser.self_condition_proj is None else torch.zeros_like(stream.latents)
         x0 = self.predict_x0(stream.latents, stream.timesteps, stream.noisy, draft, stream.mask, stream.positions)

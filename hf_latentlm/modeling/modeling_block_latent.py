@@ -19,7 +19,8 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from .flow import FlowMatchEulerSampler, classifier_free_guidance
 from .generation import BlockDecodingState, BlockLatentGenerationMixin, DenoisedBlock
-from .layers import OffsetCache, ReadOnlyCache, block_causal_layout
+from .layers import (OffsetCache, ReadOnlyCache, block_causal_layout, draw_block_conditions, dual_stream_mask,
+                     fixed_row_draw)
 from .modeling_backbone import (BackbonePreTrainedModel, check_backbone_inputs, check_forward_kwargs, composite_config,
                                 runs_scoring_pass)
 
@@ -32,6 +33,19 @@ class PriorInputs(NamedTuple):
     position_ids: torch.Tensor
     mask: torch.Tensor
     cache: DynamicCache | None
+
+
+class DualStreamInputs(NamedTuple):
+    """The inputs of one dual-stream prior pass over every block (`dual_stream_inputs`): the noisy latents x
+    [B, T, D], the stream's latents [z ; x] [B, 2T, D], timesteps [0 ; σ], noisy (the second stream's positions),
+    positions and mask."""
+
+    x: torch.Tensor
+    latents: torch.Tensor
+    timesteps: torch.Tensor
+    noisy: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
 
 
 class BlockVelocityField:
@@ -76,6 +90,11 @@ class BlockLatentPreTrainedModel(BackbonePreTrainedModel):
     def component(self) -> BackbonePreTrainedModel:
         """The trained text component, a submodule of the base model; it owns the token embedding."""
         return getattr(self.base_model, self.component_attribute)
+
+    @property
+    def attention_block_size(self) -> int:
+        """Latent positions attend bidirectionally inside blocks of this size, causally across them."""
+        return self.config.block_size
 
     def get_input_embeddings(self):
         return self.component.get_input_embeddings()
@@ -188,6 +207,35 @@ class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMi
         return self.output_class(last_hidden_state=out.last_hidden_state, cache=out.cache,
                                  hidden_states=out.hidden_states, attentions=out.attentions)
 
+    def training_draws(self, z: torch.Tensor, time_sampler, generator: torch.Generator | None) -> tuple:
+        """The draws of one dual-stream training pass over clean latents z [B, T, D]: (times [B, T], clean_lead,
+        history_visible) of `draw_block_conditions` with `time_sampler`, then the noise ε [B, T, D]; one row shared by
+        every row when a `generator` is given (an eval-mode loss, `evaluation_generator`)."""
+        cfg = self.config
+        batch, length = z.shape[:2]
+        times, clean_lead, history_visible = draw_block_conditions(time_sampler, batch, length, cfg.block_size,
+                                                                   cfg.prompt_block_prob, cfg.history_dropout,
+                                                                   z.device, generator)
+        noise = torch.randn_like(z) if generator is None else fixed_row_draw(generator, batch, z.shape[1:], z.device)
+        return times, clean_lead, history_visible, noise
+
+    def dual_stream_inputs(self, z: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor,
+                           history_visible: torch.Tensor | None = None,
+                           attention_mask: torch.Tensor | None = None) -> DualStreamInputs:
+        """The inputs of one dual-stream prior pass over every block of rows whose blocks start at column 0 (right
+        padding only). z [B, T, D] clean latents; sigma [B, T] (one per block; 0 on clean leading positions); noise
+        [B, T, D]: ε. Returns x = (1 − σ)·z + σ·ε, latents [z (detached) ; x], timesteps [0 ; σ], noisy (the second
+        stream), positions and mask (`dual_stream_mask`, history where `history_visible`)."""
+        batch, length = z.shape[:2]
+        device = z.device
+        x = (1 - sigma[..., None]) * z + sigma[..., None] * noise
+        latents = torch.cat([z.detach(), x], dim=1)
+        timesteps = torch.cat([torch.zeros_like(sigma), sigma], dim=1)
+        noisy = torch.arange(2 * length, device=device)[None].expand(batch, -1) >= length
+        positions = torch.arange(length, device=device).repeat(2)[None].expand(batch, -1)
+        mask = dual_stream_mask(length, self.config.block_size, history_visible, attention_mask, device)
+        return DualStreamInputs(x, latents, timesteps, noisy, positions, mask)
+
     # ------------------------------------------------------------------------------------------------------------
     # generate (the block loop is `BlockLatentGenerationMixin`'s)
     # ------------------------------------------------------------------------------------------------------------
@@ -210,4 +258,5 @@ class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMi
         return DenoisedBlock(solver.solve(field, noise, state.known, known_mask), field.calls)
 
 
-__all__ = ["BlockLatentForCausalLM", "BlockLatentPreTrainedModel", "BlockVelocityField", "PriorInputs"]
+__all__ = ["BlockLatentForCausalLM", "BlockLatentPreTrainedModel", "BlockVelocityField", "DualStreamInputs",
+           "PriorInputs"]

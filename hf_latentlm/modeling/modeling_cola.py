@@ -1,15 +1,10 @@
-"""Cola DLM (Continuous Latent Diffusion Language Model, paper 004; method-specs §3).
+"""Cola DLM (Continuous Latent Diffusion Language Model, paper 004; method-specs §3; docs/families/cola.md).
 
-Two models:
-- `ColaTextVAE`: a causal text VAE, one latent of d_z channels per token. Its encoder is block-causal over tokens,
-  its posterior mean LayerNorm'd, its noise level one (learnable) logSNR; its decoder reads latents only and turns a
-  block of them into that block's tokens in one parallel pass.
-- `ColaForCausalLM`: the VAE and a block-causal DiT prior over its latents, trained jointly. The DiT learns, by flow
-  matching, to turn Gaussian noise into the next block of latents given the clean blocks before it; `generate()`
-  integrates that ODE block by block (with classifier-free guidance against the block alone), then the VAE decoder
-  reads each finished block out to tokens.
-
-The DiT's clean history is computed once per block and kept in a KV cache; the denoising steps only read it.
+- `ColaTextVAE`: a causal text VAE, one latent of d_z channels per token; its decoder reads latents only and turns
+  a block of them into that block's tokens in one parallel pass.
+- `ColaForCausalLM`: the VAE and a block-causal DiT prior over its latents, trained jointly by flow matching.
+  `generate()` integrates the ODE block by block (classifier-free guidance against the block alone, the clean
+  history in a KV cache that the denoising steps only read), then the VAE decoder reads each block out to tokens.
 """
 
 from __future__ import annotations
@@ -31,8 +26,7 @@ from .configuration_cola import ODE_SOLVERS, ColaConfig, ColaVAEConfig
 from .flow import FlowMatchEulerSampler, FlowMatchHeunSampler, TimestepEmbedding, make_time_sampler
 from .generation import BlockLatentGenerationOptions
 from .layers import (AttentionProbs, DecoderBlock, DiTBlock, RMSNorm, RotaryEmbedding, block_causal_layout,
-                     dit_layers, draw_block_conditions, dual_stream_mask, evaluation_generator, fixed_row_draw,
-                     init_backbone_weights)
+                     dit_layers, evaluation_generator, fixed_row_draw, init_backbone_weights)
 from .modeling_backbone import (BackbonePreTrainedModel, check_backbone_inputs, check_block_training_rows,
                                 check_forward_kwargs, masked_cross_entropy, recording_nothing, scored_positions)
 from .modeling_block_latent import BlockLatentForCausalLM, BlockLatentPreTrainedModel, BlockVelocityField
@@ -95,6 +89,19 @@ class LogSNR(nn.Module):
         return self.value.float().clamp(*self.bounds)
 
 
+def vae_blocks(half: nn.Module, x: torch.Tensor, attention_mask: torch.Tensor | None, cache,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, T, hidden] through the `layers` of a VAE half, block-causal over blocks of `vae_block_size` positions
+    after the keys in `cache`."""
+    past = cache.get_seq_length() if cache is not None else 0
+    positions, mask = block_causal_layout(attention_mask, x.shape[0], x.shape[1], past, half.config.vae_block_size,
+                                          x.device, position_ids)
+    cos, sin = half.rotary(positions, dtype=x.dtype)
+    for layer in half.layers:
+        x = layer(x, cos, sin, mask, cache=cache)
+    return x
+
+
 class ColaVAEEncoder(nn.Module):
     """Tokens -> posterior mean μ [B, T, d_z] (LayerNorm'd over channels) and the shared logSNR."""
 
@@ -118,7 +125,7 @@ class ColaVAEEncoder(nn.Module):
         """input_ids [B, T] (or their token embeddings `inputs_embeds` [B, T, hidden]); attention_mask [B, cached + T]
         (left padding); masked [B, T] bool: positions whose input is the mask embedding; cache: keys of earlier
         tokens (written). Returns μ [B, T, d_z] in float32."""
-        return self.posterior_mean(self.states(input_ids, attention_mask, masked, cache, inputs_embeds))
+        return self.posterior(self.states(input_ids, attention_mask, masked, cache, inputs_embeds))[0]
 
     def states(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                masked: torch.Tensor | None = None, cache=None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,16 +137,8 @@ class ColaVAEEncoder(nn.Module):
             x = torch.where(masked[..., None], mask_row.to(x.dtype), x)
         if self.patch_in is not None:
             x = self.patch_in(x)
-        past = cache.get_seq_length() if cache is not None else 0
-        positions, mask = block_causal_layout(attention_mask, x.shape[0], x.shape[1], past,
-                                              self.config.vae_block_size, x.device)
-        cos, sin = self.rotary(positions, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache=cache)
+        x = vae_blocks(self, x, attention_mask, cache)
         return x if self.norm is None else self.norm(x)
-
-    def posterior_mean(self, states: torch.Tensor) -> torch.Tensor:
-        return self.posterior(states)[0]
 
     def posterior(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(μ [B, T, d_z], σ) of the final states, float32: σ is one scalar (the logSNR's), or [B, T, d_z] from the
@@ -194,12 +193,7 @@ class ColaVAEDecoder(nn.Module):
     def forward(self, latents: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.latent_in(latents.to(self.latent_in.weight.dtype))
-        past = cache.get_seq_length() if cache is not None else 0
-        positions, mask = block_causal_layout(attention_mask, x.shape[0], x.shape[1], past,
-                                              self.config.vae_block_size, x.device, position_ids)
-        cos, sin = self.rotary(positions, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache=cache)
+        x = vae_blocks(self, x, attention_mask, cache, position_ids)
         if self.patch_out is not None:
             x = self.patch_out(x)
         return self.lm_head(self.norm(x))
@@ -443,11 +437,6 @@ class ColaModel(ColaPreTrainedModel):
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps, elementwise_affine=official)
         self.post_init()
 
-    @property
-    def attention_block_size(self) -> int:
-        """Latent positions attend bidirectionally inside blocks of this size, causally across them."""
-        return self.config.block_size
-
     def denoiser(self, latents: torch.Tensor, timesteps: torch.Tensor, position_ids: torch.Tensor,
                  mask: torch.Tensor | None, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The DiT on latents [B, T, d_z] at per-position times [B, T] (0 = clean): final states [B, T, d] (normed,
@@ -472,11 +461,8 @@ class ColaModel(ColaPreTrainedModel):
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                 timesteps: torch.Tensor | None = None, latents: torch.Tensor | None = None,
                 **kwargs) -> BaseModelOutputWithPast:
-        """input_ids [B, T] or their token embeddings `inputs_embeds` [B, T, hidden] (encoded by the VAE; with a
-        cache, the VAE encoder's keys are kept in the same cache after the DiT's layers), or the DiT's input
-        `latents` [B, T, d_z]. attention_mask [B, cached + T] (left
-        padding; blocks are counted from each row's first real token), or a ready bool mask [B, 1, T, cached + T]
-        with `position_ids`. timesteps [B, T] (default 0: clean).
+        """The DiT over input_ids [B, T] or their token embeddings `inputs_embeds` (encoded by the VAE), or over its
+        input `latents` [B, T, d_z]; the other arguments as `prior_inputs` takes them (timesteps default 0: clean).
         `output_hidden_states` / `output_attentions` (eager) are recorded for the DiT's blocks."""
         inputs = self.prior_inputs(input_ids, attention_mask, position_ids, cache, inputs_embeds, latents, use_cache,
                                    timesteps, kwargs)
@@ -503,17 +489,10 @@ class VelocityHead(nn.Module):
 
 @dataclass
 class ColaGenerationOptions(BlockLatentGenerationOptions):
-    """Cola DLM's own `generate()` options (next to the transformers ones the shared skeleton honours).
+    """Cola DLM's own `generate()` options, besides the transformers ones and those shared with AURORA-LM
+    (`BlockLatentGenerationOptions`). Alignment, repaint of a partial prompt block, `max_new_tokens` and EOS:
+    `BlockLatentGenerationMixin`.
 
-    Alignment: latent blocks of `block_size` are counted from each row's first real token, as the row would be
-    alone. The prompt's complete blocks are the clean history; a prompt that ends mid-block makes that block the
-    first generated one, with its known positions held at their clean latents (repaint). Exactly `max_new_tokens`
-    tokens come back unless EOS stops a row (inside a block if need be).
-
-    Shared with AURORA-LM (`BlockLatentGenerationOptions`): num_inference_steps (default: the config's, 16;
-    ODE steps per block from t = 1 to t = 0), timestep_shift, temperature (default config.decode_temperature = 0:
-    the VAE decoder's greedy read-out; the ODE always starts from seeded noise), noise_seeds (one per row, so a row
-    gives the same tokens alone or in any batch), top_k / top_p refused.
     ode_solver (default config.ode_solver = "euler"): "euler" (one DiT evaluation per step) or "heun" (two, the last
         step one).
     guidance_scale (default config.cfg_scale = 7): w of v = v_uncond + w·(v_cond − v_uncond), where the unconditional
@@ -678,11 +657,8 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
             ref_kl = gaussian_kl(mean, std, ref_mean, ref_std)
             parts["reference_kl"] = (ref_kl * scored).sum() / scored.sum().clamp(min=1)
 
-        Q, device = cfg.block_size, input_ids.device
         sampler = make_time_sampler(cfg.time_sampler, **cfg.time_sampler_kwargs())
-        t, clean_lead, history_visible = draw_block_conditions(sampler, batch, length, Q, cfg.prompt_block_prob,
-                                                               cfg.history_dropout, device, generator)
-        noise = torch.randn_like(z0) if generator is None else fixed_row_draw(generator, batch, z0.shape[1:], device)
+        t, clean_lead, history_visible, noise = self.training_draws(z0, sampler, generator)
         error = self.flow_matching_error(z0, t, noise, history_visible, attention_mask)
         fm_scored = (scored & ~clean_lead).float()
         flow_matching = (error * fm_scored).sum() / fm_scored.sum().clamp(min=1)
@@ -692,32 +668,19 @@ class ColaForCausalLM(ColaPreTrainedModel, BlockLatentForCausalLM):
             loss = loss + cfg.vae_loss_weight * parts["vae_loss"]
         if "reference_kl" in parts:
             loss = loss + cfg.reference_kl_weight * parts["reference_kl"]
-        detached = {name: None if value is None else value.detach() for name, value in parts.items()}
+        detached = {name: _detached(value) for name, value in parts.items()}
         return ColaOutput(loss=loss, flow_matching_loss=flow_matching.detach(),
-                          logsnr=_detached(vae.encoder.logsnr_value()),
-                          **detached)
-
-    joint_objective = training_objective  # its name before the block-latent base
+                          logsnr=_detached(vae.encoder.logsnr_value()), **detached)
 
     def flow_matching_error(self, z0: torch.Tensor, times: torch.Tensor, noise: torch.Tensor,
                             history_visible: torch.Tensor | None = None,
                             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The flow-matching error of every latent position with the given draws, unreduced: [B, T] (float32).
-
-        z0 [B, T, d_z]: clean latents of rows whose blocks start at column 0 (right padding only); times [B, T]: the
-        flow time of each position (one per block; 0 on clean leading positions, which the caller leaves unscored);
-        noise [B, T, d_z]: ε. One dual-stream pass: block b's noisy copy z_t = (1 − t)·z0 + t·ε sees itself and the
-        clean, detached blocks < b where `history_visible` [B, num_blocks] (None: all); error = mean over channels
-        of (v̂ − (ε − z0))². Used by the training loss (a masked mean) and by per-response scores (sums over a
-        response's positions, hf_latentlm/training/latent_scores.py)."""
-        batch, length = z0.shape[:2]
-        device = z0.device
-        z_t = (1 - times[..., None]) * z0 + times[..., None] * noise
-        latents = torch.cat([z0.detach(), z_t], dim=1)
-        timesteps = torch.cat([torch.zeros_like(times), times], dim=1)
-        positions = torch.arange(length, device=device).repeat(2)[None].expand(batch, -1)
-        mask = dual_stream_mask(length, self.config.block_size, history_visible, attention_mask, device)
-        velocity = self.velocity(latents, timesteps, mask, positions)[:, length:]
+        """The flow-matching error of every latent position with the given draws, unreduced: [B, T] (float32), the
+        mean over channels of (v̂ − (ε − z0))² in one dual-stream pass (`dual_stream_inputs`, arguments as there; the
+        caller leaves clean leading positions unscored). Used by the training loss (a masked mean) and by
+        per-response scores (sums over a response's positions, hf_latentlm/training/scorers.py)."""
+        stream = self.dual_stream_inputs(z0, times, noise, history_visible, attention_mask)
+        velocity = self.velocity(stream.latents, stream.timesteps, stream.mask, stream.positions)[:, z0.shape[1]:]
         return (velocity - (noise - z0).float()).pow(2).mean(-1)
 
     # ------------------------------------------------------------------------------------------------------------
