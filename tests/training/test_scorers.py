@@ -402,6 +402,32 @@ def test_gradients_reach_the_trainable_prior_only_and_lora_through_peft(models, 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_scores_run_through_the_wrappers_forward_with_adapters_as_peft_sets_them(models, family):
+    """The score runs as the forward (`scoring_pass`), so PEFT applies its adapters, or not inside
+    `disable_adapter()`, and nothing on the model is replaced: its `forward` and signature stay the class's."""
+    import inspect
+
+    from peft import LoraConfig, get_peft_model
+
+    model = copy.deepcopy(models[family][0])
+    scorer = scorer_of(family)
+    ids, mask, completion = batch_of([pair_rows(model, 6, 7, 13)])
+    draws = scorer.draws(model, ids, mask, completion, ["g"])
+    with torch.no_grad():
+        base = scorer.score(model, ids, mask, completion, draws).loss_sum
+        peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=get_family(family).lora_target_modules))
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+        adapted = scorer.score(peft_model, ids, mask, completion, draws).loss_sum
+        with peft_model.disable_adapter():
+            disabled = scorer.score(peft_model, ids, mask, completion, draws).loss_sum
+    assert (adapted - base).abs().max() > 1e-4, "the adapters change the score"
+    torch.testing.assert_close(disabled, base, rtol=1e-5, atol=1e-6)
+    assert "forward" not in model.__dict__ and "scoring_pass" not in inspect.signature(model.forward).parameters
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_scorer_for_dispatches_each_latent_family(models, family):
     assert type(scorer_for(models[family][0])) is SCORERS[family]
 
