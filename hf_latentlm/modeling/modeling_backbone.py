@@ -9,7 +9,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
-from transformers.utils import logging
+from transformers.utils import can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import capture_outputs
 
 from .layers import init_backbone_weights
@@ -76,6 +77,13 @@ def runs_scoring_pass(forward):
         return forward(self, *args, **kwargs)
 
     return dispatch
+
+
+def head_forward(forward):
+    """The decorators of a family head model's forward: Llama's (`cache`, with `past_key_values` as its deprecated
+    name; a tuple when `return_dict=False`), and `runs_scoring_pass`."""
+    return runs_scoring_pass(deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")(
+        can_return_tuple(forward)))
 
 
 def embedded_config(component_config):
@@ -272,6 +280,6 @@ class BackbonePreTrainedModel(PreTrainedModel, TrainingHooks):
 
 
 __all__ = ["BackbonePreTrainedModel", "DefaultTrainingHooks", "TrainingHooks", "check_backbone_inputs",
-           "check_block_training_rows", "check_forward_kwargs", "composite_config", "embedded_config",
+           "check_block_training_rows", "check_forward_kwargs", "composite_config", "embedded_config", "head_forward",
            "masked_cross_entropy", "recording_nothing", "refuse_vocab_resize", "resized_vocab_size",
            "runs_scoring_pass", "scored_positions", "training_hooks"]

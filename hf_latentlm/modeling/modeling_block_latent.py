@@ -14,15 +14,13 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
-from transformers.utils import can_return_tuple
-from transformers.utils.deprecation import deprecate_kwarg
 
 from .flow import FlowMatchEulerSampler, classifier_free_guidance
 from .generation import BlockDecodingState, BlockLatentGenerationMixin, DenoisedBlock
 from .layers import (OffsetCache, ReadOnlyCache, block_causal_layout, draw_block_conditions, dual_stream_mask,
                      fixed_row_draw)
 from .modeling_backbone import (BackbonePreTrainedModel, check_backbone_inputs, check_forward_kwargs, composite_config,
-                                runs_scoring_pass)
+                                head_forward)
 
 
 class PriorInputs(NamedTuple):
@@ -185,9 +183,7 @@ class BlockLatentForCausalLM(BlockLatentPreTrainedModel, BlockLatentGenerationMi
         """The networks of `network_names`, in that order."""
         return [self.model, self.component.encoder, self.component.decoder]
 
-    @runs_scoring_pass
-    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
-    @can_return_tuple
+    @head_forward
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,

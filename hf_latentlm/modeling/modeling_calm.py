@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils import ModelOutput
 from transformers.utils.generic import is_flash_attention_requested
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
@@ -32,7 +32,7 @@ from .generation import (DecodingStep, GenerateOutput, GenerationOptions, MultiT
 from .layers import (AttentionProbs, DecoderBlock, RMSNorm, RotaryEmbedding, SwiGLUMLP, causal_layout, decoder_layers,
                      evaluation_generator, fixed_row_draw)
 from .modeling_backbone import (BackbonePreTrainedModel, check_backbone_inputs, check_forward_kwargs, composite_config,
-                                refuse_vocab_resize, runs_scoring_pass)
+                                head_forward, refuse_vocab_resize)
 
 
 @dataclass
@@ -586,9 +586,7 @@ class CALMForCausalLM(CALMPreTrainedModel, MultiTokenGenerationMixin):
     # forward
     # ------------------------------------------------------------------------------------------------------------
 
-    @runs_scoring_pass
-    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
-    @can_return_tuple
+    @head_forward
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils import ModelOutput
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -53,7 +53,7 @@ from .modeling_backbone import (
     BackbonePreTrainedModel,
     check_backbone_inputs,
     check_forward_kwargs,
-    runs_scoring_pass,
+    head_forward,
 )
 
 
@@ -461,9 +461,7 @@ class PLMForCausalLM(PLMPreTrainedModel, MultiTokenGenerationMixin):
     # forward
     # ------------------------------------------------------------------------------------------------
 
-    @runs_scoring_pass
-    @deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")
-    @can_return_tuple
+    @head_forward
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
