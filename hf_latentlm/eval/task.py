@@ -18,9 +18,6 @@ from ..training.tasks import exact_match
 from .sampling import PLAIN_SAMPLING, model_mode
 from .speed import CallCounter
 
-# Answers are drawn with PLAIN_SAMPLING (PLM samples through Voronoi auxiliaries and has no greedy mode). After SFT
-# the answers of this task are low-entropy, so it is close to greedy.
-
 
 def left_padded(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T] ids and attention mask of the prompts, left-padded (the tokenizer's own padding, pad = EOS if unset)."""
@@ -43,6 +40,8 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
     """Answers (token ids before EOS) for one batch of prompts, and the number of model calls it took."""
     input_ids, mask = left_padded(tokenizer, prompts)
     device = next(model.parameters()).device
+    # Plain sampling at temperature 1 unless the caller says otherwise; after SFT this task's answers are
+    # low-entropy, so it is close to greedy.
     kwargs = {**PLAIN_SAMPLING, **(generate_kwargs or {}), "max_new_tokens": max_new_tokens,
               "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     seeds_option = getattr(model, "row_seeds_option", None)

@@ -320,9 +320,9 @@ def compile_entry_point(cls: type, name: str):
     """`cls.<name>` behind a function with a code object of its own, made once per (class, method).
 
     torch.compile keeps its graphs, at most `recompile_limit` of them, on the code object of the function it is
-    given, and every forward that transformers' `deprecate_kwarg` decorates shares that decorator's code object: all
-    networks would share one limit (and silently run eager past it). Behind its own code object each method's graphs
-    are counted apart, and one class's graphs serve every model of that class."""
+    given, and every forward behind the same decorator (`head_forward`, transformers' `deprecate_kwarg`) shares that
+    decorator's code object: all networks would share one limit (and silently run eager past it). Behind its own
+    code object each method's graphs are counted apart, and one class's graphs serve every model of that class."""
     method = getattr(cls, name)
 
     def entry_point(module, *args, **kwargs):
