@@ -596,11 +596,13 @@ def resume_hint(args) -> str:
 
 
 def end_process_group() -> None:
-    """Destroy the process group a multi-process command joined (Accelerate's `end_training` step). Left to the
-    interpreter's exit, gloo's threads can be torn down while still joinable, and a rank then aborts (SIGABRT,
-    "terminate called without an active exception") after its work is done."""
+    """Destroy the process group a multi-process command joined (Accelerate's `end_training` step), after a barrier.
+    Left to the interpreter's exit, or destroyed while another rank still talks to it, gloo's threads can be torn down
+    while still joinable, and a rank then aborts (SIGABRT, "terminate called without an active exception") after its
+    work is done."""
     distributed = sys.modules.get("torch.distributed")
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        distributed.barrier()
         distributed.destroy_process_group()
 
 
