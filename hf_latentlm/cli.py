@@ -18,7 +18,7 @@ from pathlib import Path
 
 from trl import TrlParser
 
-from .families import FAMILIES, check_components, component_names, get_family
+from .families import FAMILIES, check_components, check_init_from, component_names, get_family
 from .presets import get_preset
 from .training.config import REPORT_TO_HELP, TrainConfig, check_output_dir
 
@@ -56,6 +56,20 @@ class PostTrainingArguments:
 
 
 @dataclass
+class SFTArguments(PostTrainingArguments):
+    model: str | None = field(default=None, kw_only=True, metadata={
+        "help": "model folder written by train (or give --init-from)"})
+    init_from: str | None = field(default=None, metadata={
+        "help": "instead of --model: a fresh --family model started from this causal LM, a folder or Hub id (as "
+                "`train --init-from`, e.g. an `ar` run after its own post-training)"})
+    family: str = field(default="plm", metadata={"help": "with --init-from: the family to start"})
+    preset: str = field(default="small", metadata={"help": "with --init-from: the preset of the family's own fields"})
+    encoder_kl_weight: float = field(default=0.0, metadata={
+        "help": "with --init-from: weight of KL(source || encoder) on the encoder pass, added to the loss, which "
+                "holds the encoder near its frozen source (0: none)"})
+
+
+@dataclass
 class DPOArguments(PostTrainingArguments):
     policy_rejections: bool = field(default=False, metadata={
         "help": "reject the model's own wrong answers (sampled once, before training) instead of the task's "
@@ -74,7 +88,8 @@ class GRPOArguments(PostTrainingArguments):
 
 
 POST_TRAINING = {
-    "sft": (PostTrainingArguments, "supervised fine-tuning of a trained model on an instruction task"),
+    "sft": (SFTArguments, "supervised fine-tuning of a trained model (or of one started from a causal LM) on an "
+                          "instruction task"),
     "dpo": (DPOArguments, "preference optimisation (DPO) of a fine-tuned model on an instruction task"),
     "grpo": (GRPOArguments, "reinforcement learning (GRPO) of a fine-tuned model on an instruction task, rewarded "
                             "by exact match plus partial credit"),
@@ -478,7 +493,10 @@ def cmd_post_train(args) -> int:
                              f"and divide --batch-size; got {args.num_generations} and {args.batch_size}")
         if args.beta < 0:
             raise ValueError(f"--beta must be >= 0, got {args.beta}")
-    check_model_folder(args.model, f"model folder {args.model!r}")
+    if args.command == "sft":
+        check_sft_start(args)
+    if args.model is not None:
+        check_model_folder(args.model, f"model folder {args.model!r}")
     if args.command in ("dpo", "grpo") and not (Path(args.model) / POST_TRAINING_RECORD).is_file():
         # `sft` writes that record; DPO's reference is the model itself, so a model that never learnt the task's
         # answer format gives the preference loss little to work with. Allowed (a model may be tuned elsewhere).
@@ -493,6 +511,23 @@ def cmd_post_train(args) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}))
     return 0
+
+
+def check_sft_start(args) -> None:
+    """`sft` starts from exactly one of --model and --init-from; the --init-from options are checked here."""
+    if (args.model is None) == (args.init_from is None):
+        raise ValueError("give exactly one of --model (a trained model folder) and --init-from (a causal LM to "
+                         "start a --family model from)")
+    if args.init_from is None:
+        if args.encoder_kl_weight:
+            raise ValueError("--encoder-kl-weight needs --init-from (the frozen source the KL is taken to)")
+        return
+    check_init_from(args.family)
+    get_preset(args.preset)
+    if not args.encoder_kl_weight >= 0:
+        raise ValueError(f"--encoder-kl-weight must be >= 0, got {args.encoder_kl_weight}")
+    if args.lora:
+        raise ValueError("--init-from trains every weight of the new model; --lora applies to --model only")
 
 
 def cmd_convert(args) -> int:

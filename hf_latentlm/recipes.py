@@ -34,13 +34,15 @@ from trl import DPOTrainer, GRPOTrainer, SFTTrainer
 
 from .eval.sampling import model_mode
 from .eval.task import generate_answers
-from .families import BACKBONE_LORA_TARGETS, BASELINE_FAMILY, FamilySpec, family_of_model_type
+from .families import BACKBONE_LORA_TARGETS, BASELINE_FAMILY, FamilySpec, build_model, family_of_model_type
 from .folders import POST_TRAINING_RECORD
 from .loading import load_model_and_tokenizer
 from .training import tasks
 from .training.checkpoint import latest_checkpoint, save_tokenizer
 from .training.config import parse_report_to
+from .training.encoder_kl import EncoderKL
 from .training.grpo import GRPO_LEARNING_RATE, NUM_GENERATIONS, NUM_SCORE_DRAWS, LatentGRPOTrainer, grpo_config
+from .training.loop import load_source_model, load_tokenizer
 from .training.post_training import (DPO_BETA, DPO_LEARNING_RATE, LORA_LEARNING_RATE_FACTOR, SAVE_EVERY,
                                      SFT_LEARNING_RATE, LatentDPOTrainer, LatentSFTTrainer, dpo_config, sft_config)
 from .training.scorers import core_model
@@ -153,14 +155,25 @@ def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: 
                 dataset: Dataset | None, callbacks: Sequence | None, save_every: int, resume: bool,
                 policy_rejections: bool = False, beta: float | None = None, num_generations: int = NUM_GENERATIONS,
                 num_score_draws: int = NUM_SCORE_DRAWS, reward_funcs: Sequence | None = None,
-                report_to: str | Sequence[str] | None = "none", **config_overrides) -> dict:
+                report_to: str | Sequence[str] | None = "none", init_from: str | None = None, family: str = "plm",
+                preset: str = "small", encoder_kl_weight: float = 0.0, **config_overrides) -> dict:
     """The body of `run_sft`, `run_dpo` and `run_grpo` (`stage`): load, build the data, train, save, summarise.
-    `report_to`: the trainer's `TrainingArguments.report_to` (docs/tracking.md), checked before anything loads."""
+    `report_to`: the trainer's `TrainingArguments.report_to` (docs/tracking.md), checked before anything loads.
+    `init_from` (SFT): start from a fresh `family` model at `preset` around a copy of that causal LM instead of
+    `model_dir`, with `encoder_kl_weight` · KL(source ‖ encoder) added to the loss when positive."""
     report_to = parse_report_to(report_to)
     checkpoint = resume_checkpoint(output_dir, resume)
-    origin = {"stage": stage, "base_model": str(model_dir), "lora": lora,  # the card's base_model (hub.py)
+    origin = {"stage": stage, "base_model": str(init_from or model_dir), "lora": lora,  # the card's base_model
               "task": None if dataset is not None else task or tasks.DEFAULT_TASK}
-    model, tokenizer = load_model_and_tokenizer(str(model_dir))
+    if init_from is None:
+        model, tokenizer = load_model_and_tokenizer(str(model_dir))
+        encoder_kl = None
+    else:  # a fresh `family` model around a copy of the causal LM, which stays frozen as the KL's reference
+        source = load_source_model(init_from)
+        tokenizer = load_tokenizer(init_from, option="--init-from")
+        model = build_model(family, preset, tokenizer, init_from=source)
+        origin["init_from"] = {"family": family, "preset": preset, "encoder_kl_weight": encoder_kl_weight}
+        encoder_kl = EncoderKL(source, encoder_kl_weight) if encoder_kl_weight else None
     run = PostTrainingRun.of(model)
     if dataset is None:
         load = tasks.load_preference_task if stage == "dpo" else tasks.load_task
@@ -195,6 +208,8 @@ def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: 
         options["max_length"] = getattr(core_model(model).config, "max_position_embeddings", None)
         if stage == "sft":
             args = sft_config(output_dir, **{**options, **config_overrides})
+            if encoder_kl is not None:
+                trainer_options["encoder_kl"] = encoder_kl
         else:
             args = dpo_config(output_dir, beta=DPO_BETA if beta is None else beta, **{**options, **config_overrides})
     trainer = run.trainer_class(stage)(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
@@ -211,17 +226,21 @@ def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: 
 def run_sft(model_dir, output_dir, task: str | None = None, max_steps: int | None = None, lora: bool = False, *,
             learning_rate: float | None = None, batch_size: int = 8, seed: int = 0, train_size: int | None = None,
             dataset: Dataset | None = None, callbacks: Sequence | None = None, save_every: int = SAVE_EVERY,
-            resume: bool = False, **config_overrides) -> dict:
+            resume: bool = False, init_from: str | None = None, family: str = "plm", preset: str = "small",
+            encoder_kl_weight: float = 0.0, **config_overrides) -> dict:
     """SFT of the model in `model_dir` on `task` (`tasks.load_task`; or `dataset`, prompt/completion rows) and a
     normal checkpoint in `output_dir`. AR: stock `SFTTrainer`; other families: `LatentSFTTrainer`. `lora`: train a
     LoRA adapter, then save the merged model. `callbacks`: extra `TrainerCallback`s. Checkpoints every `save_every`
     steps into `output_dir/checkpoint-<step>/`; `resume` continues from the newest (ValueError if there is none; a
     fresh run refuses a folder that holds checkpoints). Call with the same arguments as the interrupted run.
     `config_overrides` go to `sft_config`; `report_to` (e.g. "tensorboard", `TrainingArguments`' meaning) is checked
-    before anything loads. Returns a summary (steps, losses)."""
+    before anything loads. `init_from` (a causal LM folder or Hub id; `model_dir` None): SFT a fresh `family` model
+    at `preset` started from it (`train --init-from`), adding `encoder_kl_weight` · KL(source ‖ encoder) when
+    positive. Returns a summary (steps, losses)."""
     return _post_train("sft", model_dir, output_dir, task, max_steps, lora, learning_rate=learning_rate,
                        batch_size=batch_size, seed=seed, train_size=train_size, dataset=dataset, callbacks=callbacks,
-                       save_every=save_every, resume=resume, **config_overrides)
+                       save_every=save_every, resume=resume, init_from=init_from, family=family, preset=preset,
+                       encoder_kl_weight=encoder_kl_weight, **config_overrides)
 
 
 def run_dpo(model_dir, output_dir, task: str | None = None, max_steps: int | None = None, lora: bool = False, *,

@@ -1,5 +1,5 @@
-"""A KL term that holds a model's encoder pass near the frozen causal LM it started from (`train --init-from SRC
---encoder-kl-weight W`).
+"""A KL term that holds a model's encoder pass near the frozen causal LM it started from (`train` and `sft`
+with `--init-from SRC --encoder-kl-weight W`).
 
 A PLM started from a pretrained AR model shares every backbone weight between its encoder and its decoder, so the
 decoder's loss moves the encoder away from the source. `EncoderKL` adds W · KL(source ‖ encoder), the mean over the
@@ -14,12 +14,16 @@ import torch
 import torch.nn.functional as F
 
 
-def token_kl(logits: torch.Tensor, reference_logits: torch.Tensor) -> torch.Tensor:
+def token_kl(logits: torch.Tensor, reference_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over positions of KL(reference ‖ model) between the softmaxes of `reference_logits` and `logits`
-    ([..., V] each), computed in float32."""
+    ([..., V] each), computed in float32; `mask` [...] (1: counted), e.g. an attention mask, leaves padding out."""
     log_q = F.log_softmax(logits.float(), dim=-1)
     log_p = F.log_softmax(reference_logits.float(), dim=-1)
-    return F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1).mean()
+    kl = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
+    if mask is None:
+        return kl.mean()
+    mask = mask.to(kl.dtype)
+    return (kl * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 class EncoderKL:
@@ -32,13 +36,14 @@ class EncoderKL:
         self.source = source.eval().requires_grad_(False)
         self.weight = float(weight)
 
-    def add_to(self, output, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The training loss with the KL term over every position of `input_ids` [B, T] (packed rows: no padding)
-        added, and the parts to log beside the model's own (`loss`: the total; `encoder_kl`: the KL before
-        weighting)."""
+    def add_to(self, output, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The training loss with the KL term over the positions of `input_ids` [B, T] added (every position of
+        packed rows; with `attention_mask`, the attended ones), and the parts to log beside the model's own (`loss`:
+        the total; `encoder_kl`: the KL before weighting)."""
         with torch.no_grad():
-            reference = self.source(input_ids=input_ids).logits
-        kl = token_kl(output.logits, reference)
+            reference = self.source(input_ids=input_ids, attention_mask=attention_mask).logits
+        kl = token_kl(output.logits, reference, attention_mask)
         loss = output.loss + self.weight * kl
         return loss, {"loss": loss.detach().float(), "encoder_kl": kl.detach().float()}
 

@@ -31,6 +31,7 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 from ..families import family_of_model_type
 from ..modeling.modeling_backbone import training_hooks
+from .encoder_kl import EncoderKL
 from .loop import parameter_groups
 from .scorers import (ResponseScore, ResponseScorer, TokenLikelihoodScorer, TokenStats, core_model, fill_token_id,
                       pair_key, split_rows)
@@ -238,13 +239,16 @@ class LatentSFTTrainer(FamilyLearningRates, SFTTrainer):
     (`loss_is_scaled_for_ga = False`: the Trainer divides it by the accumulation steps). Every other scalar of the
     model's output (PLM: encoder_nll, decoder_nll, alignment_loss, ...) is logged. Conversational data goes through
     the tokenizer's chat template, whose `{% generation %}` markers let `assistant_only_loss=True` train the answers
-    only (a warning says so when a `messages` dataset lacks it).
+    only (a warning says so when a `messages` dataset lacks it). `encoder_kl` (`EncoderKL`, PLM started from a causal
+    LM): its weighted KL(source ‖ encoder) over the attended positions is added to the loss and logged as
+    `encoder_kl`.
     """
 
     loss_is_scaled_for_ga = False
     _tag_names = ["trl", "sft", "hf-latentlm"]
 
-    def __init__(self, model, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None, **kwargs):
+    def __init__(self, model, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None,
+                 encoder_kl: EncoderKL | None = None, **kwargs):
         for option in ("packing", "padding_free"):
             if getattr(args, option, False):
                 raise ValueError(f"LatentSFTTrainer does not support {option}=True: the family's objective reads "
@@ -262,6 +266,13 @@ class LatentSFTTrainer(FamilyLearningRates, SFTTrainer):
         #: K of a family that trains whole chunks (CALM), else None; its rows are chunk-aligned in `model_inputs`.
         self.chunk_size: int | None = getattr(config, "chunk_size", None)
         self.fill_token_id = fill_token_id(config)
+        if encoder_kl is not None:
+            spec = family_of_model_type(config.model_type)
+            if spec is None or spec.init_from is None:  # the families whose encoder pass is a causal LM's
+                raise ValueError(f"encoder_kl holds the encoder pass of a model started from a causal LM "
+                                 f"(--init-from); a {config.model_type!r} model has none")
+            encoder_kl.source.to(self.accelerator.device)
+        self.encoder_kl = encoder_kl
 
     @staticmethod
     def response_labels(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -286,7 +297,11 @@ class LatentSFTTrainer(FamilyLearningRates, SFTTrainer):
         mode = "train" if self.model.training else "eval"
         batch = self.model_inputs(inputs)
         out = model(**batch)
-        for name, value in out.items():
+        scalars = dict(out.items())
+        if self.encoder_kl is not None:
+            out.loss, parts = self.encoder_kl.add_to(out, batch["input_ids"], batch["attention_mask"])
+            scalars.update(parts)
+        for name, value in scalars.items():
             if name != "loss" and isinstance(value, torch.Tensor) and value.dim() == 0:
                 self._metrics[mode][name].append(self.accelerator.gather_for_metrics(value.detach()).mean().item())
         self.log_token_metrics(mode, out, batch["labels"], inputs)

@@ -1,5 +1,5 @@
-"""`hf-latentlm train --family plm --init-from SRC`: the source's weights, vocabulary and tokenizer, exact resume, the
-refusals, and the encoder KL term to the frozen source (`--encoder-kl-weight`)."""
+"""`hf-latentlm train --family plm --init-from SRC` (and `sft --init-from SRC`): the source's weights, vocabulary and
+tokenizer, exact resume, the refusals, and the encoder KL term to the frozen source (`--encoder-kl-weight`)."""
 
 import json
 import os
@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from hf_latentlm.families import build_model
 from hf_latentlm.modeling import PLMForCausalLM
 from hf_latentlm.training.checkpoint import save_tokenizer
-from hf_latentlm.training.encoder_kl import EncoderKL
+from hf_latentlm.training.encoder_kl import EncoderKL, token_kl
 from hf_latentlm.training.loop import TrainConfig, train
 
 TINY_PLM = dict(block_size=4, k_pred=4, num_auxiliaries=128, auxiliary_top_m=32)
@@ -140,3 +140,80 @@ def test_encoder_kl_trains_under_two_process_data_parallel(ar_folder, tiny_rows,
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     kl = {record["step"]: record["encoder_kl"] for record in logged if "encoder_kl" in record}
     assert kl[1] < 1e-6 < kl[2]
+
+
+def test_token_kl_with_a_mask_is_the_mean_over_the_attended_positions_by_hand():
+    torch.manual_seed(0)
+    logits, reference = torch.randn(2, 3, 5), torch.randn(2, 3, 5)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    p, q = reference.softmax(-1), logits.softmax(-1)
+    per_position = (p * (p.log() - q.log())).sum(-1)  # KL(reference ‖ model) at each position
+    expected = (per_position[0, 0] + per_position[0, 1] + per_position[1, 0]) / 3
+    torch.testing.assert_close(token_kl(logits, reference, mask), expected)
+    torch.testing.assert_close(token_kl(logits, reference), per_position.mean())
+    logits[0, 2], logits[1, 1:] = 50.0, -50.0  # what padding holds does not count
+    torch.testing.assert_close(token_kl(logits, reference, mask), expected)
+
+
+def test_sft_from_a_causal_lm_adds_the_masked_encoder_kl_to_the_loss(ar_folder, tmp_path):
+    """`LatentSFTTrainer(encoder_kl=...)` on a right-padded SFT batch: the loss is the PLM objective plus the
+    weight times the KL to the source over the attended positions (by hand), and the KL is logged."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_latentlm.training.post_training import LatentSFTTrainer, sft_config
+
+    source = AutoModelForCausalLM.from_pretrained(ar_folder)
+    tokenizer = AutoTokenizer.from_pretrained(ar_folder)
+    plm = PLMForCausalLM.from_causal_lm(source, **TINY_PLM)
+    with torch.no_grad():  # the encoder one update away from its source, so the KL is not zero
+        plm.model.layers[0].mlp.down_proj.weight.add_(0.05 * torch.randn_like(plm.model.layers[0].mlp.down_proj.weight))
+    rows = [{"prompt": "Count from 1 to 4:", "completion": " 1 2 3 4"},
+            {"prompt": "Count from 21 to 30, one number at a time:", "completion": " 21 22 23 24 25 26 27 28 29 30"}]
+    trainer = LatentSFTTrainer(model=plm, args=sft_config(str(tmp_path / "sft"), batch_size=2, max_steps=1),
+                               train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                               encoder_kl=EncoderKL(source, weight=0.5))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    assert (batch["attention_mask"] == 0).any(), "the batch has padding"
+    torch.manual_seed(0)
+    loss = trainer.compute_loss(plm, batch)
+    torch.manual_seed(0)
+    inputs = trainer.model_inputs(batch)
+    own = plm(**inputs)
+    with torch.no_grad():
+        reference = source(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    kl = token_kl(own.logits, reference, batch["attention_mask"])
+    assert kl > 1e-4
+    torch.testing.assert_close(loss, own.loss + 0.5 * kl)
+    assert trainer._metrics["train"]["encoder_kl"][-1] == pytest.approx(kl.item(), rel=1e-5)
+
+
+def test_cli_sft_init_from_trains_a_plm_from_the_source_and_records_it(run_cli, ar_folder, tmp_path):
+    code, out, err = run_cli("sft", "--init-from", ar_folder, "--family", "plm", "--preset", "tiny",
+                             "--encoder-kl-weight", "1", "--task", "count-tens", "--max-steps", "2",
+                             "--batch-size", "2", "--train-size", "8", "--output-dir", str(tmp_path / "sft"))
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["family"] == "plm"
+    config = json.loads((tmp_path / "sft" / "config.json").read_text())
+    source = json.loads((Path(ar_folder) / "config.json").read_text())
+    assert config["model_type"] == "plm" and config["hidden_size"] == source["hidden_size"]
+    assert config["block_size"] == 4, "the tiny preset's PLM fields"
+    record = json.loads((tmp_path / "sft" / "post_training.json").read_text())
+    assert record["base_model"] == ar_folder and record["init_from"]["encoder_kl_weight"] == 1.0
+    trained = load_file(tmp_path / "sft" / "model.safetensors")
+    start = load_file(Path(ar_folder) / "model.safetensors")
+    assert (trained["model.layers.0.mlp.down_proj.weight"] - start["model.layers.0.mlp.down_proj.weight"]).abs().max() > 0
+
+
+@pytest.mark.parametrize("argv,needle", [
+    ([], "give exactly one of --model"),
+    (["--model", "x", "--init-from", "y"], "give exactly one of --model"),
+    (["--model", "x", "--encoder-kl-weight", "1"], "--encoder-kl-weight needs --init-from"),
+    (["--init-from", "y", "--family", "ar"], "--init-from only applies to --family plm, not 'ar'"),
+    (["--init-from", "y", "--preset", "huge"], "huge"),
+    (["--init-from", "y", "--encoder-kl-weight", "-1"], "--encoder-kl-weight must be >= 0"),
+    (["--init-from", "y", "--lora"], "--lora applies to --model only"),
+])
+def test_bad_sft_start_options_are_refused_in_one_line(run_cli, tmp_path, argv, needle):
+    code, _, err = run_cli("sft", *argv, "--output-dir", str(tmp_path / "run"))
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
