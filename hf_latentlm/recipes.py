@@ -32,11 +32,11 @@ import torch
 from datasets import Dataset
 from trl import DPOTrainer, GRPOTrainer, SFTTrainer
 
-from .eval.sampling import model_mode
 from .eval.task import generate_answers
 from .families import BACKBONE_LORA_TARGETS, BASELINE_FAMILY, FamilySpec, build_model, family_of_model_type
 from .folders import POST_TRAINING_RECORD
 from .loading import load_model_and_tokenizer
+from .modeling.sampling import model_mode
 from .training import tasks
 from .training.checkpoint import latest_checkpoint, save_tokenizer
 from .training.config import parse_report_to

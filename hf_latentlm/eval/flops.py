@@ -25,7 +25,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from .sampling import model_mode
+from ..modeling.sampling import model_mode
 
 __all__ = ["FlopCounter", "compare_with_flop_counter_mode", "count_flops", "counted_training_flops",
            "inference_flops_per_token", "parameter_counts", "reads_chunks", "training_flops_per_token",

@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from .sampling import model_device, model_mode
+from ..modeling.sampling import model_mode
+from .sampling import model_device
 
 
 def has_likelihood(model) -> bool:

@@ -23,9 +23,10 @@ import torch
 from transformers.modeling_outputs import CausalLMOutput
 
 from ..data.generated import GeneratedLanguage
+from ..modeling.sampling import model_mode
 from .brier import MAX_N, _geometric_score, brier_terms, interval_entry, paired_draws, summarize_brier
 from .nll import has_likelihood
-from .sampling import evaluation_windows, model_device, model_mode, trained_row_length
+from .sampling import evaluation_windows, model_device, trained_row_length
 
 EVALUATION_TOKENS = 200_000  # validation ids the windows are spread over (like the corpus's validation split)
 REFERENCE_PAIRS = 16  # pairs of draws per window for the true language and its unigram (cheap: numpy)

@@ -9,8 +9,6 @@ defaults, to measure the model under other options (a temperature, an acceptance
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
 
@@ -23,17 +21,6 @@ def unbiased_sampling_kwargs(num_tokens: int, generate_kwargs: dict | None = Non
     `generate_kwargs` (if any) merged over them. `eos_token_id=None` keeps EOS as an ordinary token instead of a
     stop signal."""
     return {**PLAIN_SAMPLING, "max_new_tokens": num_tokens, "eos_token_id": None, **(generate_kwargs or {})}
-
-
-@contextmanager
-def model_mode(model, training: bool):
-    """`model` in training (True) or eval mode inside the block; its own mode is restored after, also on an error."""
-    was_training = model.training
-    model.train(training)
-    try:
-        yield model
-    finally:
-        model.train(was_training)
 
 
 def model_device(model) -> torch.device:

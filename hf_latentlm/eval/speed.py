@@ -18,8 +18,9 @@ import torch
 from transformers import CompileConfig
 
 from ..modeling.modeling_backbone import training_hooks
+from ..modeling.sampling import model_mode
 from .flops import FlopCounter
-from .sampling import model_mode, unbiased_sampling_kwargs
+from .sampling import unbiased_sampling_kwargs
 
 
 # generate() options of compiled decoding: transformers' `compile_config`, and `cache_implementation` ("static": the

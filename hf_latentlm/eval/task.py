@@ -14,8 +14,9 @@ import time
 
 import torch
 
+from ..modeling.sampling import model_mode
 from ..training.tasks import exact_match
-from .sampling import PLAIN_SAMPLING, model_mode
+from .sampling import PLAIN_SAMPLING
 from .speed import CallCounter
 
 

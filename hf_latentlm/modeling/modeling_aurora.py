@@ -35,6 +35,7 @@ from .modeling_backbone import (BackbonePreTrainedModel, check_backbone_inputs, 
                                 scored_positions)
 from .modeling_block_latent import (BlockLatentForCausalLM, BlockLatentPreTrainedModel, BlockVelocityField,
                                    DualStreamInputs)
+from .sampling import model_mode
 
 
 @dataclass
@@ -573,11 +574,9 @@ class AuroraForCausalLM(AuroraPreTrainedModel, BlockLatentForCausalLM):
         if rows.ndim != 2 or rows.shape[0] == 0:
             raise ValueError(f"estimate_latent_statistics needs [N, L] token rows with N >= 1, got {tuple(rows.shape)}")
         autoencoder = self.model.autoencoder
-        was_training = autoencoder.training
-        autoencoder.eval()
         device = autoencoder.embed_tokens.weight.device
-        raw = torch.cat([autoencoder.encode(chunk.to(device)) for chunk in rows.split(batch_size)])
-        autoencoder.train(was_training)
+        with model_mode(autoencoder, False):
+            raw = torch.cat([autoencoder.encode(chunk.to(device)) for chunk in rows.split(batch_size)])
         autoencoder.set_latent_statistics(raw)
 
     training_rows_needed = 64  # the latent statistics' rows (`estimate_latent_statistics`)

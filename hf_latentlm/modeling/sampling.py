@@ -1,10 +1,24 @@
 """Per-row sampling inside transformers' `generate()`: each row draws from its own seeded generator, so a row's
-text does not depend on the batch it runs in (the AR baseline in lm-eval and the server)."""
+text does not depend on the batch it runs in (the AR baseline in lm-eval and the server). Also `model_mode`, the
+one train/eval switch that modeling/, training/ and eval/ all use."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import LogitsProcessor
+
+
+@contextmanager
+def model_mode(model, training: bool):
+    """`model` in training (True) or eval mode inside the block; its own mode is restored after, also on an error."""
+    was_training = model.training
+    model.train(training)
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 class RowSampler(LogitsProcessor):

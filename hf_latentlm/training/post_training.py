@@ -31,6 +31,7 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 from ..families import family_of_model_type
 from ..modeling.modeling_backbone import training_hooks
+from ..modeling.sampling import model_mode
 from .encoder_kl import EncoderKL
 from .loop import parameter_groups
 from .scorers import (ResponseScore, ResponseScorer, TokenLikelihoodScorer, TokenStats, core_model, fill_token_id,
@@ -512,22 +513,17 @@ class LatentDPOTrainer(FamilyLearningRates, DPOTrainer):
 
         unwrapped = self.accelerator.unwrap_model(self.model)
         model = self.ref_model if self.ref_model is not None else unwrapped
-        training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                if self.ref_model is not None:
-                    yield self.ref_model
-                elif is_peft_model(unwrapped):
-                    with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-                        yield unwrapped
-                else:
-                    if self.state.global_step > 0:
-                        raise ValueError("the reference is the initial model, which has trained since: pass the "
-                                         "dataset when building the trainer, or give a ref_model")
+        with model_mode(model, False), torch.no_grad():
+            if self.ref_model is not None:
+                yield self.ref_model
+            elif is_peft_model(unwrapped):
+                with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
                     yield unwrapped
-        finally:
-            model.train(training)
+            else:
+                if self.state.global_step > 0:
+                    raise ValueError("the reference is the initial model, which has trained since: pass the "
+                                     "dataset when building the trainer, or give a ref_model")
+                yield unwrapped
 
     def _precompute_ref_logps(self, dataset: Dataset, name: str, batch_size: int) -> Dataset:
         """Adds the pair key, the frozen draws and the reference scores of every pair as columns (see the class)."""
