@@ -1,6 +1,7 @@
 """Exact match of post-training stages on a task's held-out prompts, each with a 95% interval, and each stage's
 change over a base stage of the same family as a PAIRED difference (same prompts, same seeds) with its 95% interval;
-plus tokens/s at batch 1 and its ratio to the AR model of the same stage name.
+plus tokens/s at batch 1 and, against the AR model of the same stage name, its ratio and the paired difference in
+exact match.
 
     python scripts/experiments/eval_post_training_stages.py --task count-tens --test-size 298 \
         --model ar:sft=runs/grpo/ar/sft --model ar:grpo=runs/grpo/ar/grpo \
@@ -87,6 +88,8 @@ def main() -> None:
             row["change_over_" + args.base] = paired_difference(r["correct"], base["correct"])
         if ar is not None:
             row["tokens_per_s_vs_ar"] = r["tokens_per_s_batch_1"] / ar["tokens_per_s_batch_1"]
+            if family != "ar":  # the same prompts and seeds as the AR model of this stage
+                row["change_over_ar"] = paired_difference(r["correct"], ar["correct"])
         rows.append(row)
     print("\n| family | stage | exact match [95%] | change over " + args.base + " [95%] | partial credit | "
           "tokens/s b1 | ×AR |")
