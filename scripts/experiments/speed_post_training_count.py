@@ -1,4 +1,4 @@
-"""AR vs PLM (k_pred=8) after SFT on a counting task, batch 1, in one process (first 8 test prompts, as the bench).
+"""AR vs PLM (k_pred=8, or --k-pred K ...) after SFT on a counting task, batch 1, in one process (first 8 test prompts, as the bench).
 
     python scripts/experiments/speed_post_training_count.py   # needs runs/count2/{ar,plm}/sft (results/post_training_count)
     python scripts/experiments/speed_post_training_count.py --task count-tens --ar runs/tens/ar/sft --plm runs/tens/plm/sft \
@@ -21,13 +21,15 @@ parser.add_argument("--ar", default="runs/count2/ar/sft")
 parser.add_argument("--plm", default="runs/count2/plm/sft")
 parser.add_argument("--test-size", type=int, default=100)
 parser.add_argument("--repeats", type=int, default=1)
+parser.add_argument("--k-pred", type=int, nargs="+", default=[8],
+                    help="PLM proposal widths timed with exact acceptance (nucleus at the last one)")
 args = parser.parse_args()
 
 test = load_task(args.task, split_sizes={"train": 1, "test": args.test_size})["test"]
 ar, tokenizer = load_model_and_tokenizer(args.ar)
 plm, _ = load_model_and_tokenizer(args.plm)
-runs = [("ar", ar, {}), ("plm k8 exact", plm, {"k_pred": 8}),
-        ("plm k8 nucleus", plm, {"k_pred": 8, "acceptance": "nucleus"})]
+runs = [("ar", ar, {}), *((f"plm k{k} exact", plm, {"k_pred": k}) for k in args.k_pred),
+        (f"plm k{args.k_pred[-1]} nucleus", plm, {"k_pred": args.k_pred[-1], "acceptance": "nucleus"})]
 keys = ("accuracy", "mean_answer_tokens", "tokens_per_call_batch_1", "tokens_per_s_batch_1")
 timings = {label: [] for label, _, _ in runs}
 rows = {}
