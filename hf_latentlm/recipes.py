@@ -171,6 +171,7 @@ def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: 
     else:  # a fresh `family` model around a copy of the causal LM, which stays frozen as the KL's reference
         source = load_source_model(init_from)
         tokenizer = load_tokenizer(init_from, option="--init-from")
+        torch.manual_seed(seed)  # the family's own parts are drawn: the same model for the same seed
         model = build_model(family, preset, tokenizer, init_from=source)
         origin["init_from"] = {"family": family, "preset": preset, "encoder_kl_weight": encoder_kl_weight}
         encoder_kl = EncoderKL(source, encoder_kl_weight) if encoder_kl_weight else None

@@ -217,3 +217,28 @@ def test_cli_sft_init_from_trains_a_plm_from_the_source_and_records_it(run_cli, 
 def test_bad_sft_start_options_are_refused_in_one_line(run_cli, tmp_path, argv, needle):
     code, _, err = run_cli("sft", *argv, "--output-dir", str(tmp_path / "run"))
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_sft_from_a_causal_lm_resumes_to_the_straight_runs_weights(ar_folder, tmp_path):
+    """A resumed `sft --init-from` run rebuilds the PLM from the source (PLM's own parts drawn from the seed), then
+    loads the checkpoint over it: after 2 + 2 steps its weights are those of 4 straight steps. The interrupted run
+    starts after the straight one, from another global RNG state, so the seed must fix the drawn parts."""
+    from transformers import TrainerCallback
+
+    from hf_latentlm.recipes import run_sft
+
+    class StopAtTwo(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 2
+
+    common = dict(task="count-tens", train_size=8, max_steps=4, batch_size=2, learning_rate=1e-2, save_every=2,
+                  init_from=ar_folder, family="plm", preset="tiny", encoder_kl_weight=1.0)
+    run_sft(None, tmp_path / "straight", **common)
+    assert run_sft(None, tmp_path / "resumed", callbacks=[StopAtTwo()], **common)["steps"] == 2
+    assert run_sft(None, tmp_path / "resumed", resume=True, **common)["steps"] == 4
+    straight = load_file(tmp_path / "straight" / "model.safetensors")
+    resumed = load_file(tmp_path / "resumed" / "model.safetensors")
+    start = load_file(Path(ar_folder) / "model.safetensors")
+    assert (straight["model.embed_tokens.weight"] - start["model.embed_tokens.weight"]).abs().max() > 0
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], atol=1e-6, rtol=1e-5, msg=name)
