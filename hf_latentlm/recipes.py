@@ -162,6 +162,8 @@ def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: 
     `init_from` (SFT): start from a fresh `family` model at `preset` around a copy of that causal LM instead of
     `model_dir`, with `encoder_kl_weight` · KL(source ‖ encoder) added to the loss when positive."""
     report_to = parse_report_to(report_to)
+    if (model_dir is None) == (init_from is None):
+        raise ValueError(f"give exactly one of model_dir ({model_dir!r}) and init_from ({init_from!r})")
     checkpoint = resume_checkpoint(output_dir, resume)
     origin = {"stage": stage, "base_model": str(init_from or model_dir), "lora": lora,  # the card's base_model
               "task": None if dataset is not None else task or tasks.DEFAULT_TASK}
