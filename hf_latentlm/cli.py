@@ -62,8 +62,9 @@ class SFTArguments(PostTrainingArguments):
     init_from: str | None = field(default=None, metadata={
         "help": "instead of --model: a fresh --family model started from this causal LM, a folder or Hub id (as "
                 "`train --init-from`, e.g. an `ar` run after its own post-training)"})
-    family: str = field(default="plm", metadata={"help": "with --init-from: the family to start"})
-    preset: str = field(default="small", metadata={"help": "with --init-from: the preset of the family's own fields"})
+    family: str | None = field(default=None, metadata={"help": "with --init-from: the family to start (None: plm)"})
+    preset: str | None = field(default=None, metadata={
+        "help": "with --init-from: the preset of the family's own fields (None: small)"})
     encoder_kl_weight: float = field(default=0.0, metadata={
         "help": "with --init-from: weight of KL(source || encoder) on the encoder pass, added to the loss, which "
                 "holds the encoder near its frozen source (0: none)"})
@@ -521,9 +522,11 @@ def check_sft_start(args) -> None:
     if args.init_from is None:
         if args.encoder_kl_weight:
             raise ValueError("--encoder-kl-weight needs --init-from (the frozen source the KL is taken to)")
+        if args.family is not None or args.preset is not None:
+            raise ValueError("--family and --preset need --init-from (a --model folder has its own)")
         return
-    check_init_from(args.family)
-    get_preset(args.preset)
+    check_init_from(args.family or "plm")
+    get_preset(args.preset or "small")
     if not args.encoder_kl_weight >= 0:
         raise ValueError(f"--encoder-kl-weight must be >= 0, got {args.encoder_kl_weight}")
     if args.lora:

@@ -261,7 +261,9 @@ def post_training_origin(folder: Path, base_model: str | None) -> tuple[str | No
         lora = " with LoRA, merged" if record.get("lora") else ""
         task = f"the `{record['task']}` task" if record.get("task") else "a dataset of its own"
         rejections = " (rejected answers: the model's own wrong samples)" if record.get("policy_rejections") else ""
-        stage = f"{record['stage'].upper()}{lora} on {task}{rejections}"
+        started = (f"a {record['init_from']['family']} model started from its weights (`--init-from`), then "
+                   if record.get("init_from") else "")
+        stage = f"{started}{record['stage'].upper()}{lora} on {task}{rejections}"
     source = base_model or str(record["base_model"])
     if not is_hub_repo_id(source):
         if base_model is not None:

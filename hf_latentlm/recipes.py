@@ -146,6 +146,36 @@ def with_policy_rejections(pairs: Dataset, model, tokenizer, batch_size: int = 8
     return pairs.remove_columns(columns).add_column("rejected", rejected).add_column("rejected_kind", kinds)
 
 
+def starting_model(stage: str, model_dir, init_from: str | None, family: str | None, preset: str | None, seed: int,
+                   encoder_kl_weight: float, lora: bool) -> tuple:
+    """(model, tokenizer, encoder KL term or None) a `stage` run starts from: the model folder `model_dir`, or
+    (`init_from`, SFT of every weight only) a fresh `family` model (None: plm) at `preset` (None: small) around a copy
+    of that causal LM, its own parts drawn from `seed`, with the source kept frozen as the reference of
+    `encoder_kl_weight` · KL(source ‖ encoder) when that is positive."""
+    if (model_dir is None) == (init_from is None):
+        raise ValueError(f"give exactly one of model_dir ({model_dir!r}) and init_from ({init_from!r})")
+    if init_from is None:
+        return (*load_model_and_tokenizer(str(model_dir)), None)
+    if stage != "sft" or lora:  # LoRA would leave the family's freshly drawn parts untrained
+        raise ValueError(f"init_from starts a full SFT run (not {stage}{' with LoRA' if lora else ''})")
+    source = load_source_model(init_from)
+    tokenizer = load_tokenizer(init_from, option="--init-from")
+    torch.manual_seed(seed)
+    model = build_model(family or "plm", preset or "small", tokenizer, init_from=source)
+    return model, tokenizer, EncoderKL(source, encoder_kl_weight) if encoder_kl_weight else None
+
+
+def completion_limit(dataset: Dataset, tokenizer, reward_funcs) -> int:
+    """GRPO's completion length: room for the longest reference answer, its separating space and end-of-text token,
+    plus a margin of 8 (as `eval.task`); 64 for a dataset without reference answers, rewarded by `reward_funcs`."""
+    if "response" in dataset.column_names:
+        return max(tasks.response_lengths(dataset, tokenizer, "response")) + 2 + 8
+    if reward_funcs is None:
+        raise ValueError(f"the GRPO dataset needs a 'response' column (the reference answer the default rewards "
+                         f"compare with), or reward_funcs of your own; it has {dataset.column_names}")
+    return 56 + 8
+
+
 #: Learning rates per stage (LoRA runs: `LORA_LEARNING_RATE_FACTOR` times these).
 LEARNING_RATES = {"sft": SFT_LEARNING_RATE, "dpo": DPO_LEARNING_RATE, "grpo": GRPO_LEARNING_RATE}
 
@@ -155,28 +185,19 @@ def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: 
                 dataset: Dataset | None, callbacks: Sequence | None, save_every: int, resume: bool,
                 policy_rejections: bool = False, beta: float | None = None, num_generations: int = NUM_GENERATIONS,
                 num_score_draws: int = NUM_SCORE_DRAWS, reward_funcs: Sequence | None = None,
-                report_to: str | Sequence[str] | None = "none", init_from: str | None = None, family: str = "plm",
-                preset: str = "small", encoder_kl_weight: float = 0.0, **config_overrides) -> dict:
-    """The body of `run_sft`, `run_dpo` and `run_grpo` (`stage`): load, build the data, train, save, summarise.
-    `report_to`: the trainer's `TrainingArguments.report_to` (docs/tracking.md), checked before anything loads.
-    `init_from` (SFT): start from a fresh `family` model at `preset` around a copy of that causal LM instead of
-    `model_dir`, with `encoder_kl_weight` · KL(source ‖ encoder) added to the loss when positive."""
+                report_to: str | Sequence[str] | None = "none", init_from: str | None = None,
+                family: str | None = None, preset: str | None = None, encoder_kl_weight: float = 0.0,
+                **config_overrides) -> dict:
+    """The body of `run_sft`, `run_dpo` and `run_grpo` (`stage`): load (`starting_model`), build the data, train, save,
+    summarise. `report_to`: the trainer's `TrainingArguments.report_to` (docs/tracking.md), checked before loading."""
     report_to = parse_report_to(report_to)
-    if (model_dir is None) == (init_from is None):
-        raise ValueError(f"give exactly one of model_dir ({model_dir!r}) and init_from ({init_from!r})")
     checkpoint = resume_checkpoint(output_dir, resume)
+    model, tokenizer, encoder_kl = starting_model(stage, model_dir, init_from, family, preset, seed, encoder_kl_weight,
+                                                  lora)
     origin = {"stage": stage, "base_model": str(init_from or model_dir), "lora": lora,  # the card's base_model
               "task": None if dataset is not None else task or tasks.DEFAULT_TASK}
-    if init_from is None:
-        model, tokenizer = load_model_and_tokenizer(str(model_dir))
-        encoder_kl = None
-    else:  # a fresh `family` model around a copy of the causal LM, which stays frozen as the KL's reference
-        source = load_source_model(init_from)
-        tokenizer = load_tokenizer(init_from, option="--init-from")
-        torch.manual_seed(seed)  # the family's own parts are drawn: the same model for the same seed
-        model = build_model(family, preset, tokenizer, init_from=source)
-        origin["init_from"] = {"family": family, "preset": preset, "encoder_kl_weight": encoder_kl_weight}
-        encoder_kl = EncoderKL(source, encoder_kl_weight) if encoder_kl_weight else None
+    if init_from is not None:  # the card says the model is a new family's, started from `base_model`
+        origin["init_from"] = {"family": model.config.model_type, "encoder_kl_weight": encoder_kl_weight}
     run = PostTrainingRun.of(model)
     if dataset is None:
         load = tasks.load_preference_task if stage == "dpo" else tasks.load_task
@@ -190,19 +211,12 @@ def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: 
         learning_rate = LEARNING_RATES[stage] * (LORA_LEARNING_RATE_FACTOR if lora else 1.0)
     options = dict(learning_rate=learning_rate, batch_size=batch_size, max_steps=max_steps, seed=seed,
                    save_steps=save_every, report_to=report_to)
-    trainer_options = {}
+    trainer_options = {} if encoder_kl is None else {"encoder_kl": encoder_kl}  # SFT only (`starting_model`)
     if stage == "grpo":
-        # Room for the longest reference answer and its end-of-text token, plus a margin (as `eval.task`).
-        if "response" not in dataset.column_names:
-            if reward_funcs is None:
-                raise ValueError(f"the GRPO dataset needs a 'response' column (the reference answer the default "
-                                 f"rewards compare with), or reward_funcs of your own; it has {dataset.column_names}")
-            longest = 56
-        else:  # the reference answer, its separating space and end-of-text token
-            longest = max(tasks.response_lengths(dataset, tokenizer, "response")) + 2
         if beta is not None:  # else TRL's default β
             options["beta"] = beta
-        args = grpo_config(output_dir, num_generations=num_generations, max_completion_length=longest + 8,
+        args = grpo_config(output_dir, num_generations=num_generations,
+                           max_completion_length=completion_limit(dataset, tokenizer, reward_funcs),
                            **{**options, **config_overrides})
         trainer_options["reward_funcs"] = list(reward_funcs or [tasks.exact_match_reward, tasks.partial_credit_reward])
         if not run.autoregressive:
@@ -211,8 +225,6 @@ def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: 
         options["max_length"] = getattr(core_model(model).config, "max_position_embeddings", None)
         if stage == "sft":
             args = sft_config(output_dir, **{**options, **config_overrides})
-            if encoder_kl is not None:
-                trainer_options["encoder_kl"] = encoder_kl
         else:
             args = dpo_config(output_dir, beta=DPO_BETA if beta is None else beta, **{**options, **config_overrides})
     trainer = run.trainer_class(stage)(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
@@ -229,8 +241,8 @@ def _post_train(stage: str, model_dir, output_dir, task: str | None, max_steps: 
 def run_sft(model_dir, output_dir, task: str | None = None, max_steps: int | None = None, lora: bool = False, *,
             learning_rate: float | None = None, batch_size: int = 8, seed: int = 0, train_size: int | None = None,
             dataset: Dataset | None = None, callbacks: Sequence | None = None, save_every: int = SAVE_EVERY,
-            resume: bool = False, init_from: str | None = None, family: str = "plm", preset: str = "small",
-            encoder_kl_weight: float = 0.0, **config_overrides) -> dict:
+            resume: bool = False, init_from: str | None = None, family: str | None = None,
+            preset: str | None = None, encoder_kl_weight: float = 0.0, **config_overrides) -> dict:
     """SFT of the model in `model_dir` on `task` (`tasks.load_task`; or `dataset`, prompt/completion rows) and a
     normal checkpoint in `output_dir`. AR: stock `SFTTrainer`; other families: `LatentSFTTrainer`. `lora`: train a
     LoRA adapter, then save the merged model. `callbacks`: extra `TrainerCallback`s. Checkpoints every `save_every`

@@ -533,6 +533,7 @@ def test_argument_errors_of_every_command_answer_before_torch_is_imported(tmp_pa
         (["sft", "--model", missing, "--output-dir", "x"], "does not exist"),
         (["dpo", "--model", missing, "--output-dir", "x", "--task", "no-such-task"], "unknown task 'no-such-task'"),
         (["sft", "--model", missing, "--output-dir", "x", "--max-steps", "0"], "--max-steps must be at least 1"),
+        (["sft", "--init-from", missing, "--family", "ar", "--output-dir", "x"], "--init-from only applies to"),
     ]
     run = subprocess.run([sys.executable, "-c", REFUSED_WITHOUT_TORCH, json.dumps([argv for argv, _ in cases])],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)

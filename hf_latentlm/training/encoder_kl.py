@@ -16,14 +16,14 @@ import torch.nn.functional as F
 
 def token_kl(logits: torch.Tensor, reference_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over positions of KL(reference ‖ model) between the softmaxes of `reference_logits` and `logits`
-    ([..., V] each), computed in float32; `mask` [...] (1: counted), e.g. an attention mask, leaves padding out."""
+    ([..., V] each), computed in float32; `mask` [...] (1: counted), e.g. an attention mask, leaves padding out (its
+    positions are dropped before the softmax, so whatever they hold, even non-finite values, cannot reach the loss)."""
+    if mask is not None:
+        keep = mask.bool()
+        logits, reference_logits = logits[keep], reference_logits[keep]
     log_q = F.log_softmax(logits.float(), dim=-1)
     log_p = F.log_softmax(reference_logits.float(), dim=-1)
-    kl = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
-    if mask is None:
-        return kl.mean()
-    mask = mask.to(kl.dtype)
-    return (kl * mask).sum() / mask.sum().clamp(min=1.0)
+    return F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1).mean()
 
 
 class EncoderKL:

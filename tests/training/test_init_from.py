@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_latentlm.families import build_model
+from hf_latentlm.hub import post_training_origin
 from hf_latentlm.modeling import PLMForCausalLM
 from hf_latentlm.training.checkpoint import save_tokenizer
 from hf_latentlm.training.encoder_kl import EncoderKL, token_kl
@@ -151,8 +152,13 @@ def test_token_kl_with_a_mask_is_the_mean_over_the_attended_positions_by_hand():
     expected = (per_position[0, 0] + per_position[0, 1] + per_position[1, 0]) / 3
     torch.testing.assert_close(token_kl(logits, reference, mask), expected)
     torch.testing.assert_close(token_kl(logits, reference), per_position.mean())
-    logits[0, 2], logits[1, 1:] = 50.0, -50.0  # what padding holds does not count
-    torch.testing.assert_close(token_kl(logits, reference, mask), expected)
+    logits[0, 2], logits[1, 1:] = 50.0, float("nan")  # what padding holds does not count, even NaN
+    reference[1, 2] = float("-inf")
+    logits.requires_grad_(True)
+    kl = token_kl(logits, reference, mask)
+    torch.testing.assert_close(kl, expected)
+    kl.backward()
+    assert torch.isfinite(logits.grad).all() and (logits.grad[0, 2] == 0).all() and (logits.grad[1, 1:] == 0).all()
 
 
 def test_sft_from_a_causal_lm_adds_the_masked_encoder_kl_to_the_loss(ar_folder, tmp_path):
@@ -199,10 +205,14 @@ def test_cli_sft_init_from_trains_a_plm_from_the_source_and_records_it(run_cli, 
     assert config["model_type"] == "plm" and config["hidden_size"] == source["hidden_size"]
     assert config["block_size"] == 4, "the tiny preset's PLM fields"
     record = json.loads((tmp_path / "sft" / "post_training.json").read_text())
-    assert record["base_model"] == ar_folder and record["init_from"]["encoder_kl_weight"] == 1.0
+    assert record["base_model"] == ar_folder and record["init_from"] == {"family": "plm", "encoder_kl_weight": 1.0}
+    # The model card says what the model is: a PLM started from the (pushed) source, then SFT.
+    base, text = post_training_origin(tmp_path / "sft", base_model="someone/ar-tiny")
+    assert base == "someone/ar-tiny" and text.startswith("a plm model started from its weights (`--init-from`), then SFT")
     trained = load_file(tmp_path / "sft" / "model.safetensors")
     start = load_file(Path(ar_folder) / "model.safetensors")
-    assert (trained["model.layers.0.mlp.down_proj.weight"] - start["model.layers.0.mlp.down_proj.weight"]).abs().max() > 0
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert (trained[name] - start[name]).abs().max() > 0, "the shared weights trained"
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -210,7 +220,8 @@ def test_cli_sft_init_from_trains_a_plm_from_the_source_and_records_it(run_cli, 
     (["--model", "x", "--init-from", "y"], "give exactly one of --model"),
     (["--model", "x", "--encoder-kl-weight", "1"], "--encoder-kl-weight needs --init-from"),
     (["--init-from", "y", "--family", "ar"], "--init-from only applies to --family plm, not 'ar'"),
-    (["--init-from", "y", "--preset", "huge"], "huge"),
+    (["--init-from", "y", "--preset", "huge"], "unknown preset 'huge'"),
+    (["--model", "x", "--family", "plm"], "--family and --preset need --init-from"),
     (["--init-from", "y", "--encoder-kl-weight", "-1"], "--encoder-kl-weight must be >= 0"),
     (["--init-from", "y", "--lora"], "--lora applies to --model only"),
 ])
