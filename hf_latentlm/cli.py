@@ -65,9 +65,7 @@ class SFTArguments(PostTrainingArguments):
     family: str | None = field(default=None, metadata={"help": "with --init-from: the family to start (None: plm)"})
     preset: str | None = field(default=None, metadata={
         "help": "with --init-from: the preset of the family's own fields (None: small)"})
-    encoder_kl_weight: float = field(default=0.0, metadata={
-        "help": "with --init-from: weight of KL(source || encoder) on the encoder pass, added to the loss, which "
-                "holds the encoder near its frozen source (0: none)"})
+    encoder_kl_weight: float = field(default=0.0, metadata=TrainConfig.__dataclass_fields__["encoder_kl_weight"].metadata)
 
 
 @dataclass

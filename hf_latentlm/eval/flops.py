@@ -400,11 +400,10 @@ def compare_with_flop_counter_mode(model, rows: torch.Tensor, prompt_len: int = 
             model.zero_grad(set_to_none=True)
             torch.manual_seed(0)
             ours_step = counted_training_flops(model, rows)["per_token"] * rows.numel()
-            model.eval()
             prompt = rows[:, :prompt_len]
             options = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": new_tokens,
                        "min_new_tokens": new_tokens}
-            with torch.no_grad():
+            with model_mode(model, False), torch.no_grad():
                 torch.manual_seed(1)
                 reference_generate, expected = count_flops(lambda: model.generate(prompt, **options), model)
                 torch.manual_seed(1)

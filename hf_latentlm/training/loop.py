@@ -38,6 +38,7 @@ from ..data.generated import parse_corpus
 from ..families import FAMILIES, build_model
 from ..folders import hub_reachable
 from ..modeling.modeling_backbone import training_hooks
+from ..modeling.sampling import model_mode
 from .checkpoint import (
     DamagedCheckpoint,
     capture_rng_state,
@@ -153,19 +154,18 @@ def to_floats(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
 @torch.no_grad()
 def evaluate_loss(model, rows: torch.Tensor, batch_size: int, accelerator: Accelerator) -> float:
     """Mean loss over validation rows, split across processes and averaged over batches."""
-    model.eval()
     shard = rows[accelerator.process_index::accelerator.num_processes]
     total = torch.zeros(2, device=accelerator.device)
     # Every rank runs as many forwards as the largest shard needs (an FSDP forward is a collective); a rank out of
     # rows repeats its first one with weight 0.
     per_rank = -(-len(rows) // accelerator.num_processes)
-    for start in range(0, per_rank, batch_size):
-        batch = shard[start:start + batch_size]
-        weight = torch.ones((), device=accelerator.device) if len(batch) else torch.zeros((), device=accelerator.device)
-        batch = (batch if len(batch) else rows[:1]).to(accelerator.device)
-        total += torch.stack([model(input_ids=batch, labels=batch).loss.float() * weight, weight])
+    with model_mode(model, False):
+        for start in range(0, per_rank, batch_size):
+            batch = shard[start:start + batch_size]
+            weight = torch.tensor(float(len(batch) > 0), device=accelerator.device)
+            batch = (batch if len(batch) else rows[:1]).to(accelerator.device)
+            total += torch.stack([model(input_ids=batch, labels=batch).loss.float() * weight, weight])
     total = accelerator.reduce(total, reduction="sum")
-    model.train()
     return (total[0] / total[1].clamp(min=1)).item()
 
 

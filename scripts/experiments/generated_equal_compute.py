@@ -26,7 +26,7 @@ from hf_latentlm.data.generated import parse_corpus
 from hf_latentlm.eval.bench import format_ci, markdown_table
 from hf_latentlm.eval.flops import training_flops_per_token
 from hf_latentlm.eval.harness import split_stream
-from hf_latentlm.eval.optimum import evaluate_against_optimum
+from hf_latentlm.eval.optimum import evaluate_against_optimum, percent_interval
 from hf_latentlm.families import build_model, get_family
 from hf_latentlm.loading import load_model_and_tokenizer
 from hf_latentlm.training.corpus import load_default_tokenizer
@@ -171,7 +171,7 @@ def main():
                     "optimum": optimum}
                 gap = optimum["gap_closed"]["brierlm_2"]
                 print(f"{row_name}: {steps} steps, {record['seconds']:.0f} s, BrierLM-2 gap closed "
-                      f"{100 * gap['value']:.1f}% [{100 * gap['ci_low']:.1f}, {100 * gap['ci_high']:.1f}]", flush=True)
+                      f"{percent_interval(gap)}", flush=True)
                 (out / "results.json").write_text(json.dumps(results, indent=1))
     print(results_table(results) if language is not None else budget_table(results))
 
@@ -200,10 +200,9 @@ def results_table(results: dict) -> str:
     for name, r in results["runs"].items():
         o = r["optimum"]
         gap = o["gap_closed"]
-        pct = lambda e: f"{100 * e['value']:.1f}% [{100 * e['ci_low']:.1f}, {100 * e['ci_high']:.1f}]"  # noqa: E731
         lk = o.get("likelihood")
         rows.append([name, r["steps"], f"{r['train_flops']:.3g}", f"{r['train_seconds']:.0f}",
-                     format_ci(o["model"]["brierlm_2"], 2), pct(gap["brierlm_2"]), pct(gap["brier_1"]),
+                     format_ci(o["model"]["brierlm_2"], 2), percent_interval(gap["brierlm_2"]), percent_interval(gap["brier_1"]),
                      f"{gap['brierlm_2']['value'] / ar_gap[1]:.2f}" if ar_gap.get(1) else "—",
                      f"{lk['excess_nll']:.3f} / {lk['kl']:.3f}" if lk else "—"])
     any_run = next(iter(results["runs"].values()))["optimum"]

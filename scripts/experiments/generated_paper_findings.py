@@ -33,7 +33,7 @@ from pathlib import Path
 from hf_latentlm.data.generated import GeneratedLanguage
 from hf_latentlm.eval.bench import markdown_table
 from hf_latentlm.eval.flops import training_flops_per_token
-from hf_latentlm.eval.optimum import evaluate_against_optimum, evaluation_stream
+from hf_latentlm.eval.optimum import evaluate_against_optimum, evaluation_stream, percent_interval
 from hf_latentlm.eval.plm import reconstruction, tokens_per_call
 from hf_latentlm.families import build_model, get_family
 from hf_latentlm.loading import load_model_and_tokenizer
@@ -80,10 +80,6 @@ def validation_rows(language, length: int = 64, count: int = 64):
     return evaluation_stream(language)[: count * length].view(count, length)
 
 
-def pct(entry: dict) -> str:
-    return f"{100 * entry['value']:.1f}% [{100 * entry['ci_low']:.1f}, {100 * entry['ci_high']:.1f}]"
-
-
 def trained_variants(family: str, variants: dict, args, seed: int, out: Path, folder_name):
     """(label, trained model) for each variant (label -> overrides of `trained`) of a one-component family, all
     around one component trained once for the seed; run folders `out/FAMILY-<folder_name(label)>-s<seed>`."""
@@ -97,7 +93,7 @@ def trained_variants(family: str, variants: dict, args, seed: int, out: Path, fo
 
 def decoding_table(title: str, rows: dict) -> str:
     return markdown_table([title, "gap closed BrierLM-2", "gap closed Brier-1", "BrierLM-2"],
-                          [[k, pct(v["brierlm_2"]), pct(v["brier_1"]), f"{v['model_brierlm_2']:.2f}"]
+                          [[k, percent_interval(v["brierlm_2"]), percent_interval(v["brier_1"]), f"{v['model_brierlm_2']:.2f}"]
                            for k, v in rows.items()])
 
 
@@ -127,7 +123,7 @@ def plm_finding(args, language, seeds, out):
                             "gap closed BrierLM-2"],
                            [[k, f"{v['reconstructed_tokens']:.3f}", f"{v['decoder_nll']:.3f}",
                              f"{v['tokens_per_call']:.3f}" if "tokens_per_call" in v else "—",
-                             pct(v["brierlm_2"]) if "brierlm_2" in v else "—"] for k, v in rows.items()])
+                             percent_interval(v["brierlm_2"]) if "brierlm_2" in v else "—"] for k, v in rows.items()])
     return rows, table
 
 
@@ -147,7 +143,7 @@ def calm_finding(args, language, seeds, out):
             rows[f"K = {k} (seed {seed})"] = {"steps": steps, "flops_per_token": flops,
                                              **gap(model, language, args, seed)}
     table = markdown_table(["CALM", "steps at equal FLOPs", "gap closed BrierLM-2", "gap closed Brier-1"],
-                           [[k, v["steps"], pct(v["brierlm_2"]), pct(v["brier_1"])] for k, v in rows.items()])
+                           [[k, v["steps"], percent_interval(v["brierlm_2"]), percent_interval(v["brier_1"])] for k, v in rows.items()])
     return rows, table
 
 
@@ -161,7 +157,7 @@ def aurora_finding(args, language, seeds, out):
                 rows[f"{label}, {steps} steps (seed {seed})"] = gap(model, language, args, seed, num_inference_steps=steps,
                                                                    **NO_GUIDANCE["aurora"])
     table = markdown_table(["AURORA variant (no guidance)", "gap closed BrierLM-2", "gap closed Brier-1"],
-                           [[k, pct(v["brierlm_2"]), pct(v["brier_1"])] for k, v in rows.items()])
+                           [[k, percent_interval(v["brierlm_2"]), percent_interval(v["brier_1"])] for k, v in rows.items()])
     return rows, table
 
 
